@@ -1,0 +1,108 @@
+"""The backend contract: one generation request in, a stream of timed events out.
+
+A backend knows a server's wire protocol (path, body, how to read its stream and its counters) and
+nothing about metrics. The load engine (``loadgen``) owns the HTTP client and the clock; a backend
+builds the HTTP call and turns each SSE ``data:`` payload into :class:`Delta` values.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+Api = Literal["completions", "chat"]
+TokenSource = Literal["usage", "chunk_usage", "token_ids", "tokens_field", "tokenizer", "events", "unknown"]
+
+
+@dataclass
+class GenRequest:
+    """One request as the workload generator produced it (protocol-neutral)."""
+
+    request_id: str
+    prompt: str | list[dict[str, str]]  # plain text for completions, chat messages for chat
+    max_tokens: int
+    workload_class: str = "default"
+    api: Api = "completions"
+    prompt_tokens: int | None = None  # exact length the workload aimed for, when known
+    ignore_eos: bool = True
+    temperature: float = 0.0
+    seed: int | None = None
+    extra_body: dict[str, Any] = field(default_factory=dict)  # passed through verbatim
+
+
+@dataclass
+class HttpCall:
+    """What a backend wants sent: always a POST with a JSON body on the base URL."""
+
+    path: str
+    body: dict[str, Any]
+    headers: dict[str, str] = field(default_factory=dict)
+    stream: bool = True
+
+
+@dataclass
+class Delta:
+    """What one stream event carried, as far as the protocol tells.
+
+    ``tokens`` is the number of new output tokens in this event when the protocol states it (per-chunk
+    usage, token ids, per-token events); ``None`` means the event carried text of unknown token count.
+    """
+
+    text: str = ""
+    tokens: int | None = None
+    tokens_source: TokenSource = "unknown"
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None  # from usage, when present
+    completion_tokens: int | None = None  # cumulative total from usage, when present
+    error: str | None = None  # an in-stream error event
+    done: bool = False  # end marker ([DONE] or the protocol's final event)
+    extra: dict[str, Any] = field(default_factory=dict)  # protocol-specific (e.g. llama.cpp timings)
+
+
+class ParseState:
+    """Per-request mutable state a backend may need while parsing (e.g. cumulative text/usage)."""
+
+    def __init__(self) -> None:
+        self.text_so_far = ""
+        self.completion_tokens = 0
+        self.extra: dict[str, Any] = {}
+
+
+class Backend(ABC):
+    """A server dialect. Subclasses register under ``name`` (see ``backends.registry``)."""
+
+    name: ClassVar[str]
+
+    def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self._api_key = api_key  # never serialised: see describe()
+
+    def auth_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+
+    @abstractmethod
+    def build(self, req: GenRequest) -> HttpCall:
+        """The HTTP call for ``req``."""
+
+    @abstractmethod
+    def parse(self, data: str, state: ParseState) -> list[Delta]:
+        """Turn one SSE ``data:`` payload into deltas (empty list for keep-alives)."""
+
+    def parse_body(self, body: bytes, state: ParseState) -> list[Delta]:
+        """A non-streamed JSON body (used for ``stream=False`` calls); default: one payload."""
+        return self.parse(body.decode("utf-8", "replace"), state)
+
+    def describe(self) -> dict[str, Any]:
+        """What goes into results: never the API key."""
+        return {"backend": self.name, "base_url": self.base_url, "model": self.model}
+
+
+def loads_json(data: str) -> Any:
+    """``json.loads`` with the error message the records want."""
+    try:
+        return json.loads(data)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"stream event is not JSON: {exc.msg} at {exc.pos}: {data[:120]!r}") from exc
