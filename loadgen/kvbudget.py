@@ -1,0 +1,262 @@
+"""KV-cache budget: how many tokens and concurrent requests fit in the memory left after the weights.
+
+The arithmetic behind "an 80 GB GPU holding a 40 GB model": every token of every request keeps one key
+and one value vector per layer and per KV head, so
+
+    bytes_per_token = 2 * layers * kv_heads * head_dim * dtype_bytes
+    max_tokens      = (memory * utilization - weights) // bytes_per_token
+
+A paged cache allocates whole blocks, so a request of ``L`` tokens holds ``ceil(L / block) * block``
+slots. Without GQA every query head has its own KV head (``kv_heads = heads``). With prefix sharing the
+full blocks of a common prefix are stored once and referenced by every request.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+DTYPE_BYTES: dict[str, float] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
+DEFAULT_CONTEXTS = (512, 2048, 4096, 8192, 32768, 131072)
+
+_UNITS = {
+    "": 1e9,  # a bare number means GB
+    "b": 1,
+    "kb": 1e3,
+    "mb": 1e6,
+    "gb": 1e9,
+    "tb": 1e12,
+    "k": 1e3,
+    "m": 1e6,
+    "g": 1e9,
+    "t": 1e12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_size(text: str) -> int:
+    """``"80GB"``, ``"40 GiB"``, ``"512MiB"``, ``"80"`` (GB) -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _UNITS:
+        raise ValueError(f"cannot read size {text!r}: use e.g. 80GB, 40GiB, 512MiB or a bare number of GB")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a model that decide its KV footprint."""
+
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    name: str = "model"
+
+    def __post_init__(self) -> None:
+        for field_name in ("layers", "heads", "kv_heads", "head_dim"):
+            if getattr(self, field_name) < 1:
+                raise ValueError(f"{field_name} must be >= 1, got {getattr(self, field_name)}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+
+
+def shape_from_gguf(path: Path) -> tuple[ModelShape, int]:
+    """Model shape and tensor-data size in bytes (the weights as stored) read from GGUF metadata."""
+    from gguf import GGUFReader
+
+    if not path.is_file():
+        raise ValueError(f"GGUF file not found: {path}")
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as exc:  # gguf raises bare ValueError/struct errors on non-GGUF input
+        raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
+
+    def field(key: str) -> object | None:
+        f = reader.fields.get(key)
+        return f.contents() if f is not None else None
+
+    arch = field("general.architecture")
+    if not isinstance(arch, str):
+        raise ValueError(f"{path}: no general.architecture in GGUF metadata")
+    layers, heads = field(f"{arch}.block_count"), field(f"{arch}.attention.head_count")
+    emb = field(f"{arch}.embedding_length")
+    if not isinstance(layers, int) or not isinstance(heads, int) or not isinstance(emb, int):
+        raise ValueError(f"{path}: GGUF lacks {arch}.block_count/attention.head_count/embedding_length")
+    kv_heads = field(f"{arch}.attention.head_count_kv")
+    head_dim = field(f"{arch}.attention.key_length")
+    shape = ModelShape(
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads if isinstance(kv_heads, int) else heads,
+        head_dim=head_dim if isinstance(head_dim, int) else emb // heads,
+        name=str(field("general.name") or path.stem),
+    )
+    weight_bytes = sum(int(t.n_bytes) for t in reader.tensors)
+    return shape, weight_bytes
+
+
+def bytes_per_token(shape: ModelShape, dtype_bytes: float, gqa: bool = True) -> float:
+    kv_heads = shape.kv_heads if gqa else shape.heads
+    return 2 * shape.layers * kv_heads * shape.head_dim * dtype_bytes
+
+
+@dataclass
+class BudgetRow:
+    context: int
+    concurrent: int  # with GQA (the model as it is)
+    concurrent_no_gqa: int  # as if kv_heads == heads
+    concurrent_shared_prefix: int  # with GQA and the shared prefix stored once
+
+
+@dataclass
+class KVBudget:
+    model: str
+    memory_bytes: int
+    weight_bytes: int
+    kv_bytes: int
+    dtype: str
+    block_size: int
+    shared_prefix: int
+    bytes_per_token: float
+    bytes_per_token_no_gqa: float
+    max_tokens: int
+    max_tokens_no_gqa: int
+    rows: list[BudgetRow]
+
+
+def _blocks(tokens: int, block: int) -> int:
+    return math.ceil(tokens / block)
+
+
+def kv_budget(
+    shape: ModelShape,
+    memory_bytes: int,
+    weight_bytes: int,
+    dtype: str = "bf16",
+    contexts: tuple[int, ...] = DEFAULT_CONTEXTS,
+    block_size: int = 16,
+    shared_prefix: int = 0,
+    utilization: float = 1.0,
+) -> KVBudget:
+    """The budget table. Token capacities are whole blocks; concurrency is whole requests."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown KV dtype {dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
+    if not 0 < utilization <= 1:
+        raise ValueError(f"utilization must be in (0, 1], got {utilization}")
+    if block_size < 1 or shared_prefix < 0 or any(c < 1 for c in contexts):
+        raise ValueError("block size and context lengths must be >= 1 and the shared prefix >= 0")
+    kv_bytes = int(memory_bytes * utilization) - weight_bytes
+    if kv_bytes <= 0:
+        raise ValueError(
+            f"the weights ({weight_bytes / 1e9:.2f} GB) leave no memory for the KV cache out of "
+            f"{memory_bytes * utilization / 1e9:.2f} GB: give more memory or a smaller model"
+        )
+    db = DTYPE_BYTES[dtype]
+    bpt, bpt_mha = bytes_per_token(shape, db, True), bytes_per_token(shape, db, False)
+    blocks = int(kv_bytes // (bpt * block_size))
+    blocks_mha = int(kv_bytes // (bpt_mha * block_size))
+    rows = []
+    for ctx in contexts:
+        per_req = _blocks(ctx, block_size)
+        shared = min(shared_prefix, ctx) // block_size  # only full blocks can be shared
+        private = per_req - shared
+        if private == 0:  # the whole context is the shared prefix: unbounded sharing, cap at capacity
+            with_prefix = blocks if shared <= blocks else 0
+        else:
+            with_prefix = max(0, (blocks - shared) // private)
+        rows.append(BudgetRow(ctx, blocks // per_req, blocks_mha // per_req, with_prefix))
+    return KVBudget(
+        model=shape.name,
+        memory_bytes=memory_bytes,
+        weight_bytes=weight_bytes,
+        kv_bytes=kv_bytes,
+        dtype=dtype,
+        block_size=block_size,
+        shared_prefix=shared_prefix,
+        bytes_per_token=bpt,
+        bytes_per_token_no_gqa=bpt_mha,
+        max_tokens=blocks * block_size,
+        max_tokens_no_gqa=blocks_mha * block_size,
+        rows=rows,
+    )
+
+
+def render(budget: KVBudget, console: Console) -> None:
+    gb = 1e9
+    console.print(
+        f"[bold]{budget.model}[/]: {budget.memory_bytes / gb:.2f} GB memory - {budget.weight_bytes / gb:.2f} GB "
+        f"weights = [bold]{budget.kv_bytes / gb:.2f} GB[/] for KV ({budget.dtype}, blocks of {budget.block_size})"
+    )
+    console.print(
+        f"KV per token: {budget.bytes_per_token / 1024:.1f} KiB with GQA, "
+        f"{budget.bytes_per_token_no_gqa / 1024:.1f} KiB without -> max tokens in KV: "
+        f"[bold]{budget.max_tokens:,}[/] (without GQA {budget.max_tokens_no_gqa:,})"
+    )
+    table = Table(title="max concurrent requests per context length")
+    table.add_column("context", justify="right")
+    table.add_column("with GQA", justify="right")
+    table.add_column("without GQA", justify="right")
+    table.add_column(f"GQA + {budget.shared_prefix}-token shared prefix", justify="right")
+    for r in budget.rows:
+        table.add_row(f"{r.context:,}", f"{r.concurrent:,}", f"{r.concurrent_no_gqa:,}", f"{r.concurrent_shared_prefix:,}")
+    console.print(table)
+
+
+def kv_budget_command(
+    memory: Annotated[str, typer.Option(help="Accelerator/host memory, e.g. 80GB, 24GiB (bare number = GB).")],
+    gguf: Annotated[Path | None, typer.Option(help="Read layers/heads/KV heads/head dim from this GGUF.")] = None,
+    weights: Annotated[
+        str | None, typer.Option(help="Weight size, e.g. 40GB (default with --gguf: its tensor data size).")
+    ] = None,
+    layers: Annotated[int | None, typer.Option(help="Number of layers (without --gguf).")] = None,
+    heads: Annotated[int | None, typer.Option(help="Query heads (without --gguf).")] = None,
+    kv_heads: Annotated[int | None, typer.Option(help="KV heads (default: = heads, i.e. no GQA).")] = None,
+    head_dim: Annotated[int | None, typer.Option(help="Head dimension (without --gguf).")] = None,
+    dtype: Annotated[str, typer.Option(help=f"KV cache dtype: {', '.join(DTYPE_BYTES)}.")] = "bf16",
+    context: Annotated[
+        list[int] | None, typer.Option("--context", "-c", help="Context length (repeat); default a range.")
+    ] = None,
+    block_size: Annotated[int, typer.Option(help="KV block size in tokens (paged allocation).")] = 16,
+    shared_prefix: Annotated[int, typer.Option(help="Tokens of a prefix shared by all requests.")] = 0,
+    utilization: Annotated[float, typer.Option(help="Fraction of memory the server may use.")] = 1.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+) -> None:
+    """How many tokens and concurrent requests fit in the KV cache (with/without GQA, prefix sharing)."""
+    try:
+        if gguf is not None:
+            shape, gguf_weights = shape_from_gguf(gguf)
+            weight_bytes = parse_size(weights) if weights else gguf_weights
+        else:
+            if layers is None or heads is None or head_dim is None or weights is None:
+                raise ValueError("give --gguf PATH, or --layers, --heads, --head-dim and --weights")
+            shape = ModelShape(layers, heads, kv_heads or heads, head_dim)
+            weight_bytes = parse_size(weights)
+        budget = kv_budget(
+            shape,
+            parse_size(memory),
+            weight_bytes,
+            dtype=dtype,
+            contexts=tuple(context) if context else DEFAULT_CONTEXTS,
+            block_size=block_size,
+            shared_prefix=shared_prefix,
+            utilization=utilization,
+        )
+    except ValueError as exc:
+        Console(stderr=True).print(f"[red]error:[/] {exc}")
+        raise typer.Exit(2) from exc
+    if as_json:
+        print(json.dumps(asdict(budget), indent=2))
+    else:
+        render(budget, Console())
