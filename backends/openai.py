@@ -1,0 +1,96 @@
+"""OpenAI-compatible ``/v1/completions`` and ``/v1/chat/completions`` with streaming.
+
+Asks for ``stream_options.include_usage`` (exact totals in a last usage-only chunk) and, optionally,
+``continuous_usage_stats`` (vLLM: cumulative usage in every chunk, which gives exact tokens per event).
+``ignore_eos`` is sent so output lengths are what the workload asked for; servers that do not know it
+ignore it. Anything in ``GenRequest.extra_body`` and the backend's ``extra_body`` is passed verbatim.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from backends.base import Api, Backend, Delta, GenRequest, HttpCall, ParseState
+
+PATHS: dict[str, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+_DONE = Delta(done=True)
+
+
+class OpenAIBackend(Backend):
+    name = "openai"
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str | None = None,
+        api_key: str | None = None,
+        api: Api | None = None,
+        continuous_usage: bool = False,
+        extra_body: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(base_url, model, api_key)
+        if api is not None and api not in PATHS:
+            raise ValueError(f"api must be one of {sorted(PATHS)}, got {api!r}")
+        self.api = api  # overrides GenRequest.api when set
+        self.continuous_usage = continuous_usage
+        self.extra_body = dict(extra_body or {})
+
+    def build(self, req: GenRequest) -> HttpCall:
+        api = self.api or req.api
+        body: dict[str, Any] = {"model": self.model or "default", "max_tokens": req.max_tokens}
+        if api == "chat":
+            prompt = req.prompt
+            body["messages"] = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        else:
+            body["prompt"] = req.prompt if isinstance(req.prompt, str) else _flatten_chat(req.prompt)
+        body["stream"] = True
+        options: dict[str, bool] = {"include_usage": True}
+        if self.continuous_usage:
+            options["continuous_usage_stats"] = True
+        body["stream_options"] = options
+        body["temperature"] = req.temperature
+        if req.ignore_eos:
+            body["ignore_eos"] = True
+        if req.seed is not None:
+            body["seed"] = req.seed
+        body.update(self.extra_body)
+        body.update(req.extra_body)
+        return HttpCall(PATHS[api], body, self.auth_headers())
+
+    def parse(self, data: str, state: ParseState) -> list[Delta]:
+        if data == "[DONE]":
+            return [_DONE]
+        try:
+            obj = json.loads(data)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"stream event is not JSON: {exc.msg}: {data[:120]!r}") from exc
+        if not isinstance(obj, dict):
+            raise ValueError(f"stream event is not a JSON object: {data[:120]!r}")
+        if "error" in obj:
+            err = obj["error"]
+            return [Delta(error=str(err.get("message", err) if isinstance(err, dict) else err))]
+        choices = obj.get("choices") or []
+        usage = obj.get("usage")
+        if not choices:
+            if usage:  # the final usage-only chunk
+                return [Delta(prompt_tokens=usage.get("prompt_tokens"),
+                              completion_tokens=usage.get("completion_tokens"), tokens_source="usage")]
+            return []
+        choice = choices[0]
+        delta = choice.get("delta")
+        text = (delta.get("content") or delta.get("reasoning_content") or "") if delta else choice.get("text") or ""
+        out = Delta(text=text, finish_reason=choice.get("finish_reason"))
+        ids = choice.get("token_ids")
+        if ids is not None:
+            out.tokens, out.tokens_source = len(ids), "token_ids"
+        elif usage and usage.get("completion_tokens") is not None:  # continuous usage stats
+            total = usage["completion_tokens"]
+            out.tokens, out.tokens_source = total - state.completion_tokens, "chunk_usage"
+            state.completion_tokens = total
+            out.prompt_tokens = usage.get("prompt_tokens")
+        return [out]
+
+
+def _flatten_chat(messages: list[dict[str, str]]) -> str:
+    return "\n".join(m.get("content", "") for m in messages)

@@ -1,0 +1,58 @@
+"""Find a backend class by name: built-ins plus the ``servelab.backends`` entry-point group.
+
+A third party adds a backend without forking by declaring, in its own package::
+
+    [project.entry-points."servelab.backends"]
+    mybackend = "mypkg.backend:MyBackend"
+
+Built-in backends in other modules register with :func:`register` at import; ``_BUILTIN_MODULES``
+lists the modules imported on first lookup.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+
+from backends.base import Backend
+
+ENTRY_POINT_GROUP = "servelab.backends"
+_BUILTIN_MODULES = ("backends.openai", "backends.llamacpp", "backends.vllm", "backends.tgi", "backends.sglang")
+_registry: dict[str, type[Backend]] = {}
+_loaded = False
+
+
+def register(cls: type[Backend]) -> type[Backend]:
+    """Class decorator (or plain call) that makes ``cls`` findable under ``cls.name``."""
+    _registry[cls.name] = cls
+    return cls
+
+
+def _load() -> None:
+    global _loaded
+    if _loaded:
+        return
+    for mod in _BUILTIN_MODULES:
+        module = importlib.import_module(mod)
+        for obj in vars(module).values():
+            if isinstance(obj, type) and issubclass(obj, Backend) and obj.__module__ == mod and "name" in vars(obj):
+                _registry.setdefault(obj.name, obj)
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        cls = ep.load()
+        if not (isinstance(cls, type) and issubclass(cls, Backend)):
+            raise TypeError(f"entry point {ep.name!r} ({ep.value}) is not a backends.base.Backend subclass")
+        _registry.setdefault(ep.name, cls)
+    _loaded = True
+
+
+def get_backend(name: str) -> type[Backend]:
+    _load()
+    try:
+        return _registry[name]
+    except KeyError:
+        raise KeyError(f"unknown backend {name!r}; available: {', '.join(sorted(_registry))}") from None
+
+
+def available() -> list[str]:
+    _load()
+    return sorted(_registry)

@@ -1,0 +1,228 @@
+"""The HTTP client and one request's life: send, read the SSE stream, fill a :class:`RequestRecord`.
+
+The client is httpx. Its own connection pool collapses above ~100 concurrent streams, so the default
+transport is ``httpx-aiohttp`` (aiohttp's connector under the httpx API); ``--client httpx`` keeps the
+plain one for comparison. Measurements: docs/performance.md.
+
+Every stream event is timestamped on the run clock when its chunk arrives; the backend turns each SSE
+``data:`` payload into deltas and this module decides the token counts and their source:
+final ``usage`` > per-event counts the protocol states (``chunk_usage``, ``token_ids``) > one token per
+content event (``events``). When only the total is known and it differs from the event count, the
+total is spread evenly over the events (``RequestRecord.event_tokens == "spread"``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import httpx
+from httpx_aiohttp import AiohttpTransport
+
+from backends.base import Backend, GenRequest, ParseState
+from loadgen.clock import RunClock
+from loadgen.records import RequestRecord
+from loadgen.sse import SSEError, SSEParser
+
+CLIENT_KINDS = ("aiohttp", "httpx")
+_ERROR_BODY_LIMIT = 64 * 1024
+
+
+def make_client(
+    kind: str = "aiohttp", max_connections: int = 1024, connect_timeout: float = 10.0,
+    stall_timeout: float = 60.0,
+) -> httpx.AsyncClient:
+    """An ``httpx.AsyncClient``; ``stall_timeout`` is the longest wait for any byte of a response."""
+    timeout = httpx.Timeout(connect=connect_timeout, read=stall_timeout, write=connect_timeout, pool=None)
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+    if kind == "aiohttp":
+        transport = AiohttpTransport(limits=limits, trust_env=False)
+        return httpx.AsyncClient(transport=transport, timeout=timeout, trust_env=False)
+    if kind == "httpx":
+        return httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
+    raise ValueError(f"unknown client {kind!r}; choose one of {', '.join(CLIENT_KINDS)}")
+
+
+async def execute(
+    client: httpx.AsyncClient, backend: Backend, req: GenRequest, rec: RequestRecord, clock: RunClock,
+    timeout: float = 600.0,
+) -> str:
+    """Send ``req``, fill ``rec`` (times, events, counts, error) and return the response text.
+
+    Never raises for server or network faults (they become ``rec.error``); on cancellation the record
+    is closed as ``cancelled`` and the cancellation propagates.
+    """
+    call = backend.build(req)
+    reader = _StreamReader(backend, rec, clock)
+    content = json.dumps(call.body).encode()
+    headers = {"content-type": "application/json", "accept": "text/event-stream", **call.headers}
+    rec.sent = clock.now()
+    try:
+        async with client.stream("POST", backend.base_url + call.path, content=content, headers=headers) as resp:
+            rec.headers = clock.now()
+            rec.status = resp.status_code
+            ctype = resp.headers.get("content-type", "")
+            if resp.status_code >= 400 or "text/event-stream" not in ctype:
+                body = await _read_limited(resp)
+                _http_error(rec, resp.status_code, ctype, body)
+            else:
+                deadline = t = rec.sent + timeout
+                async for chunk in resp.aiter_raw():
+                    t = clock.now()
+                    if reader.feed(chunk, t) or t > deadline:
+                        break
+                else:
+                    reader.close(clock.now())
+                if rec.error is None and t > deadline:
+                    rec.set_error("timeout", f"request took longer than {timeout:g} s")
+    except asyncio.CancelledError:
+        rec.end = clock.now()
+        rec.set_error("cancelled", "run interrupted")
+        reader.finish(req)
+        raise
+    except (httpx.HTTPError, aiohttp.ClientError, OSError) as exc:
+        rec.set_error(_classify(exc, rec.headers is not None), f"{type(exc).__name__}: {exc}")
+    rec.end = clock.now()
+    return reader.finish(req)
+
+
+class _StreamReader:
+    """Turns chunks into events on the record; ``feed`` returns True when reading should stop."""
+
+    __slots__ = ("backend", "rec", "clock", "parser", "state", "texts", "usage_out", "usage_prompt",
+                 "chunk_prompt", "stated_source", "done")
+
+    def __init__(self, backend: Backend, rec: RequestRecord, clock: RunClock) -> None:
+        self.backend, self.rec, self.clock = backend, rec, clock
+        self.parser = SSEParser()
+        self.state = ParseState()
+        self.texts: list[str] = []
+        self.usage_out: int | None = None
+        self.usage_prompt: int | None = None
+        self.chunk_prompt: int | None = None
+        self.stated_source: str | None = None
+        self.done = False
+
+    def feed(self, chunk: bytes, t: float) -> bool:
+        try:
+            return self._events(self.parser.feed(chunk), t)
+        except (SSEError, ValueError) as exc:
+            self.rec.set_error("protocol", str(exc))
+            return True
+
+    def close(self, t: float) -> None:
+        try:
+            if self._events(self.parser.close(), t):
+                return
+        except (SSEError, ValueError) as exc:
+            self.rec.set_error("truncated" if isinstance(exc, SSEError) else "protocol", str(exc))
+            return
+        if not self.done:
+            self.rec.set_error("truncated", "stream ended without its end marker ([DONE])")
+
+    def _events(self, events: list[Any], t: float) -> bool:
+        rec, parse, state = self.rec, self.backend.parse, self.state
+        for ev in events:
+            if ev.event == "error":
+                rec.set_error("stream_error", ev.data or "error event")
+                return True
+            if self.done:
+                continue  # anything after the end marker is ignored
+            for d in parse(ev.data, state):
+                if d.error is not None:
+                    rec.set_error("stream_error", d.error)
+                    return True
+                if d.text or d.tokens:
+                    rec.events.append([t, d.tokens])
+                    self.texts.append(d.text)
+                    if d.tokens is not None:
+                        self.stated_source = d.tokens_source
+                if d.finish_reason is not None:
+                    rec.finish_reason = d.finish_reason
+                if d.tokens_source == "usage" and d.completion_tokens is not None:
+                    self.usage_out = d.completion_tokens
+                    self.usage_prompt = d.prompt_tokens
+                elif d.prompt_tokens is not None:
+                    self.chunk_prompt = d.prompt_tokens
+                if d.extra:
+                    rec.extra.update(d.extra)
+                if d.done:
+                    self.done = True
+        return False
+
+    def finish(self, req: GenRequest) -> str:
+        """Decide token counts and their sources; returns the response text."""
+        rec = self.rec
+        events = rec.events
+        unknown = [e for e in events if e[1] is None]
+        if self.usage_out is not None:
+            rec.output_tokens, rec.output_tokens_source = self.usage_out, "usage"
+        elif events and not unknown:
+            rec.output_tokens = sum(e[1] for e in events)
+            rec.output_tokens_source = self.stated_source or "unknown"
+        else:
+            rec.output_tokens = sum(e[1] or 1 for e in events)
+            rec.output_tokens_source = "events"
+        if unknown:
+            stated = sum(e[1] for e in events if e[1] is not None)
+            rest = (rec.output_tokens or 0) - stated
+            n = len(unknown)
+            if rest == n or rest <= 0:
+                rec.event_tokens = "one_per_event"
+                for e in unknown:
+                    e[1] = 1
+            else:  # spread the remaining total evenly, in whole tokens
+                rec.event_tokens = "spread"
+                for i, e in enumerate(unknown):
+                    e[1] = (i + 1) * rest // n - i * rest // n
+        if self.usage_prompt is not None:
+            rec.prompt_tokens, rec.prompt_tokens_source = self.usage_prompt, "usage"
+        elif self.chunk_prompt is not None:
+            rec.prompt_tokens, rec.prompt_tokens_source = self.chunk_prompt, "chunk_usage"
+        elif req.prompt_tokens is not None:
+            rec.prompt_tokens, rec.prompt_tokens_source = req.prompt_tokens, "tokenizer"
+        return "".join(self.texts)
+
+
+async def _read_limited(resp: httpx.Response) -> bytes:
+    body = b""
+    async for chunk in resp.aiter_raw():
+        body += chunk
+        if len(body) >= _ERROR_BODY_LIMIT:
+            break
+    return body
+
+
+def _http_error(rec: RequestRecord, status: int, ctype: str, body: bytes) -> None:
+    text = body.decode("utf-8", "replace")
+    try:  # OpenAI-style {"error": {"message": ...}} bodies: keep just the message
+        obj = json.loads(text)
+        err = obj.get("error", obj) if isinstance(obj, dict) else obj
+        text = str(err.get("message", err) if isinstance(err, dict) else err)
+    except ValueError:
+        pass
+    if status == 429:
+        kind = "http_429"
+    elif status >= 500:
+        kind = "http_5xx"
+    elif status >= 400:
+        kind = "http_4xx"
+    else:
+        kind = "protocol"
+        text = f"expected text/event-stream, got {ctype or 'no content-type'}: {text}"
+    rec.set_error(kind, f"HTTP {status}: {text}" if status >= 400 else text)
+
+
+def _classify(exc: BaseException, got_headers: bool) -> str:
+    cause = exc.__cause__ or exc
+    if isinstance(cause, aiohttp.ServerDisconnectedError | httpx.RemoteProtocolError | aiohttp.ClientPayloadError):
+        return "disconnect"
+    if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+        return "stall" if got_headers else "timeout"
+    if isinstance(cause, asyncio.TimeoutError | TimeoutError):
+        return "stall" if got_headers else "timeout"
+    if got_headers:
+        return "disconnect"
+    return "connect"

@@ -1,0 +1,288 @@
+"""The dispatcher: runs one load point (closed or open loop) and records every request.
+
+Library API (used by ``bench``, the sweep driver and other areas)::
+
+    summary = await run_point(backend, workload, LoadSpec(process="poisson", rate=20, num_requests=500),
+                              out_dir=Path("results/x/points/r020"), clock=RunClock(), sidecars=[...])
+
+``run_point`` writes ``out_dir/requests.jsonl`` (one line per request, flushed as it ends) and
+``out_dir/summary.json`` and returns the PointSummary dict: ``point_id``, ``load``, ``workload``,
+``labels``, the metrics of :func:`loadgen.metrics.summarize` (``latency``, ``throughput``, ``errors``,
+``goodput``, ``client``, ``per_class``...) and one key per sidecar with what its ``stop()`` returned.
+
+Load: ``closed`` keeps ``concurrency`` sessions in flight (a slot's next session starts when the last
+one ends; ``intended`` is that moment); ``constant``/``poisson``/``gamma`` send on a seeded schedule
+regardless of responses, and a session with ``at`` set (trace replay) is sent at ``at / speedup``
+instead (``trace`` uses only ``at``). Multi-turn sessions send the next turn ``think`` seconds after the
+previous response. The first ``warmup`` sessions are marked warm-up. Dispatch stops after
+``num_requests`` measured requests and/or ``duration`` seconds; requests still in flight then get
+``drain`` seconds to end before they are cancelled (recorded as ``cancelled``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Coroutine, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+
+from backends.base import Backend, GenRequest
+from loadgen import metrics
+from loadgen.arrivals import arrival_times
+from loadgen.client import execute, make_client
+from loadgen.clock import RunClock, Sidecar
+from loadgen.records import RecordWriter, RequestRecord, read_records
+from workloads.base import Session, Workload
+
+PROCESSES = ("closed", "constant", "poisson", "gamma", "trace")
+T = TypeVar("T")
+
+
+@dataclass
+class LoadSpec:
+    process: str = "closed"
+    concurrency: int | None = None  # closed loop
+    rate: float | None = None  # open loop, req/s
+    burstiness: float = 1.0  # gamma shape
+    num_requests: int | None = None  # measured requests (warm-up not counted)
+    duration: float | None = None  # seconds of dispatch
+    warmup: int = 0  # warm-up sessions, excluded from metrics
+    seed: int = 0
+    speedup: float = 1.0  # trace replay: send at ``at / speedup``
+    timeout: float = 600.0  # per request, whole response
+    stall_timeout: float = 60.0  # longest silence within a response
+    drain: float | None = None  # wait for in-flight requests after dispatch stops (None: timeout)
+    max_inflight: int = 4096  # open-loop safety bound on concurrent requests
+
+    def __post_init__(self) -> None:
+        if self.process not in PROCESSES:
+            raise ValueError(f"unknown arrival process {self.process!r}; choose one of {', '.join(PROCESSES)}")
+        if self.process == "closed" and (self.concurrency is None or self.concurrency < 1):
+            raise ValueError("closed loop needs concurrency >= 1")
+        if self.process in ("constant", "poisson", "gamma") and (self.rate is None or self.rate <= 0):
+            raise ValueError(f"{self.process} arrivals need a rate > 0 req/s")
+        if self.num_requests is None and self.duration is None and self.process != "trace":
+            raise ValueError("a load point needs a bound: num_requests and/or duration")
+        if self.num_requests is not None and self.num_requests < 1:
+            raise ValueError("num_requests must be >= 1")
+        if self.duration is not None and self.duration <= 0:
+            raise ValueError("duration must be > 0 s")
+
+    def point_id(self) -> str:
+        """``c016`` for concurrency 16, ``r012.5`` for 12.5 req/s, ``trace`` (x speedup) for replay."""
+        if self.process == "closed":
+            return f"c{self.concurrency:03d}"
+        if self.process == "trace":
+            return "trace" if self.speedup == 1.0 else f"trace-x{self.speedup:g}"
+        return f"r{self.rate:05.1f}" if self.rate != int(self.rate) else f"r{int(self.rate):03d}"  # type: ignore[arg-type]
+
+    def describe(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Progress:
+    """Live counters the CLI displays; the engine only increments them."""
+
+    started: int = 0
+    done: int = 0
+    errors: int = 0
+    inflight: int = 0
+    output_tokens: int = 0
+    t_start: float = 0.0
+    error_kinds: dict[str, int] = field(default_factory=dict)
+
+
+class _Dispatch:
+    def __init__(
+        self, backend: Backend, workload: Workload, load: LoadSpec, clock: RunClock, client: httpx.AsyncClient,
+        writer: RecordWriter, progress: Progress,
+    ) -> None:
+        self.backend, self.load, self.clock, self.client = backend, load, clock, client
+        self.writer, self.progress = writer, progress
+        self.sessions: Iterator[Session] = iter(workload.sessions(load.seed))
+        self.n_sessions = 0
+        self.measured = 0
+        self.t_start = 0.0
+        self.stop = asyncio.Event()
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def next_session(self) -> tuple[Session, bool] | None:
+        if self.stop.is_set():
+            return None
+        sess = next(self.sessions, None)
+        if sess is None:
+            self.stop.set()
+            return None
+        self.n_sessions += 1
+        return sess, self.n_sessions <= self.load.warmup
+
+    def ticket(self, warmup: bool) -> bool:
+        """May one more request start now? Counts it when so."""
+        load = self.load
+        if self.stop.is_set():
+            return False
+        if load.duration is not None and self.clock.now() - self.t_start > load.duration:
+            self.stop.set()
+            return False
+        if warmup:
+            return True
+        if load.num_requests is not None and self.measured >= load.num_requests:
+            self.stop.set()
+            return False
+        self.measured += 1
+        if load.num_requests is not None and self.measured >= load.num_requests:
+            self.stop.set()  # this is the last one
+        return True
+
+    async def session(self, sess: Session, warmup: bool, intended: float) -> None:
+        req: GenRequest = sess.first()
+        sid = f"s{self.n_sessions}"
+        turn = 0
+        while True:
+            if not self.ticket(warmup):
+                return
+            rec = RequestRecord(id=req.request_id, cls=req.workload_class, warmup=warmup, intended=intended,
+                                session=sid, turn=turn)
+            prog = self.progress
+            prog.started += 1
+            prog.inflight += 1
+            try:
+                text = await execute(self.client, self.backend, req, rec, self.clock, self.load.timeout)
+            finally:
+                prog.inflight -= 1
+                prog.done += 1
+                prog.output_tokens += rec.output_tokens or 0
+                if rec.error is not None:
+                    prog.errors += 1
+                    kind = rec.error["kind"]
+                    prog.error_kinds[kind] = prog.error_kinds.get(kind, 0) + 1
+                self.writer.write(rec)
+            if rec.error is not None:
+                return
+            nxt = sess.next(text)
+            if nxt is None:
+                return
+            think, req = nxt
+            turn += 1
+            intended = rec.end + think
+            await _sleep_until(self.clock, intended)
+
+    async def closed(self) -> None:
+        async def slot() -> None:
+            while (item := self.next_session()) is not None:
+                await self.session(item[0], item[1], self.clock.now())
+
+        await asyncio.gather(*(slot() for _ in range(self.load.concurrency or 1)))
+
+    async def open(self) -> None:
+        load = self.load
+        times: Iterator[float] | None = None
+        if load.process != "trace":
+            times = arrival_times(load.process, load.rate or 0.0, load.seed, load.burstiness)
+        limit = asyncio.Semaphore(load.max_inflight)
+        while (item := self.next_session()) is not None:
+            sess, warmup = item
+            t = next(times) if times is not None else None
+            if sess.at is not None:
+                t = sess.at / load.speedup
+            if t is None:
+                raise ValueError("trace replay needs every session to carry `at`")
+            intended = self.t_start + t
+            if load.duration is not None and t > load.duration:
+                break
+            await _sleep_until(self.clock, intended)
+            await limit.acquire()
+            task = asyncio.create_task(self.session(sess, warmup, intended))
+            self.tasks.add(task)
+            task.add_done_callback(lambda tk: (self.tasks.discard(tk), limit.release()))
+        self.stop.set()
+        if self.tasks:
+            await asyncio.gather(*list(self.tasks))
+
+
+async def _sleep_until(clock: RunClock, t: float) -> None:
+    delay = t - clock.now()
+    if delay > 0:
+        await asyncio.sleep(delay)
+
+
+async def run_point(
+    backend: Backend, workload: Workload, load: LoadSpec, out_dir: Path, clock: RunClock,
+    sidecars: Sequence[Sidecar] = (), *, point_id: str | None = None, labels: dict[str, Any] | None = None,
+    slo: dict[str, float] | None = None, client: httpx.AsyncClient | None = None, client_kind: str = "aiohttp",
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Run one load point into ``out_dir``; returns its PointSummary (also written to summary.json)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    progress = progress or Progress()
+    own_client = client is None
+    if client is None:
+        conns = load.concurrency if load.process == "closed" else load.max_inflight
+        client = make_client(client_kind, max_connections=conns or 1, stall_timeout=load.stall_timeout)
+    writer = RecordWriter(out_dir / "requests.jsonl")
+    d = _Dispatch(backend, workload, load, clock, client, writer, progress)
+    for sc in sidecars:
+        sc.start(clock, out_dir)
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    d.t_start = progress.t_start = clock.now()
+    main = asyncio.ensure_future(d.closed() if load.process == "closed" else d.open())
+    try:
+        await _bounded(main, d, load)
+    finally:
+        cpu = (time.process_time() - cpu0) / max(time.perf_counter() - wall0, 1e-9)
+        writer.close()
+        if own_client:
+            await client.aclose()
+    records = read_records(out_dir / "requests.jsonl")
+    summary: dict[str, Any] = {
+        "point_id": point_id or load.point_id(), "load": load.describe(), "workload": workload.describe(),
+        "labels": labels or {}, "t_start": d.t_start, "t_end": clock.now(),
+    }  # fmt: skip
+    summary.update(metrics.summarize(records, load.describe(), slo, client_cpu=cpu))
+    window = (summary["window"][0], summary["window"][1])
+    for sc in sidecars:
+        try:
+            summary[sc.name] = sc.stop(window)
+        except Exception as exc:  # a broken sidecar must not lose the point's results
+            summary[sc.name] = {"error": f"{type(exc).__name__}: {exc}"}
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    return summary
+
+
+async def _bounded(main: asyncio.Future[None], d: _Dispatch, load: LoadSpec) -> None:
+    """Await the dispatch; after ``duration`` (+ drain) cancel what is still in flight."""
+    try:
+        if load.duration is not None:
+            done, _ = await asyncio.wait({main}, timeout=load.duration)
+            if not done:
+                d.stop.set()
+                await asyncio.wait({main}, timeout=load.timeout if load.drain is None else load.drain)
+            if not main.done():
+                await _cancel(main, d)
+        await main
+    except asyncio.CancelledError:  # Ctrl-C: close every in-flight record as cancelled, then stop
+        await _cancel(main, d)
+        raise
+
+
+async def _cancel(main: asyncio.Future[None], d: _Dispatch) -> None:
+    """Cancel the dispatch and every request task; each writes its record as ``cancelled``."""
+    tasks = [main, *d.tasks]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run`` on uvloop when it is installed."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)

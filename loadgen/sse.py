@@ -1,0 +1,80 @@
+"""A strict, incremental Server-Sent Events parser.
+
+Feed it the raw bytes of a response as they arrive; it returns each complete event. It accepts what
+the SSE spec allows (LF, CRLF or CR line ends, ``:`` comment lines, multi-line ``data:`` joined with
+``\\n``, ``event:``/``id:``/``retry:`` fields) and rejects what a real server never sends: any other
+line is a protocol error, as is invalid UTF-8 or a stream that ends in the middle of a line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class SSEError(ValueError):
+    """The byte stream is not valid SSE."""
+
+
+@dataclass(slots=True)
+class SSEEvent:
+    data: str
+    event: str | None = None  # the ``event:`` field; None means the default "message"
+
+
+_KNOWN_IGNORED = (b"id", b"retry")
+
+
+class SSEParser:
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> list[SSEEvent]:
+        """Events completed by ``chunk`` (an event ends at a blank line)."""
+        buf = self._buf + chunk
+        if b"\r" in buf:
+            buf = buf.replace(b"\r\n", b"\n")
+            # a CR at the very end may be the first half of a CRLF split across chunks
+            held = buf.endswith(b"\r")
+            buf = buf[:-1].replace(b"\r", b"\n") + b"\r" if held else buf.replace(b"\r", b"\n")
+        blocks = buf.split(b"\n\n")
+        self._buf = blocks.pop()
+        return [ev for ev in map(_parse_block, blocks) if ev is not None]
+
+    def close(self) -> list[SSEEvent]:
+        """End of stream: a last event without its blank line is accepted, a cut-off line is not."""
+        rest, self._buf = self._buf.replace(b"\r", b"\n"), b""
+        if not rest.strip(b"\n"):
+            return []
+        if not rest.endswith(b"\n"):
+            raise SSEError(f"stream ended mid-line: {rest[-80:]!r}")
+        ev = _parse_block(rest.rstrip(b"\n"))
+        return [ev] if ev is not None else []
+
+
+def _parse_block(block: bytes) -> SSEEvent | None:
+    if block.startswith(b"data: ") and b"\n" not in block:  # the common case, fast
+        return SSEEvent(_decode(block[6:]))
+    data: list[bytes] = []
+    event: str | None = None
+    for line in block.split(b"\n"):
+        if not line or line[0] == 58:  # empty (leading blank lines) or ":" comment
+            continue
+        name, _, value = line.partition(b":")
+        if value[:1] == b" ":
+            value = value[1:]
+        if name == b"data":
+            data.append(value)
+        elif name == b"event":
+            event = _decode(value)
+        elif name not in _KNOWN_IGNORED:
+            raise SSEError(f"not an SSE line: {line[:120]!r}")
+    if not data and event is None:
+        return None  # comments / keep-alives only
+    return SSEEvent(_decode(b"\n".join(data)), event)
+
+
+def _decode(raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SSEError(f"event is not UTF-8: {raw[:80]!r}") from exc
