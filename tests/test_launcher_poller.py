@@ -1,0 +1,138 @@
+"""Launcher (real child processes, process groups) and poller (real HTTP scrapes on loopback)."""
+
+import json
+import os
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from backends.launcher import (
+    LaunchError,
+    ServerProcess,
+    free_port,
+    grid_label,
+    parse_grid,
+    render_command,
+)
+from backends.llamacpp import LLAMACPP_PROFILE
+from backends.poller import ServerStatePoller
+from loadgen.clock import RunClock
+
+
+def test_grid_product_and_labels():
+    grid = parse_grid(["np=4,16", "ub=128,512"])
+    assert grid == [{"np": "4", "ub": "128"}, {"np": "4", "ub": "512"},
+                    {"np": "16", "ub": "128"}, {"np": "16", "ub": "512"}]
+    assert grid_label(grid[1]) == "np4-ub512"
+    for bad in ["np", "np=", "=4", "port=1", "np=1 x"]:
+        with pytest.raises(ValueError, match="--grid"):
+            parse_grid([bad])
+
+
+def test_render_command_checks_placeholders(tmp_path):
+    argv = render_command("python -m x --np {np} --port {port} -m {model}", {"np": "4"}, 8123, model="/m.gguf")
+    assert argv[1:] == ["-m", "x", "--np", "4", "--port", "8123", "-m", "/m.gguf"]
+    assert os.path.isabs(argv[0])  # "python" is this interpreter
+    with pytest.raises(ValueError, match="no --grid ub"):
+        render_command("srv {ub} {port}", {}, 1)
+    with pytest.raises(ValueError, match="not used"):
+        render_command("srv {port}", {"np": "4"}, 1)
+    default = render_command("srv -m {model} {port}", {}, 1)
+    assert default[2].endswith(".gguf") and os.path.exists(default[2])
+
+
+def test_server_that_dies_is_a_launch_error(tmp_path):
+    log = tmp_path / "server.log"
+    srv = ServerProcess(render_command("python -c 'import sys; print(\"boom\"); sys.exit(3)' {port}", {}, 1),
+                        free_port(), log)
+    with pytest.raises(LaunchError, match="exited with code 3") as exc:
+        srv.start()
+    assert "boom" in str(exc.value) and "boom" in log.read_text()
+
+
+def test_server_never_healthy_is_killed(tmp_path):
+    # the child spawns a grandchild in the same group: both must be gone after the failed launch
+    script = ("import subprocess,sys,time; p=subprocess.Popen([sys.executable,'-c','import time; time.sleep(60)']);"
+              "print(p.pid, flush=True); time.sleep(60)")
+    srv = ServerProcess([render_command("python", {}, 1)[0], "-c", script], free_port(), tmp_path / "s.log",
+                        health_timeout_s=1.0, stop_grace_s=2.0)
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match="not healthy after 1s"):
+        srv.start()
+    assert time.monotonic() - t0 < 8
+    assert srv.proc.returncode is not None
+    grandchild = int((tmp_path / "s.log").read_text().splitlines()[1])
+    time.sleep(0.2)
+    try:  # gone, or a zombie waiting for a reaper that this container may not have
+        state = open(f"/proc/{grandchild}/stat").read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        state = "gone"
+    assert state in ("gone", "Z")
+
+
+def test_healthy_server_starts_and_stops(tmp_path):
+    port = free_port()
+    argv = render_command("python -m http.server {port} --bind 127.0.0.1", {}, port)
+    with ServerProcess(argv, port, tmp_path / "s.log", health_path="/") as srv:
+        assert srv.startup_s is not None and srv.proc.poll() is None
+    assert srv.proc.returncode is not None
+
+
+class _FakeLlama(BaseHTTPRequestHandler):
+    """Serves a llama.cpp-shaped /metrics whose counter grows by 5 per scrape, and /slots."""
+
+    scrapes = 0
+
+    def do_GET(self):  # noqa: N802
+        if self.path == "/metrics":
+            type(self).scrapes += 1
+            body = ("# TYPE llamacpp:tokens_predicted_total counter\n"
+                    f"llamacpp:tokens_predicted_total {5 * type(self).scrapes}\n"
+                    "# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing 2\n").encode()
+        elif self.path == "/slots":
+            body = json.dumps([{"id": 0, "is_processing": True, "id_task": 7, "n_prompt_tokens": 9,
+                                "next_token": [{"n_decoded": 3}]}]).encode()
+        else:
+            self.send_response(404)
+            self.end_headers()
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_poller_samples_at_rate_and_reconciles(tmp_path):
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _FakeLlama)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        poller = ServerStatePoller(f"http://127.0.0.1:{httpd.server_port}", LLAMACPP_PROFILE, hz=20)
+        clock = RunClock()
+        poller.start(clock, tmp_path)
+        time.sleep(1.0)
+        summary = poller.stop(window=None)
+    finally:
+        httpd.shutdown()
+    lines = [json.loads(x) for x in (tmp_path / "server_state.jsonl").read_text().splitlines()]
+    assert len(lines) == summary["samples"] and 15 <= len(lines) <= 25
+    assert all(b["t"] > a["t"] for a, b in zip(lines, lines[1:], strict=False))
+    assert lines[0]["slots"] == [{"id": 0, "busy": True, "task": 7, "n_prompt": 9, "n_decoded": 3}]
+    assert summary["point"]["counters"]["llamacpp:tokens_predicted_total"] == 5 * (len(lines) - 1)
+    assert summary["gauges"]["llamacpp:requests_processing"]["max"] == 2
+    assert summary["scrape_errors"] == 0 and summary["scrape_latency_ms"]["p50"] > 0
+    assert "iterations" not in summary  # /v1/iterations answered 404
+
+
+def test_poller_records_unreachable_server(tmp_path):
+    poller = ServerStatePoller(f"http://127.0.0.1:{free_port()}", hz=50)
+    poller.start(RunClock(), tmp_path)
+    time.sleep(0.2)
+    summary = poller.stop(None)
+    assert summary["samples"] >= 2 and summary["scrape_errors"] == summary["samples"]
+    with pytest.raises(ValueError):
+        ServerStatePoller("http://127.0.0.1:1", hz=0)
