@@ -1,0 +1,159 @@
+"""Assemble the self-contained HTML report: tables rendered here, charts as plotly specs in one JSON
+blob, plotly.js inlined once from the installed ``plotly`` package (no CDN, no network at all)."""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loadgen.report import figures
+from loadgen.report.load import RunData, load_run
+
+SIG_DIGITS = 6  # chart data only; tables show summary.json's numbers verbatim
+
+
+def _plotly_js() -> str:
+    from plotly.offline import get_plotlyjs
+
+    return get_plotlyjs()
+
+
+def _jsonable(obj: Any) -> Any:
+    """Numpy arrays -> lists rounded to SIG_DIGITS significant digits, NaN -> null (a gap in plotly)."""
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.kind in "fc":
+            return [float(f"{v:.{SIG_DIGITS}g}") if math.isfinite(v) else None for v in obj.tolist()]
+        return [_jsonable(v) for v in obj.tolist()]
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, (np.floating, float)):
+        return float(obj) if math.isfinite(obj) else None
+    if isinstance(obj, np.integer):
+        return int(obj)
+    return obj
+
+
+def cell(v: Any) -> str:
+    """How a summary.json value is shown: strings as they are, everything else exactly as JSON writes it."""
+    return v if isinstance(v, str) else json.dumps(v)
+
+
+def _table(header: list[str], rows: list[list[str]], cls: str, attrs: str = "") -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in rows)
+    return f'<div class="tablewrap"><table class="{cls}"{attrs}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
+
+
+def summary_table(run: RunData) -> str:
+    """Every scalar of every PointSummary in summary.json: a row per key, a column per point."""
+    pts = [p for p in run.summary.get("points") or [] if isinstance(p, dict)]
+    flats = [figures.flatten(p) for p in pts]
+    keys: list[str] = []
+    for f in flats:
+        keys += [k for k in f if k not in keys]
+    ids = [str(p.get("point_id", p.get("id", i))) for i, p in enumerate(pts)]
+    rows = [[html.escape(k)] + [html.escape(cell(f[k])) if k in f else "" for f in flats] for k in keys]
+    return _table(["metric"] + ids, rows, "summary", f' data-run="{html.escape(run.run_id)}"')
+
+
+def _meta_table(run: RunData) -> str:
+    flat = figures.flatten({k: run.summary[k] for k in ("config", "environment", "fingerprint") if k in run.summary})
+    rows = [[html.escape(k), html.escape(cell(v))] for k, v in flat.items()]
+    return f"<details><summary>configuration and environment</summary>{_table(['field', 'value'], rows, 'meta')}</details>"
+
+
+def diff_table(runs: list[RunData]) -> str:
+    """Key sweep metrics of each run beside the first (baseline), matched by point id, with the change."""
+    per_run = [{r["point_id"]: r for r in figures.sweep_rows(run)} for run in runs]
+    base = per_run[0]
+    header = ["point", "metric", runs[0].run_id]
+    for run in runs[1:]:
+        header += [run.run_id, "Δ %"]
+    rows = []
+    for pid, b in base.items():
+        if not any(pid in other for other in per_run[1:]):
+            continue
+        for m in ("throughput", "goodput", "p50", "p99"):
+            if b[m] is None:
+                continue
+            row = [html.escape(pid), html.escape(b[m + "_key"]), cell(b[m])]
+            for other in per_run[1:]:
+                o = other.get(pid, {}).get(m)
+                if o is None:
+                    row += ["", ""]
+                    continue
+                pct = (o - b[m]) / b[m] * 100 if b[m] else math.nan
+                better = (pct > 0) == (m in ("throughput", "goodput"))
+                row += [cell(o), f'<span class="{"down" if better else "up"}">{pct:+.1f}</span>' if math.isfinite(pct) else ""]
+            rows.append(row)
+    if not rows:
+        return '<p class="note">No point id is shared by the runs: compare them on the sweep curves.</p>'
+    return _table(header, rows, "diff")
+
+
+def build_html(runs: list[RunData]) -> str:
+    figs: dict[str, Any] = {}
+    body: list[str] = []
+    title = "servelab report: " + ", ".join(r.run_id for r in runs)
+    body.append(f"<h1>{html.escape(title)}</h1>")
+    body.append('<p class="meta">' + " · ".join(html.escape(str(r.path)) for r in runs) + "</p>")
+
+    sweep = figures.sweep(runs)
+    if sweep is not None or len(runs) > 1:
+        body.append("<h2>Sweep" + (" comparison" if len(runs) > 1 else "") + "</h2>")
+    if sweep is not None:
+        figs["sweep"] = sweep
+        body.append('<div class="always"><div class="chart" data-fig="sweep"></div></div>')
+    if len(runs) > 1:
+        body.append(f"<h3>Difference vs {html.escape(runs[0].run_id)}</h3>" + diff_table(runs))
+
+    for r, run in enumerate(runs):
+        body.append(f"<h2>Run {html.escape(run.run_id)}</h2>")
+        body.append("<h3>Summary (summary.json)</h3>" + summary_table(run) + _meta_table(run))
+        if not run.points:
+            body.append('<p class="note">No point has a requests.jsonl: nothing to draw.</p>')
+            continue
+        opts = "".join(f'<option value="{html.escape(p.point_id)}">{html.escape(p.point_id)} '
+                       f"({len(p.requests):,} requests)</option>" for p in run.points)
+        body.append(f'<p>Point: <select class="point-select" data-run="{r}">{opts}</select></p>')
+        for p_i, point in enumerate(run.points):
+            divs = []
+            for kind, fig in (("timeline", figures.timeline(run, point)), ("cdf", figures.distributions(point))):
+                if fig is None:
+                    divs.append(f'<p class="note">{kind}: no data (no successful request).</p>')
+                    continue
+                key = f"r{r}/p{p_i}/{kind}"
+                figs[key] = fig
+                divs.append(f'<div class="chart" data-fig="{key}"></div>')
+            absent = [name for name, rows in (("server state (/metrics)", point.server_state),
+                                              ("per-iteration record", point.iterations),
+                                              ("telemetry", point.telemetry)) if not rows]
+            if absent:
+                divs.insert(0, '<p class="note">Not recorded for this point: ' + ", ".join(absent) + ".</p>")
+            body.append(f'<div class="point" data-run="{r}" data-point="{html.escape(point.point_id)}" hidden>'
+                        + "".join(divs) + "</div>")
+    data = json.dumps({"figs": _jsonable(figs)}, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
+    template = resources.files("loadgen.report").joinpath("assets/report.html").read_text(encoding="utf-8")
+    return (template.replace("__TITLE__", html.escape(title)).replace("__BODY__", "\n".join(body))
+            .replace("__DATA__", data).replace("__PLOTLY__", _plotly_js().replace("</script", "<\\/script")))
+
+
+def write_report(result_dirs: list[Path], out: Path) -> Path:
+    """Write one self-contained HTML report of ``result_dirs`` (one run, or several compared) to ``out``."""
+    if not result_dirs:
+        raise ValueError("write_report needs at least one results directory")
+    runs = [load_run(Path(d)) for d in result_dirs]
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(build_html(runs), encoding="utf-8")
+    tmp.replace(out)
+    return out

@@ -1,0 +1,341 @@
+"""Plotly figure specs (plain dicts, rendered by the embedded plotly.js) for one point and for sweeps.
+
+Each builder returns ``None`` when it has no data, so that an absent optional series (no server-state
+poller, no telemetry, no per-iteration record) leaves its chart out instead of drawing an empty one.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+from loadgen.report import series
+from loadgen.report.load import PointData, RunData
+
+Fig = dict[str, Any]
+PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f"]
+GANTT_MAX_ROWS = 1500
+MAX_STEPS_EXACT = 3000
+
+# Server metric names per server, by role (first present wins). Ratios (0..1) are scaled to percent.
+RUNNING = ("vllm:num_requests_running", "llamacpp:requests_processing", "tgi_batch_current_size",
+           "sglang:num_running_reqs", "servelab:num_requests_running")  # fmt: skip
+WAITING = ("vllm:num_requests_waiting", "llamacpp:requests_deferred", "tgi_queue_size",
+           "sglang:num_queue_reqs", "servelab:num_requests_waiting")  # fmt: skip
+KV_RATIO = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "llamacpp:kv_cache_usage_ratio",
+            "sglang:token_usage", "servelab:kv_cache_usage_perc")  # fmt: skip
+
+
+def _line(x: Any, y: Any, name: str, color: str, yaxis: str, **kw: Any) -> dict[str, Any]:
+    return {"type": "scatter", "mode": "lines", "x": x, "y": y, "name": name, "yaxis": yaxis, "xaxis": "x",
+            "line": {"color": color, "width": 1.5, **kw.pop("line", {})}, **kw}
+
+
+def _centers(edges: np.ndarray) -> np.ndarray:
+    return (edges[:-1] + edges[1:]) / 2
+
+
+def _server_series(point: PointData) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Role -> (t, value) from server_state.jsonl samples ``{"t", "metrics": {name: value}}``."""
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    rows = [r for r in point.server_state if isinstance(r.get("metrics"), dict) and isinstance(r.get("t"), (int, float))]
+    if not rows:
+        return out
+    for role, names in (("running", RUNNING), ("waiting", WAITING), ("kv", KV_RATIO)):
+        name = next((n for n in names if any(n in r["metrics"] for r in rows)), None)
+        if name is None:
+            continue
+        pts = [(r["t"], r["metrics"][name]) for r in rows if isinstance(r["metrics"].get(name), (int, float))]
+        t, v = (np.array(a, dtype=float) for a in zip(*pts, strict=True))
+        out[role] = (t, v * 100 if role == "kv" and np.nanmax(v) <= 1.0 else v)
+    return out
+
+
+def _iteration_arrays(point: PointData, t0_unix: float | None) -> dict[str, np.ndarray] | None:
+    rows = point.iterations
+    if not rows:
+        return None
+    if "t" in rows[0]:
+        t = np.array([r.get("t", np.nan) for r in rows], dtype=float)
+    elif t0_unix is not None:
+        t = np.array([r.get("t_unix", np.nan) for r in rows], dtype=float) - t0_unix
+    else:
+        return None
+    get = lambda k: np.array([r.get(k) if isinstance(r.get(k), (int, float)) else np.nan for r in rows], dtype=float)  # noqa: E731
+    return {"t": t, "prefill": get("prefill_tokens"), "decode": get("decode_tokens"),
+            "kv_used": get("kv_blocks_used"), "kv_total": get("kv_blocks_total"),
+            "seqs": np.array([len(r.get("request_ids") or []) for r in rows], dtype=float)}
+
+
+def _telemetry_series(point: PointData) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Label -> (t, percent) for host CPU and each GPU's utilisation."""
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    rows = [r for r in point.telemetry if isinstance(r.get("t"), (int, float))]
+    cpu = [(r["t"], r["cpu_percent"]) for r in rows if isinstance(r.get("cpu_percent"), (int, float))]
+    if cpu:
+        out["host CPU %"] = tuple(np.array(a, dtype=float) for a in zip(*cpu, strict=True))  # type: ignore[assignment]
+    gpus: dict[str, list[tuple[float, float]]] = {}
+    for r in rows:
+        for i, g in enumerate(r.get("gpus") or []):
+            if isinstance(g, dict) and isinstance(g.get("util"), (int, float)):
+                gpus.setdefault(f"GPU {g.get('index', i)} util %", []).append((r["t"], g["util"]))
+    for label, pts in gpus.items():
+        out[label] = tuple(np.array(a, dtype=float) for a in zip(*pts, strict=True))  # type: ignore[assignment]
+    return out
+
+
+def timeline(run: RunData, point: PointData) -> Fig | None:
+    """One figure, one shared x axis (linked zoom): a row per available series, Gantt at the bottom."""
+    req = point.requests
+    if len(req) == 0:
+        return None
+    lo = float(np.nanmin(np.concatenate([req.intended, req.sent])))
+    hi = float(np.nanmax(req.end))
+    edges = series.time_edges(lo, hi)
+    x = _centers(edges)
+    rows: list[tuple[str, list[dict[str, Any]], float]] = []  # (title, traces, relative height)
+
+    first_or_end = np.where(np.isfinite(req.first), req.first, req.end)
+    rows.append(("requests (client)", [
+        _line(x, series.mean_occupancy(req.sent, first_or_end, edges), "waiting for 1st token", PALETTE[3], "",
+              stackgroup="client"),
+        _line(x, series.mean_occupancy(req.first, req.end, edges), "streaming", PALETTE[0], "", stackgroup="client"),
+        _line(x, series.mean_occupancy(req.intended, req.sent, edges), "due, not yet sent", PALETTE[1], "",
+              line={"dash": "dot"}),
+    ], 1.0))
+
+    srv = _server_series(point)
+    if "running" in srv or "waiting" in srv:
+        traces = [_line(*srv[role], f"server {role}", c, "", line={"shape": "hv"})
+                  for role, c in (("running", PALETTE[2]), ("waiting", PALETTE[1])) if role in srv]
+        rows.append(("server batch (/metrics)", traces, 1.0))
+
+    it = _iteration_arrays(point, run.run.get("t0_unix"))
+    if it is not None and np.isfinite(it["t"]).any():
+        if len(it["t"]) <= MAX_STEPS_EXACT:
+            traces = [{"type": "bar", "x": it["t"], "y": it[k], "name": f"{k} tokens/step", "xaxis": "x", "yaxis": "",
+                       "marker": {"color": c, "line": {"width": 0}}} for k, c in (("decode", PALETTE[0]), ("prefill", PALETTE[3]))]
+            title = "tokens per engine step"
+        else:
+            traces = [_line(x, series.binned_mean(it["t"], it[k], edges), f"{k} tokens/step (mean)", c, "",
+                            stackgroup="steps") for k, c in (("decode", PALETTE[0]), ("prefill", PALETTE[3]))]
+            title = f"tokens per engine step (mean per {edges[1] - edges[0]:g} s bin, {len(it['t']):,} steps)"
+        traces.append(_line(x, series.binned_mean(it["t"], it["seqs"], edges), "sequences in batch", PALETTE[4], "",
+                            line={"dash": "dot"}))
+        rows.append((title, traces, 1.0))
+
+    kv: list[dict[str, Any]] = []
+    if "kv" in srv:
+        kv.append(_line(*srv["kv"], "KV cache % (/metrics)", PALETTE[4], "", line={"shape": "hv"}))
+    if it is not None and np.isfinite(it["kv_total"]).any():
+        kv.append(_line(x, series.binned_mean(it["t"], 100 * it["kv_used"] / it["kv_total"], edges),
+                        "KV blocks used % (per step)", PALETTE[5], ""))
+    if kv:
+        rows.append(("KV cache usage %", kv, 0.8))
+
+    tel = _telemetry_series(point)
+    if tel:
+        rows.append(("utilisation %", [_line(t, v, label, PALETTE[(i + 6) % len(PALETTE)], "")
+                                       for i, (label, (t, v)) in enumerate(tel.items())], 0.8))
+
+    rows.append(("output tokens/s (client)", [
+        _line(x, series.binned_rate(req.event_t, series.event_tokens(req), edges), "output tok/s", PALETTE[2], "",
+              fill="tozeroy")], 0.8))
+
+    rows.append(_gantt(req))
+    return _stack(rows, f"{point.point_id}: timeline (run clock, s)")
+
+
+def _gantt(req: Any) -> tuple[str, list[dict[str, Any]], float]:
+    idx = series.gantt_sample(req, GANTT_MAX_ROWS)
+    n = len(idx)
+    y = np.arange(n, dtype=float)
+    width = float(np.clip(300 / max(n, 1), 1, 6))
+
+    def segments(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        xs = np.column_stack([a[idx], b[idx], np.full(n, np.nan)]).ravel()
+        ys = np.column_stack([y, y, np.full(n, np.nan)]).ravel()
+        keep = np.repeat(np.isfinite(a[idx]) & np.isfinite(b[idx]) & (b[idx] > a[idx]), 3)
+        return xs[keep], ys[keep]
+
+    first_or_end = np.where(np.isfinite(req.first), req.first, req.end)
+    traces = []
+    for (a, b), name, color in (((req.intended, req.sent), "queued (client)", PALETTE[1]),
+                                ((req.sent, first_or_end), "prefill / TTFT", PALETTE[3]),
+                                ((req.first, req.end), "decode", PALETTE[0])):
+        xs, ys = segments(a, b)
+        traces.append(_line(xs, ys, name, color, "", line={"width": width}, connectgaps=False, hoverinfo="x+name"))
+    err = np.array([req.error[i] is not None for i in idx], dtype=bool)
+    if err.any():
+        traces.append({"type": "scatter", "mode": "markers", "x": req.end[idx][err], "y": y[err], "xaxis": "x",
+                       "yaxis": "", "name": "error", "text": [f"{req.ids[i]}: {req.error[i]}" for i in idx[err]],
+                       "hoverinfo": "text+x", "marker": {"symbol": "x", "color": "#000", "size": 7}})
+    title = "requests (Gantt)" if n == len(req) else f"requests (Gantt: {n:,} of {len(req):,} drawn, every error kept)"
+    return title, traces, 2.5
+
+
+def _stack(rows: list[tuple[str, list[dict[str, Any]], float]], title: str) -> Fig:
+    """Rows stacked on one x axis: each row its own y axis with a domain slice."""
+    gap = 0.035
+    total = sum(h for _, _, h in rows)
+    usable = 1 - gap * (len(rows) - 1)
+    layout: dict[str, Any] = {"title": {"text": title, "x": 0.01}, "height": 170 * total + 120, "hovermode": "x",
+                              "margin": {"l": 60, "r": 20, "t": 50, "b": 40}, "legend": {"orientation": "v"},
+                              "xaxis": {"anchor": f"y{len(rows)}", "title": {"text": "run clock (s)"}},
+                              "barmode": "stack", "bargap": 0, "annotations": []}
+    data: list[dict[str, Any]] = []
+    top = 1.0
+    for i, (row_title, traces, h) in enumerate(rows, 1):
+        height = usable * h / total
+        name = "y" if i == 1 else f"y{i}"
+        layout["yaxis" if i == 1 else f"yaxis{i}"] = {"domain": [max(top - height, 0), top], "anchor": "x",
+                                                      "rangemode": "tozero", "automargin": True}
+        layout["annotations"].append({"text": f"<b>{row_title}</b>", "xref": "paper", "yref": "paper",
+                                      "x": 0, "y": top, "xanchor": "left", "yanchor": "bottom",
+                                      "showarrow": False, "font": {"size": 11}})
+        for t in traces:
+            t["yaxis"] = name
+            data.append(t)
+        top -= height + gap
+    last = "yaxis" if len(rows) == 1 else f"yaxis{len(rows)}"
+    layout[last]["autorange"] = "reversed"  # Gantt: first request at the top
+    layout[last]["title"] = {"text": "request (send order)"}
+    return {"data": data, "layout": layout}
+
+
+def distributions(point: PointData) -> Fig | None:
+    """CDFs of TTFT, ITL, TPOT and E2E in a 2x2 grid; one line per workload class when several."""
+    req = point.requests
+    lat = series.latencies(req)
+    ok = lat["ok"]
+    if not ok.any():
+        return None
+    classes = sorted(set(req.cls[ok]))
+    groups = [("all", None)] + ([(c, c) for c in classes] if len(classes) > 1 else [])
+    panels = [("TTFT (s)", "ttft"), ("ITL (s)", "itl"), ("TPOT (s)", "tpot"), ("E2E latency (s)", "e2e")]
+    data: list[dict[str, Any]] = []
+    layout: dict[str, Any] = {"title": {"text": f"{point.point_id}: latency distributions (CDF)", "x": 0.01},
+                              "height": 560, "margin": {"l": 60, "r": 20, "t": 60, "b": 50}, "annotations": [],
+                              "hovermode": "closest"}
+    for p, (label, key) in enumerate(panels):
+        ax = "" if p == 0 else str(p + 1)
+        col, row = p % 2, p // 2
+        layout[f"xaxis{ax}"] = {"domain": [col * 0.53, col * 0.53 + 0.47], "anchor": f"y{ax}",
+                                "title": {"text": label}, "rangemode": "tozero"}
+        layout[f"yaxis{ax}"] = {"domain": [0.56 - row * 0.56, 1.0 - row * 0.56], "anchor": f"x{ax}",
+                                "range": [0, 1.02], "title": {"text": "fraction" if col == 0 else ""}}
+        for g, (gname, cls) in enumerate(groups):
+            if key == "itl":
+                v = lat["itl"] if cls is None else lat["itl"][lat["itl_cls"] == cls]
+            else:
+                v = lat[key][ok if cls is None else ok & (req.cls == cls)]
+            xs, ys = series.cdf(v)
+            if xs.size:
+                data.append({"type": "scatter", "mode": "lines", "x": xs, "y": ys, "name": gname,
+                             "legendgroup": gname, "showlegend": p == 0, "xaxis": f"x{ax}", "yaxis": f"y{ax}",
+                             "line": {"color": PALETTE[g % len(PALETTE)], "width": 2 if cls is None else 1.5,
+                                      "shape": "hv"}})
+    return {"data": data, "layout": layout} if data else None
+
+
+# ---- sweep curves -------------------------------------------------------------------------------
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dict -> {"a.b": scalar}; lists are kept as a whole value."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _find(flat: dict[str, Any], patterns: tuple[str, ...]) -> tuple[str, float] | None:
+    """First key (by pattern order) whose full dotted name matches, with a numeric value."""
+    for pat in patterns:
+        rx = re.compile(pat)
+        for k, v in flat.items():
+            if rx.fullmatch(k) and isinstance(v, (int, float)) and not isinstance(v, bool):
+                return k, float(v)
+    return None
+
+
+LOAD_KEYS = (r"(load\.)?concurrency", r"(load\.)?rate", r".*\.concurrency", r".*\.rate")
+THROUGHPUT_KEYS = (r".*steady.*output_tok.*", r"(.*\.)?output_tok.*_s", r"(.*\.)?output_tok.*")
+GOODPUT_KEYS = (r".*steady.*goodput.*", r"(.*\.)?goodput.*")
+LATENCY_KEYS = {q: (rf"(.*\.)?e2e[^.]*\.{q}", rf"(.*\.)?ttft[^.]*\.{q}") for q in ("p50", "p99")}
+
+
+def sweep_rows(run: RunData) -> list[dict[str, Any]]:
+    """Per point: load, throughput, goodput, p50/p99 latency, with the summary key each came from."""
+    rows = []
+    for p in run.summary.get("points") or []:
+        flat = flatten(p)
+        row: dict[str, Any] = {"point_id": str(p.get("point_id", p.get("id", "")))}
+        for name, pats in (("load", LOAD_KEYS), ("throughput", THROUGHPUT_KEYS), ("goodput", GOODPUT_KEYS),
+                           ("p50", LATENCY_KEYS["p50"]), ("p99", LATENCY_KEYS["p99"])):
+            hit = _find(flat, pats)
+            row[name], row[name + "_key"] = (hit[1], hit[0]) if hit else (None, None)
+        rows.append(row)
+    return rows
+
+
+def sweep(runs: list[RunData]) -> Fig | None:
+    """Throughput vs load, p50/p99 latency vs throughput (knee marked), goodput vs load; a line per run."""
+    data: list[dict[str, Any]] = []
+    labels: dict[str, str] = {}
+    for r, run in enumerate(runs):
+        rows = [x for x in sweep_rows(run) if x["load"] is not None]
+        if len(runs) == 1 and len(rows) < 2:
+            continue
+        rows.sort(key=lambda x: x["load"])
+        color = PALETTE[r % len(PALETTE)]
+        name = run.run_id
+        load = [x["load"] for x in rows]
+        text = [x["point_id"] for x in rows]
+        labels.setdefault("load", (rows[0]["load_key"] or "load") if rows else "load")
+        common = {"type": "scatter", "mode": "lines+markers", "legendgroup": name, "text": text}
+        if any(x["throughput"] is not None for x in rows):
+            labels.setdefault("throughput", rows[0]["throughput_key"] or "throughput")
+            data.append({**common, "x": load, "y": [x["throughput"] for x in rows], "name": name, "xaxis": "x",
+                         "yaxis": "y", "line": {"color": color}})
+        for q, dash in (("p50", "solid"), ("p99", "dash")):
+            pts = [x for x in rows if x["throughput"] is not None and x[q] is not None]
+            if not pts:
+                continue
+            labels.setdefault("latency", (pts[0][q + "_key"] or "latency").rsplit(".", 1)[0])
+            data.append({**common, "x": [x["throughput"] for x in pts], "y": [x[q] for x in pts],
+                         "text": [x["point_id"] for x in pts], "name": f"{name} {q}", "xaxis": "x2", "yaxis": "y2",
+                         "showlegend": False, "line": {"color": color, "dash": dash}})
+            if q == "p99":
+                k = series.knee_index([x["throughput"] for x in pts], [x[q] for x in pts])
+                if k is not None:
+                    data.append({"type": "scatter", "mode": "markers+text", "x": [pts[k]["throughput"]],
+                                 "y": [pts[k][q]], "text": ["knee"], "textposition": "top left",
+                                 "name": f"{name} knee", "xaxis": "x2", "yaxis": "y2", "showlegend": False,
+                                 "marker": {"symbol": "star", "size": 14, "color": color,
+                                            "line": {"color": "#000", "width": 1}}})
+        if any(x["goodput"] is not None for x in rows):
+            labels.setdefault("goodput", rows[0]["goodput_key"] or "goodput")
+            data.append({**common, "x": load, "y": [x["goodput"] for x in rows], "name": name, "xaxis": "x3",
+                         "yaxis": "y3", "showlegend": False, "line": {"color": color}})
+    if not data:
+        return None
+    axes = [("x", "y", labels.get("load"), labels.get("throughput"), "throughput vs load"),
+            ("x2", "y2", labels.get("throughput"), (labels.get("latency") or "latency") + " p50 (solid) / p99 (dash)",
+             "latency vs throughput"),
+            ("x3", "y3", labels.get("load"), labels.get("goodput"), "goodput vs load")]
+    layout: dict[str, Any] = {"title": {"text": "sweep", "x": 0.01}, "height": 420, "annotations": [],
+                              "margin": {"l": 60, "r": 20, "t": 70, "b": 60}, "hovermode": "closest"}
+    for i, (xa, ya, xt, yt, title) in enumerate(axes):
+        sx = "" if i == 0 else str(i + 1)
+        layout[f"xaxis{sx}"] = {"domain": [i * 0.35, i * 0.35 + 0.3], "anchor": ya, "title": {"text": xt or ""},
+                                "rangemode": "tozero"}
+        layout[f"yaxis{sx}"] = {"domain": [0, 0.9], "anchor": xa, "title": {"text": yt or ""}, "rangemode": "tozero"}
+        layout["annotations"].append({"text": f"<b>{title}</b>", "xref": "paper", "yref": "paper",
+                                      "x": i * 0.35, "y": 0.93, "xanchor": "left", "showarrow": False})
+    return {"data": data, "layout": layout}

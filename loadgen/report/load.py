@@ -1,0 +1,158 @@
+"""Read result directories (docs/architecture.md layout) into plain, array-friendly structures.
+
+Only ``summary.json`` and ``points/<id>/requests.jsonl`` are required; every other series is optional
+and simply absent from the report when its file is missing or empty.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+class ReportInputError(ValueError):
+    """A results directory that cannot be reported on (missing or malformed files)."""
+
+
+@dataclass
+class Requests:
+    """Per-request arrays on the run clock; NaN where a time does not exist (e.g. no first token)."""
+
+    ids: list[str]
+    cls: np.ndarray  # object array of class names
+    intended: np.ndarray
+    sent: np.ndarray
+    first: np.ndarray  # first content-carrying event
+    end: np.ndarray
+    output_tokens: np.ndarray  # float, NaN when unknown
+    error: np.ndarray  # object array: error kind or None
+    event_t: np.ndarray  # all events, flattened
+    event_tokens: np.ndarray
+    event_req: np.ndarray  # index of the request each event belongs to
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+@dataclass
+class PointData:
+    point_id: str
+    summary: dict[str, Any]
+    requests: Requests
+    server_state: list[dict[str, Any]] = field(default_factory=list)
+    iterations: list[dict[str, Any]] = field(default_factory=list)
+    telemetry: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class RunData:
+    path: Path
+    run_id: str
+    run: dict[str, Any]
+    summary: dict[str, Any]
+    points: list[PointData]
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise ReportInputError(f"{path} is missing: is this a results directory written by `bench run`?") from exc
+    except json.JSONDecodeError as exc:
+        raise ReportInputError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})") from exc
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Lines of a JSONL file; a missing file is an empty series, a torn last line (crash) is dropped."""
+    if not path.is_file():
+        return []
+    rows: list[dict[str, Any]] = []
+    lines = path.read_text().splitlines()
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if n == len(lines):  # a run killed mid-write leaves at most one torn line, at the end
+                break
+            raise ReportInputError(f"{path}:{n} is not valid JSON ({exc.msg})") from exc
+    return rows
+
+
+def _num(v: Any) -> float:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else float("nan")
+
+
+def requests_from_records(records: list[dict[str, Any]]) -> Requests:
+    """Arrays of the non-warm-up records (warm-up requests are excluded from every chart, like metrics)."""
+    recs = [r for r in records if not r.get("warmup")]
+    n = len(recs)
+    ev_t: list[float] = []
+    ev_k: list[float] = []
+    ev_i: list[int] = []
+    first = np.full(n, np.nan)
+    for i, r in enumerate(recs):
+        events = r.get("events") or []
+        for t, k in events:
+            ev_t.append(t)
+            ev_k.append(k if k is not None else np.nan)
+            ev_i.append(i)
+        if events:
+            first[i] = events[0][0]
+    return Requests(
+        ids=[str(r.get("id")) for r in recs],
+        cls=np.array([r.get("cls") or "default" for r in recs], dtype=object),
+        intended=np.array([_num(r.get("intended")) for r in recs]),
+        sent=np.array([_num(r.get("sent")) for r in recs]),
+        first=first,
+        end=np.array([_num(r.get("end")) for r in recs]),
+        output_tokens=np.array([_num(r.get("output_tokens")) for r in recs]),
+        error=np.array([(r.get("error") or {}).get("kind") if r.get("error") else None for r in recs], dtype=object),
+        event_t=np.array(ev_t, dtype=float),
+        event_tokens=np.array(ev_k, dtype=float),
+        event_req=np.array(ev_i, dtype=np.int64),
+    )
+
+
+def _point_dirs(root: Path) -> list[Path]:
+    """Point directories (any depth: ids like ``np4-ub128/chat-short/c016/t0`` nest)."""
+    base = root / "points"
+    if not base.is_dir():
+        return []
+    return sorted(p.parent for p in base.rglob("requests.jsonl"))
+
+
+def load_run(path: Path) -> RunData:
+    path = Path(path)
+    if not path.is_dir():
+        raise ReportInputError(f"{path} is not a directory: pass a results/<run_id> directory")
+    summary = _read_json(path / "summary.json")
+    if not isinstance(summary, dict):
+        raise ReportInputError(f"{path / 'summary.json'} must hold a JSON object")
+    run = _read_json(path / "run.json") if (path / "run.json").is_file() else {}
+    by_id = {str(p.get("point_id", p.get("id"))): p for p in summary.get("points") or [] if isinstance(p, dict)}
+    points: list[PointData] = []
+    for d in _point_dirs(path):
+        pid = d.relative_to(path / "points").as_posix()
+        psum = by_id.get(pid)
+        if psum is None and (d / "summary.json").is_file():
+            psum = _read_json(d / "summary.json")
+        points.append(
+            PointData(
+                point_id=pid,
+                summary=psum or {},
+                requests=requests_from_records(read_jsonl(d / "requests.jsonl")),
+                server_state=read_jsonl(d / "server_state.jsonl"),
+                iterations=read_jsonl(d / "iterations.jsonl"),
+                telemetry=read_jsonl(d / "telemetry.jsonl"),
+            )
+        )
+    order = {pid: i for i, pid in enumerate(by_id)}
+    points.sort(key=lambda p: (order.get(p.point_id, len(order)), p.point_id))
+    run_id = str(summary.get("run_id") or run.get("run_id") or path.name)
+    return RunData(path=path, run_id=run_id, run=run, summary=summary, points=points)

@@ -1,0 +1,63 @@
+"""Benchmark the HTML report on a 10,000-request point: build time, file size, load time in Chromium.
+
+    .venv/bin/python scripts/bench_report.py [--requests 10000] [--out results/bench_report]
+
+Writes a synthetic results directory (loadgen.report.synthetic: a simulated continuous-batching server
+under closed-loop load, with server-state, per-iteration and telemetry series), builds its report, opens
+it in headless Chromium and writes ``bench_report.json`` beside it. Targets: load event < 5 s, < 20 MB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+from loadgen.report import write_report
+from loadgen.report.browser import inspect_report_sync
+from loadgen.report.load import read_jsonl
+from loadgen.report.synthetic import SimConfig, write_synthetic_results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=10_000, help="requests per point")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--loads", type=int, default=3, help="page loads to time")
+    ap.add_argument("--out", type=Path, default=Path("results/bench_report"))
+    args = ap.parse_args()
+
+    cfg = SimConfig(concurrencies=tuple(args.concurrency), requests_per_point=args.requests, max_num_seqs=32)
+    run = write_synthetic_results(args.out, "synthetic-10k", cfg)
+    n_req = sum(len(read_jsonl(p)) for p in (run / "points").rglob("requests.jsonl"))
+    t = time.perf_counter()
+    html = write_report([run], run / "report.html")
+    build_s = time.perf_counter() - t
+    loads = [inspect_report_sync(html, args.out / "bench_report.png" if i == 0 else None) for i in range(args.loads)]
+    first = loads[0]
+    result = {
+        "command": "python scripts/bench_report.py " + " ".join(f"{k}={v}" for k, v in vars(args).items()),
+        "requests_total": n_req,
+        "requests_per_point": args.requests,
+        "points": len(args.concurrency),
+        "report_bytes": html.stat().st_size,
+        "report_mb": round(html.stat().st_size / 1e6, 2),
+        "build_s": round(build_s, 2),
+        "load_event_s": [round(r.load_s, 3) for r in loads],
+        "load_event_s_max": round(max(r.load_s for r in loads), 3),
+        "page_marks_ms": [{k: round(v) for k, v in r.marks.items()} for r in loads],
+        "console_errors": first.console_errors,
+        "network_requests": first.network_requests,
+        "charts": len(first.charts),
+        "charts_without_data": [c["fig"] for c in first.charts if not c["drawn"] or c["empty_traces"] or not c["values"]],
+        "host": {"cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2), "python": platform.python_version()},
+    }
+    (args.out / "bench_report.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
