@@ -81,7 +81,9 @@ def test_server_exit_mid_run_keeps_host_series(tmp_path, busy_server):
     assert all("cpu_pct" in r for r in sampler.records)
 
 
-@pytest.mark.skipif(_nvml_available(), reason="this machine has an NVIDIA driver; the no-driver path cannot run")
+@pytest.mark.skipif(
+    _nvml_available(), reason="this machine has an NVIDIA driver; the no-driver path cannot run"
+)
 def test_no_driver_header_and_host_only(tmp_path):
     probes, line = open_gpus()
     assert probes == [] and line == NO_GPU_LINE == "no NVIDIA GPU: GPU telemetry off"
@@ -118,7 +120,13 @@ def test_summary_window_energy_and_joules_per_token():
                 "t": t,
                 "cpu_pct": [10.0, 30.0],
                 "gpus": [
-                    {"index": 0, "util": 50.0 + i, "mem_used_b": 1000 + i, "power_w": 100.0, "energy_j": 7.0 + 120 * t},
+                    {
+                        "index": 0,
+                        "util": 50.0 + i,
+                        "mem_used_b": 1000 + i,
+                        "power_w": 100.0,
+                        "energy_j": 7.0 + 120 * t,
+                    },
                     {"index": 1, "util": 10.0, "power_w": 50.0},
                 ],
             }

@@ -1,0 +1,193 @@
+"""The gate against synthetic result sets of known distributions, fingerprints and outputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loadgen.gate import (
+    GateError,
+    MetricRule,
+    compare,
+    load,
+    metric_path,
+    save_baseline,
+    t_quantile,
+    to_markdown,
+)
+
+FP = {"workload": {"name": "chat-short", "seed": 0}, "load": {"process": "closed", "concurrency": 4}}
+ENV = {"cpu_model": "AMD EPYC", "gpus": [], "server_version": "0.1.0"}
+RULES = [MetricRule.parse("output_tok_s:-5%"), MetricRule.parse("ttft_p99:+10%")]
+
+
+def write_result(
+    path: Path,
+    tok_s: np.ndarray,
+    ttft: np.ndarray | None = None,
+    fp: dict = FP,
+    env: dict = ENV,
+    paired: bool = False,
+) -> Path:
+    ttft = ttft if ttft is not None else np.full(len(tok_s), 0.2)
+    points = [
+        {
+            "point_id": f"c004/t{i}",
+            "throughput": {"steady": {"output_tok_per_s": float(v)}},
+            "latency": {"ttft": {"p99": float(t)}},
+        }
+        for i, (v, t) in enumerate(zip(tok_s, ttft, strict=True))
+    ]
+    path.mkdir(parents=True, exist_ok=True)
+    doc = {"run_id": path.name, "fingerprint": fp, "environment": env, "points": points, "ab_paired": paired}
+    (path / "summary.json").write_text(json.dumps(doc))
+    return path
+
+
+def trials(rng: np.random.Generator, mean: float, noise: float, n: int) -> np.ndarray:
+    return mean * (1 + noise * rng.standard_normal(n))
+
+
+def verdicts(tmp_path: Path, ratio: float, noise: float, n: int, datasets: int = 40) -> list[str]:
+    rng = np.random.default_rng(1234)
+    out = []
+    for k in range(datasets):
+        b = write_result(tmp_path / f"b{k}", trials(rng, 100.0, noise, n))
+        c = write_result(tmp_path / f"c{k}", trials(rng, 100.0 * ratio, noise, n))
+        out.append(compare(load(b), load(c), RULES[:1]).verdict)
+    return out
+
+
+def test_ten_percent_regression_under_three_percent_noise_is_caught(tmp_path):
+    v = verdicts(tmp_path, ratio=0.90, noise=0.03, n=10)
+    assert v.count("regression") >= 36, v  # >= 90 % power (simulated: ~93 %)
+    assert "pass" not in v
+
+
+def test_no_regression_under_three_percent_noise_passes(tmp_path):
+    v = verdicts(tmp_path, ratio=1.0, noise=0.03, n=10)
+    assert "regression" not in v
+    assert v.count("pass") >= 36, v
+
+
+def test_thirty_percent_noise_with_three_trials_is_inconclusive_not_a_false_alarm(tmp_path):
+    v_same = verdicts(tmp_path / "same", ratio=1.0, noise=0.30, n=3)
+    v_slow = verdicts(tmp_path / "slow", ratio=0.90, noise=0.30, n=3)
+    assert set(v_same) == set(v_slow) == {"inconclusive"}
+
+
+def test_thirty_percent_noise_with_five_trials_still_no_false_alarm(tmp_path):
+    v = verdicts(tmp_path, ratio=1.0, noise=0.30, n=5)
+    assert "regression" not in v
+    assert v.count("inconclusive") >= 36, v
+
+
+def test_latency_rule_is_lower_is_better(tmp_path):
+    rng = np.random.default_rng(7)
+    tok = trials(rng, 100, 0.01, 8)
+    b = write_result(tmp_path / "b", tok, ttft=trials(rng, 0.2, 0.02, 8))
+    c = write_result(tmp_path / "c", tok, ttft=trials(rng, 0.3, 0.02, 8))  # 50 % slower TTFT
+    rep = compare(load(b), load(c), RULES)
+    by_metric = {ch.metric: ch for ch in rep.checks}
+    assert by_metric["output_tok_s"].verdict == "pass"
+    assert by_metric["ttft_p99"].verdict == "regression" and by_metric["ttft_p99"].ci[0] > 1.1
+    assert rep.verdict == "regression" and rep.exit_code == 1
+
+
+def test_paired_ab_cancels_machine_drift(tmp_path):
+    """Machine speed drifts 40 % over the trials; A and B alternate, B is 10 % slower. Unpaired the drift
+    swamps the effect; paired by trial it is a clear regression."""
+    drift = np.linspace(1.0, 1.4, 8)
+    rng = np.random.default_rng(3)
+    a = 100 * drift * (1 + 0.01 * rng.standard_normal(8))
+    b = 90 * drift * (1 + 0.01 * rng.standard_normal(8))
+    unpaired = compare(
+        load(write_result(tmp_path / "a", a)), load(write_result(tmp_path / "b", b)), RULES[:1]
+    )
+    paired = compare(
+        load(write_result(tmp_path / "pa", a, paired=True)),
+        load(write_result(tmp_path / "pb", b, paired=True)),
+        RULES[:1],
+    )
+    assert unpaired.verdict == "inconclusive"
+    assert paired.verdict == "regression"
+
+
+def test_too_few_trials_is_inconclusive_with_a_reason(tmp_path):
+    b = write_result(tmp_path / "b", np.array([100.0, 101.0, 99.0]))
+    c = write_result(tmp_path / "c", np.array([50.0, 51.0, 49.0]))
+    rep = compare(load(b), load(c), RULES[:1])
+    assert rep.verdict == "inconclusive" and rep.exit_code == 2
+    assert "needs >= 5 trials" in rep.checks[0].reason
+    assert compare(load(b), load(c), RULES[:1], min_trials=3).verdict == "regression"
+
+
+def test_differing_workload_fingerprint_is_refused_and_names_the_field(tmp_path):
+    other = {**FP, "load": {"process": "closed", "concurrency": 8}}
+    b = write_result(tmp_path / "b", np.full(5, 100.0))
+    c = write_result(tmp_path / "c", np.full(5, 100.0), fp=other)
+    rep = compare(load(b), load(c), RULES)
+    assert rep.verdict == "invalid" and rep.exit_code == 2 and not rep.checks
+    assert "load.concurrency: 4 != 8" in rep.errors[0]
+
+
+def test_differing_environment_warns_but_compares(tmp_path):
+    b = write_result(tmp_path / "b", np.array([100.0, 101, 99, 100, 100]))
+    c = write_result(
+        tmp_path / "c", np.array([100.0, 101, 99, 100, 100]), env={**ENV, "cpu_model": "Intel Xeon"}
+    )
+    rep = compare(load(b), load(c), RULES[:1])
+    assert rep.verdict == "pass"
+    assert len(rep.warnings) == 1 and "cpu_model: 'AMD EPYC' != 'Intel Xeon'" in rep.warnings[0]
+
+
+def test_missing_metric_and_points_are_invalid(tmp_path):
+    b = write_result(tmp_path / "b", np.full(4, 100.0))
+    rep = compare(load(b), load(b), [MetricRule.parse("tpot_p50:+5%")])
+    assert rep.verdict == "invalid" and "tpot_p50" in rep.errors[0]
+    rep = compare(load(b), load(b), RULES[:1], points=["c999"])
+    assert rep.verdict == "invalid" and "c999" in rep.errors[0]
+
+
+def test_metric_specs():
+    assert metric_path("output_tok_s") == ("throughput", "steady", "output_tok_per_s")
+    assert metric_path("ttft_p99") == ("latency", "ttft", "p99")
+    assert metric_path("telemetry.cpu_pct.mean") == ("telemetry", "cpu_pct", "mean")
+    r = MetricRule.parse("ttft_p99:+10%")
+    assert not r.higher_is_better and r.limit == pytest.approx(1.1) and str(r) == "ttft_p99:+10%"
+    r = MetricRule.parse("output_tok_s:-0%")
+    assert r.higher_is_better and r.limit == 1.0
+    for bad in ("output_tok_s", "output_tok_s:5%", "output_tok_s:-5", "nosuch:-5%"):
+        with pytest.raises(GateError):
+            MetricRule.parse(bad)
+
+
+def test_t_quantile_matches_tables():
+    for df, expected in [(1, 12.706), (2, 4.303), (4, 2.776), (9, 2.262), (30, 2.042)]:
+        assert t_quantile(0.975, df) == pytest.approx(expected, abs=1e-3)
+
+
+def test_baseline_save_round_trip_and_markdown(tmp_path):
+    rng = np.random.default_rng(5)
+    res = write_result(tmp_path / "run1", trials(rng, 100, 0.02, 5))
+    out = tmp_path / "baselines" / "ci.json"
+    save_baseline(res, out)
+    base = load(out)
+    assert base.fingerprint == FP and list(base.points) == ["c004"] and len(base.points["c004"]) == 5
+    rep = compare(base, load(res), RULES)
+    assert rep.verdict == "pass"
+    md = to_markdown(rep)
+    assert md.startswith("### servelab gate: ✅ pass")
+    assert "| c004 | output_tok_s | `output_tok_s:-5%` |" in md and "| 5/5 |" in md
+    json.dumps(rep.to_dict())  # the JSON output is serialisable
+
+
+def test_unreadable_inputs_are_gate_errors(tmp_path):
+    with pytest.raises(GateError, match="no such result"):
+        load(tmp_path / "nope")
+    (tmp_path / "x.json").write_text("{}")
+    with pytest.raises(GateError, match="no 'points'"):
+        load(tmp_path / "x.json")
