@@ -20,7 +20,10 @@ import string
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -208,3 +211,69 @@ class ServerProcess:
         except OSError:
             return ""
         return "\n".join(text.splitlines()[-lines:])
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    """One server configuration of a ``--server``/``--grid`` sweep."""
+
+    params: dict[str, str]
+    label: str  # point-id prefix, e.g. ``np4-ub128``
+
+
+def server_grid(template: str, grid_specs: list[str]) -> list[GridPoint]:
+    """The grid's points, with the template checked against them before anything is started."""
+    points = [GridPoint(p, grid_label(p)) for p in parse_grid(grid_specs)] or [GridPoint({}, "server")]
+    for gp in points:
+        render_command(template, gp.params, port=1, model="-")
+    return points
+
+
+RunInner = Callable[[str, GridPoint], list[dict[str, Any]]]
+
+
+def sweep_servers(
+    template: str,
+    points: list[GridPoint],
+    run_dir: Path,
+    run_inner: RunInner,
+    *,
+    health_path: str = "/health",
+    health_timeout_s: float = 180.0,
+) -> list[dict[str, Any]]:
+    """For each grid point: start the server, ``run_inner(base_url, point)`` (the load sweep, which
+    returns PointSummaries), stop the server. A server that fails to start, or dies during its points,
+    yields a failure entry for that grid point; the sweep goes on with the next one."""
+    results: list[dict[str, Any]] = []
+    for gp in points:
+        port = free_port()
+        argv = render_command(template, gp.params, port)
+        srv = ServerProcess(
+            argv, port, run_dir / "points" / gp.label / "server.log", health_path, health_timeout_s
+        )
+        server_info = {"params": gp.params, "command": shlex.join(argv), "log": str(srv.log_path)}
+        try:
+            with srv:
+                server_info["startup_s"] = round(srv.startup_s or 0.0, 3)
+                summaries = run_inner(srv.base_url, gp)
+                died = srv.proc.poll() if srv.proc else None
+        except LaunchError as exc:
+            results.append(
+                {
+                    "point_id": gp.label,
+                    "labels": {"server": gp.params},
+                    "server": server_info,
+                    "failed": {"kind": "launch", "message": str(exc)},
+                }
+            )
+            continue
+        for s in summaries:
+            s.setdefault("labels", {})["server"] = gp.params
+            s["server_launch"] = server_info
+            if died is not None:
+                s["failed"] = {
+                    "kind": "server_exited",
+                    "message": f"server exited with code {died} during the point",
+                }
+        results.extend(summaries)
+    return results

@@ -87,7 +87,7 @@ class LlamaCppNativeBackend(Backend):
             Delta(
                 text=text,
                 tokens=new_tokens if (text or new_tokens) else None,
-                tokens_source="tokens_field",
+                tokens_source="usage",  # the server's stated totals, as an OpenAI usage chunk gives them
                 finish_reason=_FINISH.get(obj.get("stop_type", ""), obj.get("stop_type")),
                 prompt_tokens=obj.get("tokens_evaluated"),
                 completion_tokens=predicted,

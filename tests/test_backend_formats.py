@@ -59,7 +59,7 @@ def test_llamacpp_native_counts_tokens_from_tokens_predicted():
     assert call.body["ignore_eos"] is True and call.body["seed"] == 5
     deltas = run(b, LLAMA_NATIVE)
     assert [d.tokens for d in deltas] == [1, 2, None]  # progress event dropped; final carries no new token
-    assert all(d.tokens_source == "tokens_field" for d in deltas)
+    assert [d.tokens_source for d in deltas] == ["tokens_field", "tokens_field", "usage"]
     final = deltas[-1]
     assert final.done and final.finish_reason == "length"
     assert final.prompt_tokens == 7 and final.completion_tokens == 3

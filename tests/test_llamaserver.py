@@ -1,0 +1,146 @@
+"""Integration against a real llama-server (built by scripts/build_llama_server.sh) on the bundled GGUF.
+
+Part of the default suite: a missing binary fails (the build script is CI's first step), it is not
+skipped. One server (-np 2) is shared by the stream tests; the sweep test starts its own per grid point.
+"""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from backends.base import GenRequest
+from backends.launcher import (
+    LLAMA_SERVER_ENV,
+    ServerProcess,
+    free_port,
+    render_command,
+    server_grid,
+    sweep_servers,
+)
+from backends.llamacpp import LlamaCppBackend, LlamaCppNativeBackend
+from backends.poller import ServerStatePoller, profile_of
+from loadgen.clock import RunClock
+from loadgen.engine import LoadSpec, run_async, run_point
+from loadgen.records import read_records
+from workloads.base import SingleShot, Workload
+
+pytestmark = pytest.mark.llamaserver
+ROOT = Path(__file__).resolve().parents[1]
+SERVER = "llama-server -m {model} -t 2 -c 8192 -np {np} --metrics --host 127.0.0.1 --port {port}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def llama_binary():
+    """The binary from $SERVELAB_LLAMA_SERVER or the build script's cache (built if missing)."""
+    if not os.environ.get(LLAMA_SERVER_ENV):
+        out = subprocess.run(["bash", str(ROOT / "scripts/build_llama_server.sh")], capture_output=True, text=True)
+        assert out.returncode == 0, f"llama-server build failed:\n{out.stderr[-2000:]}"
+        os.environ[LLAMA_SERVER_ENV] = out.stdout.strip().splitlines()[-1]
+    assert os.access(os.environ[LLAMA_SERVER_ENV], os.X_OK)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("llama") / "server.log"
+    with ServerProcess(render_command(SERVER, {"np": "2"}, port), port, log, health_timeout_s=60) as srv:
+        yield srv
+
+
+class Prompts(Workload):
+    """Distinct prompts (so no slot reuses another's prompt cache) of roughly ``words`` words."""
+
+    name = "test-prompts"
+
+    def __init__(self, words: int, max_tokens: int, api: str = "completions") -> None:
+        self.words, self.max_tokens, self.api = words, max_tokens, api
+
+    def sessions(self, seed):
+        i = 0
+        while True:
+            text = f"Request {seed}-{i}. " + " ".join(f"item{(i * 7 + k) % 97}" for k in range(self.words))
+            prompt = [{"role": "user", "content": text}] if self.api == "chat" else text
+            yield SingleShot(GenRequest(f"q{i}", prompt, self.max_tokens, api=self.api))
+            i += 1
+
+
+def run(backend, workload, out_dir, n, concurrency=1, sidecars=()):
+    load = LoadSpec(concurrency=concurrency, num_requests=n, timeout=60, stall_timeout=30)
+    summary = run_async(run_point(backend, workload, load, out_dir, RunClock(), sidecars))
+    return summary, read_records(out_dir / "requests.jsonl")
+
+
+def test_native_stream_exact_counts(server, tmp_path):
+    summary, recs = run(LlamaCppNativeBackend(server.base_url), Prompts(20, 24), tmp_path, n=3)
+    assert summary["counts"]["ok"] == 3
+    for r in recs:
+        t = r["extra"]["timings"]
+        assert r["output_tokens"] == t["predicted_n"] == 24  # ignore_eos: exactly max_tokens
+        assert sum(tok for _, tok in r["events"]) == 24 and all(tok >= 1 for _, tok in r["events"])
+        assert r["output_tokens_source"] == "usage" and r["finish_reason"] == "length"
+        assert r["prompt_tokens"] == t["prompt_n"] + t["cache_n"]
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_openai_stream_exact_counts(server, tmp_path, api):
+    backend = LlamaCppBackend(server.base_url, model="smol")
+    summary, recs = run(backend, Prompts(20, 17, api), tmp_path, n=2)
+    assert summary["counts"]["ok"] == 2
+    for r in recs:
+        assert r["output_tokens"] == r["extra"]["timings"]["predicted_n"] == 17
+        assert len(r["events"]) == 17 and r["event_tokens"] == "one_per_event"
+        assert r["prompt_tokens"] == r["extra"]["timings"]["prompt_n"] + r["extra"]["timings"]["cache_n"]
+
+
+def test_bench_numbers_match_server_timings(server, tmp_path):
+    """Client TTFT vs server prompt_ms, client TPOT vs predicted_ms/(predicted_n-1): within 5 %.
+
+    Long prompts keep TTFT dominated by prompt processing (HTTP and tokenization are ~1 ms)."""
+    summary, recs = run(LlamaCppNativeBackend(server.base_url), Prompts(400, 48), tmp_path, n=4)
+    assert summary["counts"]["ok"] == 4
+    server_ttft = sum(r["extra"]["timings"]["prompt_ms"] for r in recs) / 4 / 1e3
+    server_tpot = sum(r["extra"]["timings"]["predicted_ms"] / (r["extra"]["timings"]["predicted_n"] - 1)
+                      for r in recs) / 4 / 1e3
+    ttft, tpot = summary["latency"]["ttft"]["mean"], summary["latency"]["tpot"]["mean"]
+    report = {"ttft_client": ttft, "ttft_server": server_ttft, "tpot_client": tpot, "tpot_server": server_tpot}
+    (tmp_path / "agreement.json").write_text(json.dumps(report))
+    assert abs(ttft - server_ttft) / server_ttft < 0.05, report
+    assert abs(tpot - server_tpot) / server_tpot < 0.05, report
+    assert summary["counts"]["output_tokens"] == sum(r["extra"]["timings"]["predicted_n"] for r in recs)
+
+
+def test_server_sweep_two_np_values(tmp_path):
+    points = server_grid(SERVER, ["np=1,4"])
+    seen_ports = []
+
+    def inner(base_url, gp):
+        seen_ports.append(base_url)
+        backend = LlamaCppNativeBackend(base_url)
+        poller = ServerStatePoller(base_url, profile_of(backend), hz=10)
+        out = tmp_path / "points" / gp.label / "c004"
+        summary, _ = run(backend, Prompts(30, 32), out, n=8, concurrency=4, sidecars=[poller])
+        return [summary]
+
+    results = sweep_servers(SERVER, points, tmp_path, inner, health_timeout_s=60)
+    assert [r["labels"]["server"] for r in results] == [{"np": "1"}, {"np": "4"}]
+    assert len(set(seen_ports)) == 2
+    for r, label in zip(results, ["np1", "np4"], strict=True):
+        assert "failed" not in r and r["counts"]["ok"] == 8
+        assert (tmp_path / "points" / label / "server.log").stat().st_size > 0
+        lines = (tmp_path / "points" / label / "c004" / "server_state.jsonl").read_text().splitlines()
+        assert len(lines) >= 5 and all("metrics" in json.loads(x) for x in lines)
+        srv = r["server"]
+        # the server's own counter, reconciled over the point, equals what the client counted
+        assert srv["point"]["counters"]["llamacpp:tokens_predicted_total"] == r["counts"]["output_tokens"] == 256
+        busy = max(sum(s["busy"] for s in json.loads(x)["slots"]) for x in lines)
+        assert busy == (1 if label == "np1" else 4)
+        assert srv["gauges"]["llamacpp:requests_deferred"]["max"] >= (1 if label == "np1" else 0)
+
+
+def test_sweep_records_a_server_that_never_starts(tmp_path):
+    bad = "llama-server -m /nonexistent-{np}.gguf --port {port}"
+    results = sweep_servers(bad, server_grid(bad, ["np=2"]), tmp_path, lambda u, gp: [], health_timeout_s=30)
+    assert results[0]["failed"]["kind"] == "launch" and "exited with code" in results[0]["failed"]["message"]
