@@ -49,7 +49,9 @@ def find_chromium() -> str:
     """The Chromium binary (``$CHROMIUM`` or ``chromium`` on PATH); a clear error when there is none."""
     path = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
     if not path:
-        raise FileNotFoundError("headless Chromium not found: `apt-get install -y chromium` (or set $CHROMIUM)")
+        raise FileNotFoundError(
+            "headless Chromium not found: `apt-get install -y chromium` (or set $CHROMIUM)"
+        )
     return path
 
 
@@ -58,7 +60,9 @@ class PageReport:
     load_s: float  # Page.navigate sent -> Page.loadEventFired received
     nav_load_ms: float  # the page's own PerformanceNavigationTiming.loadEventStart
     console_errors: list[str] = field(default_factory=list)
-    requests: list[str] = field(default_factory=list)  # every URL the page asked for (the page itself included)
+    requests: list[str] = field(
+        default_factory=list
+    )  # every URL the page asked for (the page itself included)
     charts: list[dict[str, Any]] = field(default_factory=list)
     marks: dict[str, float] = field(default_factory=dict)  # the page's performance marks (ms)
 
@@ -86,7 +90,9 @@ class _Cdp:
                 self.events.append(data)
                 self.new_event.set()
 
-    async def send(self, method: str, params: dict[str, Any] | None = None, session: str | None = None) -> dict[str, Any]:
+    async def send(
+        self, method: str, params: dict[str, Any] | None = None, session: str | None = None
+    ) -> dict[str, Any]:
         i = next(self.ids)
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self.pending[i] = fut
@@ -123,14 +129,31 @@ async def _devtools_url(proc: subprocess.Popen[bytes], timeout: float) -> str:
     raise RuntimeError("Chromium did not start its DevTools endpoint:\n" + "".join(seen[-20:]))
 
 
-async def inspect_report(path: Path, screenshot: Path | None = None, *, width: int = 1400,
-                         height: int = 1000, timeout: float = 60.0) -> PageReport:
+async def inspect_report(
+    path: Path,
+    screenshot: Path | None = None,
+    *,
+    width: int = 1400,
+    height: int = 1000,
+    timeout: float = 60.0,
+) -> PageReport:
     """Load ``path`` in a fresh headless Chromium profile and report on it (see module docstring)."""
     with tempfile.TemporaryDirectory(prefix="servelab-chromium-") as profile:
-        proc = subprocess.Popen([find_chromium(), *FLAGS, f"--user-data-dir={profile}", "--remote-debugging-port=0",
-                                 "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(
+            [
+                find_chromium(),
+                *FLAGS,
+                f"--user-data-dir={profile}",
+                "--remote-debugging-port=0",
+                "about:blank",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         try:
-            return await asyncio.wait_for(_inspect(proc, Path(path), screenshot, width, height, timeout), timeout)
+            return await asyncio.wait_for(
+                _inspect(proc, Path(path), screenshot, width, height, timeout), timeout
+            )
         finally:
             proc.terminate()
             try:
@@ -140,8 +163,14 @@ async def inspect_report(path: Path, screenshot: Path | None = None, *, width: i
                 proc.wait()
 
 
-async def _inspect(proc: subprocess.Popen[bytes], path: Path, screenshot: Path | None, width: int, height: int,
-                   timeout: float) -> PageReport:
+async def _inspect(
+    proc: subprocess.Popen[bytes],
+    path: Path,
+    screenshot: Path | None,
+    width: int,
+    height: int,
+    timeout: float,
+) -> PageReport:
     url = await _devtools_url(proc, timeout)
     async with aiohttp.ClientSession() as http, http.ws_connect(url, max_msg_size=0) as ws:
         cdp = _Cdp(ws)
@@ -149,8 +178,11 @@ async def _inspect(proc: subprocess.Popen[bytes], path: Path, screenshot: Path |
         sid = (await cdp.send("Target.attachToTarget", {"targetId": target, "flatten": True}))["sessionId"]
         for method in ("Page.enable", "Runtime.enable", "Log.enable", "Network.enable"):
             await cdp.send(method, session=sid)
-        await cdp.send("Emulation.setDeviceMetricsOverride",
-                       {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False}, session=sid)
+        await cdp.send(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False},
+            session=sid,
+        )
         cdp.events.clear()
         t = time.monotonic()
         await cdp.send("Page.navigate", {"url": path.resolve().as_uri()}, session=sid)
@@ -164,14 +196,18 @@ async def _inspect(proc: subprocess.Popen[bytes], path: Path, screenshot: Path |
             return res["result"].get("value")
 
         nav_ms = float(await evaluate("performance.getEntriesByType('navigation')[0].loadEventStart"))
-        marks = await evaluate("Object.fromEntries(performance.getEntriesByType('mark').map(m => [m.name, m.startTime]))")
+        marks = await evaluate(
+            "Object.fromEntries(performance.getEntriesByType('mark').map(m => [m.name, m.startTime]))"
+        )
         charts = await evaluate(_CHECK_JS)
         await asyncio.sleep(0.2)  # let console messages from the checks arrive
         if screenshot is not None:
             full = int(await evaluate("document.documentElement.scrollHeight"))
-            await cdp.send("Emulation.setDeviceMetricsOverride",
-                           {"width": width, "height": min(full, 8000), "deviceScaleFactor": 1, "mobile": False},
-                           session=sid)
+            await cdp.send(
+                "Emulation.setDeviceMetricsOverride",
+                {"width": width, "height": min(full, 8000), "deviceScaleFactor": 1, "mobile": False},
+                session=sid,
+            )
             await evaluate("window.dispatchEvent(new Event('resize'))")
             await asyncio.sleep(0.5)
             shot = await cdp.send("Page.captureScreenshot", {"format": "png"}, session=sid)
@@ -182,7 +218,9 @@ async def _inspect(proc: subprocess.Popen[bytes], path: Path, screenshot: Path |
             if m == "Network.requestWillBeSent":
                 report.requests.append(p["request"]["url"])
             elif m == "Runtime.consoleAPICalled" and p.get("type") in ("error", "assert"):
-                report.console_errors.append(" ".join(str(a.get("value", a.get("description"))) for a in p["args"]))
+                report.console_errors.append(
+                    " ".join(str(a.get("value", a.get("description"))) for a in p["args"])
+                )
             elif m == "Runtime.exceptionThrown":
                 report.console_errors.append(json.dumps(p["exceptionDetails"])[:500])
             elif m == "Log.entryAdded" and p["entry"]["level"] == "error":

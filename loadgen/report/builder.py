@@ -52,20 +52,48 @@ def _table(header: list[str], rows: list[list[str]], cls: str, attrs: str = "") 
     return f'<div class="tablewrap"><table class="{cls}"{attrs}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
 
 
-def summary_table(run: RunData) -> str:
-    """Every scalar of every PointSummary in summary.json: a row per key, a column per point."""
+OPEN_GROUPS = ("point", "load", "counts", "latency", "throughput", "errors", "goodput")
+
+
+def summary_tables(run: RunData) -> str:
+    """Every value of every PointSummary in summary.json, verbatim: one table per top-level group (a row
+    per dotted key, a column per point); the main groups open, the rest (per class, client, server
+    state, telemetry, ...) folded."""
     pts = [p for p in run.summary.get("points") or [] if isinstance(p, dict)]
-    flats = [figures.flatten(p) for p in pts]
-    keys: list[str] = []
-    for f in flats:
-        keys += [k for k in f if k not in keys]
-    ids = [str(p.get("point_id", p.get("id", i))) for i, p in enumerate(pts)]
-    rows = [[html.escape(k)] + [html.escape(cell(f[k])) if k in f else "" for f in flats] for k in keys]
-    return _table(["metric"] + ids, rows, "summary", f' data-run="{html.escape(run.run_id)}"')
+    ids = [html.escape(str(p.get("point_id", p.get("id", i)))) for i, p in enumerate(pts)]
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for p in pts:
+        for g in [k for k, v in p.items() if isinstance(v, dict)] + ["point"]:
+            groups.setdefault(g, [])
+    for g in groups:
+        groups[g] = [
+            {k: v for k, v in p.items() if not isinstance(v, dict)}
+            if g == "point"
+            else figures.flatten(p.get(g) or {}, g + ".")
+            for p in pts
+        ]
+    out = []
+    for g in sorted(
+        groups, key=lambda g: (OPEN_GROUPS.index(g) if g in OPEN_GROUPS else len(OPEN_GROUPS), g)
+    ):
+        flats = groups[g]
+        keys = list(dict.fromkeys(k for f in flats for k in f))
+        if not keys:
+            continue
+        rows = [[html.escape(k)] + [html.escape(cell(f[k])) if k in f else "" for f in flats] for k in keys]
+        table = _table(
+            ["metric"] + ids, rows, "summary", f' data-run="{html.escape(run.run_id)}" data-group="{g}"'
+        )
+        out.append(
+            table if g in OPEN_GROUPS else f"<details><summary>{html.escape(g)}</summary>{table}</details>"
+        )
+    return "".join(out)
 
 
 def _meta_table(run: RunData) -> str:
-    flat = figures.flatten({k: run.summary[k] for k in ("config", "environment", "fingerprint") if k in run.summary})
+    flat = figures.flatten(
+        {k: run.summary[k] for k in ("config", "environment", "fingerprint") if k in run.summary}
+    )
     rows = [[html.escape(k), html.escape(cell(v))] for k, v in flat.items()]
     return f"<details><summary>configuration and environment</summary>{_table(['field', 'value'], rows, 'meta')}</details>"
 
@@ -92,7 +120,12 @@ def diff_table(runs: list[RunData]) -> str:
                     continue
                 pct = (o - b[m]) / b[m] * 100 if b[m] else math.nan
                 better = (pct > 0) == (m in ("throughput", "goodput"))
-                row += [cell(o), f'<span class="{"down" if better else "up"}">{pct:+.1f}</span>' if math.isfinite(pct) else ""]
+                row += [
+                    cell(o),
+                    f'<span class="{"down" if better else "up"}">{pct:+.1f}</span>'
+                    if math.isfinite(pct)
+                    else "",
+                ]
             rows.append(row)
     if not rows:
         return '<p class="note">No point id is shared by the runs: compare them on the sweep curves.</p>'
@@ -117,33 +150,52 @@ def build_html(runs: list[RunData]) -> str:
 
     for r, run in enumerate(runs):
         body.append(f"<h2>Run {html.escape(run.run_id)}</h2>")
-        body.append("<h3>Summary (summary.json)</h3>" + summary_table(run) + _meta_table(run))
+        body.append("<h3>Summary (summary.json)</h3>" + summary_tables(run) + _meta_table(run))
         if not run.points:
             body.append('<p class="note">No point has a requests.jsonl: nothing to draw.</p>')
             continue
-        opts = "".join(f'<option value="{html.escape(p.point_id)}">{html.escape(p.point_id)} '
-                       f"({len(p.requests):,} requests)</option>" for p in run.points)
+        opts = "".join(
+            f'<option value="{html.escape(p.point_id)}">{html.escape(p.point_id)} '
+            f"({len(p.requests):,} requests)</option>"
+            for p in run.points
+        )
         body.append(f'<p>Point: <select class="point-select" data-run="{r}">{opts}</select></p>')
         for p_i, point in enumerate(run.points):
             divs = []
-            for kind, fig in (("timeline", figures.timeline(run, point)), ("cdf", figures.distributions(point))):
+            for kind, fig in (
+                ("timeline", figures.timeline(run, point)),
+                ("cdf", figures.distributions(point)),
+            ):
                 if fig is None:
                     divs.append(f'<p class="note">{kind}: no data (no successful request).</p>')
                     continue
                 key = f"r{r}/p{p_i}/{kind}"
                 figs[key] = fig
                 divs.append(f'<div class="chart" data-fig="{key}"></div>')
-            absent = [name for name, rows in (("server state (/metrics)", point.server_state),
-                                              ("per-iteration record", point.iterations),
-                                              ("telemetry", point.telemetry)) if not rows]
+            absent = [
+                name
+                for name, rows in (
+                    ("server state (/metrics)", point.server_state),
+                    ("per-iteration record", point.iterations),
+                    ("telemetry", point.telemetry),
+                )
+                if not rows
+            ]
             if absent:
                 divs.insert(0, '<p class="note">Not recorded for this point: ' + ", ".join(absent) + ".</p>")
-            body.append(f'<div class="point" data-run="{r}" data-point="{html.escape(point.point_id)}" hidden>'
-                        + "".join(divs) + "</div>")
+            body.append(
+                f'<div class="point" data-run="{r}" data-point="{html.escape(point.point_id)}" hidden>'
+                + "".join(divs)
+                + "</div>"
+            )
     data = json.dumps({"figs": _jsonable(figs)}, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
     template = resources.files("loadgen.report").joinpath("assets/report.html").read_text(encoding="utf-8")
-    return (template.replace("__TITLE__", html.escape(title)).replace("__BODY__", "\n".join(body))
-            .replace("__DATA__", data).replace("__PLOTLY__", _plotly_js().replace("</script", "<\\/script")))
+    return (
+        template.replace("__TITLE__", html.escape(title))
+        .replace("__BODY__", "\n".join(body))
+        .replace("__DATA__", data)
+        .replace("__PLOTLY__", _plotly_js().replace("</script", "<\\/script"))
+    )
 
 
 def write_report(result_dirs: list[Path], out: Path) -> Path:

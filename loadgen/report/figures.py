@@ -26,34 +26,75 @@ WAITING = ("vllm:num_requests_waiting", "llamacpp:requests_deferred", "tgi_queue
            "sglang:num_queue_reqs", "servelab:num_requests_waiting")  # fmt: skip
 KV_RATIO = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "llamacpp:kv_cache_usage_ratio",
             "sglang:token_usage", "servelab:kv_cache_usage_perc")  # fmt: skip
+# Any other server (e.g. the bundled reference server): names that end like these.
+GENERIC = {"running": r"(requests_running|running_reqs|requests_processing)$",
+           "waiting": r"(requests_waiting|queue_reqs|queue_size|requests_deferred)$",
+           "kv": r"kv_cache_usage(_perc|_ratio)?$"}  # fmt: skip
 
 
 def _line(x: Any, y: Any, name: str, color: str, yaxis: str, **kw: Any) -> dict[str, Any]:
-    return {"type": "scatter", "mode": "lines", "x": x, "y": y, "name": name, "yaxis": yaxis, "xaxis": "x",
-            "line": {"color": color, "width": 1.5, **kw.pop("line", {})}, **kw}
+    return {
+        "type": "scatter",
+        "mode": "lines",
+        "x": x,
+        "y": y,
+        "name": name,
+        "yaxis": yaxis,
+        "xaxis": "x",
+        "line": {"color": color, "width": 1.5, **kw.pop("line", {})},
+        **kw,
+    }
 
 
 def _centers(edges: np.ndarray) -> np.ndarray:
     return (edges[:-1] + edges[1:]) / 2
 
 
+def _pairs(pts: list[tuple[float, float]]) -> tuple[np.ndarray, np.ndarray]:
+    t, v = zip(*pts, strict=True)
+    return np.array(t, dtype=float), np.array(v, dtype=float)
+
+
+def _family(metrics: dict[str, Any], name: str) -> float | None:
+    """Sum of a metric over its label sets (keys ``name`` or ``name{a=b,...}`` as the poller writes them)."""
+    vals = [v for k, v in metrics.items() if k.split("{", 1)[0] == name and isinstance(v, (int, float))]
+    return float(sum(vals)) if vals else None
+
+
 def _server_series(point: PointData) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Role -> (t, value) from server_state.jsonl samples ``{"t", "metrics": {name: value}}``."""
+    """Role (running, waiting, kv %) -> (t, value) from the poller's ``server_state.jsonl`` samples
+    (``{"t", "metrics": {"name{labels}": value}, "slots": [...]}``); failed scrapes are skipped.
+    llama.cpp's busy ``/slots`` stand in for "running" when its metrics lack a running gauge."""
     out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    rows = [r for r in point.server_state if isinstance(r.get("metrics"), dict) and isinstance(r.get("t"), (int, float))]
-    if not rows:
-        return out
+    rows = [r for r in point.server_state if isinstance(r.get("t"), (int, float))]
+    with_metrics = [r for r in rows if isinstance(r.get("metrics"), dict)]
+    present = sorted({k.split("{", 1)[0] for r in with_metrics[:1] for k in r["metrics"]})
     for role, names in (("running", RUNNING), ("waiting", WAITING), ("kv", KV_RATIO)):
-        name = next((n for n in names if any(n in r["metrics"] for r in rows)), None)
-        if name is None:
-            continue
-        pts = [(r["t"], r["metrics"][name]) for r in rows if isinstance(r["metrics"].get(name), (int, float))]
-        t, v = (np.array(a, dtype=float) for a in zip(*pts, strict=True))
-        out[role] = (t, v * 100 if role == "kv" and np.nanmax(v) <= 1.0 else v)
+        generic = [n for n in present if re.search(GENERIC[role], n) and n not in names]
+        for name in (*names, *generic):
+            pts = [(r["t"], v) for r in with_metrics if (v := _family(r["metrics"], name)) is not None]
+            if pts:
+                t, v = _pairs(pts)
+                out[role] = (t, v * 100 if role == "kv" and np.nanmax(v) <= 1.0 else v)
+                break
+    if "running" not in out:
+        slots = [(r["t"], float(sum(1 for s in r["slots"] if s.get("busy")))) for r in rows if r.get("slots")]
+        if slots:
+            out["running"] = _pairs(slots)
     return out
 
 
+# Per-iteration record fields of the reference server (GET /v1/iterations), with accepted aliases.
+_ITER_FIELDS = {
+    "prefill": ("prefill_tokens", "num_prefill_tokens"),
+    "decode": ("decode_tokens", "num_decode_tokens"),
+    "kv_used": ("kv_blocks_used", "blocks_used", "num_used_blocks"),
+    "kv_total": ("kv_blocks_total", "blocks_total", "num_blocks"),
+}
+
+
 def _iteration_arrays(point: PointData, t0_unix: float | None) -> dict[str, np.ndarray] | None:
+    """Per-step arrays on the run clock (``t``, else ``t_unix`` - run.json's ``t0_unix``)."""
     rows = point.iterations
     if not rows:
         return None
@@ -63,27 +104,35 @@ def _iteration_arrays(point: PointData, t0_unix: float | None) -> dict[str, np.n
         t = np.array([r.get("t_unix", np.nan) for r in rows], dtype=float) - t0_unix
     else:
         return None
-    get = lambda k: np.array([r.get(k) if isinstance(r.get(k), (int, float)) else np.nan for r in rows], dtype=float)  # noqa: E731
-    return {"t": t, "prefill": get("prefill_tokens"), "decode": get("decode_tokens"),
-            "kv_used": get("kv_blocks_used"), "kv_total": get("kv_blocks_total"),
-            "seqs": np.array([len(r.get("request_ids") or []) for r in rows], dtype=float)}
+
+    def get(names: tuple[str, ...]) -> np.ndarray:
+        key = next((k for k in names if k in rows[0]), names[0])
+        return np.array(
+            [r[key] if isinstance(r.get(key), (int, float)) else np.nan for r in rows], dtype=float
+        )
+
+    out = {"t": t, **{role: get(names) for role, names in _ITER_FIELDS.items()}}
+    ids = next((k for k in ("request_ids", "seq_ids", "requests") if k in rows[0]), None)
+    out["seqs"] = np.array([len(r.get(ids) or []) if ids else np.nan for r in rows], dtype=float)
+    return out
 
 
 def _telemetry_series(point: PointData) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Label -> (t, percent) for host CPU and each GPU's utilisation."""
-    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    """Label -> (t, percent): host CPU (mean over cores), the server process, each GPU (telemetry.jsonl)."""
     rows = [r for r in point.telemetry if isinstance(r.get("t"), (int, float))]
-    cpu = [(r["t"], r["cpu_percent"]) for r in rows if isinstance(r.get("cpu_percent"), (int, float))]
-    if cpu:
-        out["host CPU %"] = tuple(np.array(a, dtype=float) for a in zip(*cpu, strict=True))  # type: ignore[assignment]
-    gpus: dict[str, list[tuple[float, float]]] = {}
+    found: dict[str, list[tuple[float, float]]] = {}
     for r in rows:
+        cores = r.get("cpu_pct")
+        if isinstance(cores, list) and cores:
+            found.setdefault("host CPU % (mean of cores)", []).append((r["t"], sum(cores) / len(cores)))
+        if isinstance(r.get("server_cpu_pct"), (int, float)):
+            found.setdefault("server process CPU % (100 = one core)", []).append(
+                (r["t"], r["server_cpu_pct"])
+            )
         for i, g in enumerate(r.get("gpus") or []):
             if isinstance(g, dict) and isinstance(g.get("util"), (int, float)):
-                gpus.setdefault(f"GPU {g.get('index', i)} util %", []).append((r["t"], g["util"]))
-    for label, pts in gpus.items():
-        out[label] = tuple(np.array(a, dtype=float) for a in zip(*pts, strict=True))  # type: ignore[assignment]
-    return out
+                found.setdefault(f"GPU {g.get('index', i)} util %", []).append((r["t"], g["util"]))
+    return {label: _pairs(pts) for label, pts in found.items()}
 
 
 def timeline(run: RunData, point: PointData) -> Fig | None:
@@ -98,51 +147,134 @@ def timeline(run: RunData, point: PointData) -> Fig | None:
     rows: list[tuple[str, list[dict[str, Any]], float]] = []  # (title, traces, relative height)
 
     first_or_end = np.where(np.isfinite(req.first), req.first, req.end)
-    rows.append(("requests (client)", [
-        _line(x, series.mean_occupancy(req.sent, first_or_end, edges), "waiting for 1st token", PALETTE[3], "",
-              stackgroup="client"),
-        _line(x, series.mean_occupancy(req.first, req.end, edges), "streaming", PALETTE[0], "", stackgroup="client"),
-        _line(x, series.mean_occupancy(req.intended, req.sent, edges), "due, not yet sent", PALETTE[1], "",
-              line={"dash": "dot"}),
-    ], 1.0))
+    rows.append(
+        (
+            "requests (client)",
+            [
+                _line(
+                    x,
+                    series.mean_occupancy(req.sent, first_or_end, edges),
+                    "waiting for 1st token",
+                    PALETTE[3],
+                    "",
+                    stackgroup="client",
+                ),
+                _line(
+                    x,
+                    series.mean_occupancy(req.first, req.end, edges),
+                    "streaming",
+                    PALETTE[0],
+                    "",
+                    stackgroup="client",
+                ),
+                _line(
+                    x,
+                    series.mean_occupancy(req.intended, req.sent, edges),
+                    "due, not yet sent",
+                    PALETTE[1],
+                    "",
+                    line={"dash": "dot"},
+                ),
+            ],
+            1.0,
+        )
+    )
 
     srv = _server_series(point)
     if "running" in srv or "waiting" in srv:
-        traces = [_line(*srv[role], f"server {role}", c, "", line={"shape": "hv"})
-                  for role, c in (("running", PALETTE[2]), ("waiting", PALETTE[1])) if role in srv]
+        traces = [
+            _line(*srv[role], f"server {role}", c, "", line={"shape": "hv"})
+            for role, c in (("running", PALETTE[2]), ("waiting", PALETTE[1]))
+            if role in srv
+        ]
         rows.append(("server batch (/metrics)", traces, 1.0))
 
     it = _iteration_arrays(point, run.run.get("t0_unix"))
     if it is not None and np.isfinite(it["t"]).any():
         if len(it["t"]) <= MAX_STEPS_EXACT:
-            traces = [{"type": "bar", "x": it["t"], "y": it[k], "name": f"{k} tokens/step", "xaxis": "x", "yaxis": "",
-                       "marker": {"color": c, "line": {"width": 0}}} for k, c in (("decode", PALETTE[0]), ("prefill", PALETTE[3]))]
+            traces = [
+                {
+                    "type": "bar",
+                    "x": it["t"],
+                    "y": it[k],
+                    "name": f"{k} tokens/step",
+                    "xaxis": "x",
+                    "yaxis": "",
+                    "marker": {"color": c, "line": {"width": 0}},
+                }
+                for k, c in (("decode", PALETTE[0]), ("prefill", PALETTE[3]))
+            ]
             title = "tokens per engine step"
         else:
-            traces = [_line(x, series.binned_mean(it["t"], it[k], edges), f"{k} tokens/step (mean)", c, "",
-                            stackgroup="steps") for k, c in (("decode", PALETTE[0]), ("prefill", PALETTE[3]))]
+            traces = [
+                _line(
+                    x,
+                    series.binned_mean(it["t"], it[k], edges),
+                    f"{k} tokens/step (mean)",
+                    c,
+                    "",
+                    stackgroup="steps",
+                )
+                for k, c in (("decode", PALETTE[0]), ("prefill", PALETTE[3]))
+            ]
             title = f"tokens per engine step (mean per {edges[1] - edges[0]:g} s bin, {len(it['t']):,} steps)"
-        traces.append(_line(x, series.binned_mean(it["t"], it["seqs"], edges), "sequences in batch", PALETTE[4], "",
-                            line={"dash": "dot"}))
+        traces.append(
+            _line(
+                x,
+                series.binned_mean(it["t"], it["seqs"], edges),
+                "sequences in batch",
+                PALETTE[4],
+                "",
+                line={"dash": "dot"},
+            )
+        )
         rows.append((title, traces, 1.0))
 
     kv: list[dict[str, Any]] = []
     if "kv" in srv:
         kv.append(_line(*srv["kv"], "KV cache % (/metrics)", PALETTE[4], "", line={"shape": "hv"}))
     if it is not None and np.isfinite(it["kv_total"]).any():
-        kv.append(_line(x, series.binned_mean(it["t"], 100 * it["kv_used"] / it["kv_total"], edges),
-                        "KV blocks used % (per step)", PALETTE[5], ""))
+        kv.append(
+            _line(
+                x,
+                series.binned_mean(it["t"], 100 * it["kv_used"] / it["kv_total"], edges),
+                "KV blocks used % (per step)",
+                PALETTE[5],
+                "",
+            )
+        )
     if kv:
         rows.append(("KV cache usage %", kv, 0.8))
 
     tel = _telemetry_series(point)
     if tel:
-        rows.append(("utilisation %", [_line(t, v, label, PALETTE[(i + 6) % len(PALETTE)], "")
-                                       for i, (label, (t, v)) in enumerate(tel.items())], 0.8))
+        rows.append(
+            (
+                "utilisation %",
+                [
+                    _line(t, v, label, PALETTE[(i + 6) % len(PALETTE)], "")
+                    for i, (label, (t, v)) in enumerate(tel.items())
+                ],
+                0.8,
+            )
+        )
 
-    rows.append(("output tokens/s (client)", [
-        _line(x, series.binned_rate(req.event_t, series.event_tokens(req), edges), "output tok/s", PALETTE[2], "",
-              fill="tozeroy")], 0.8))
+    rows.append(
+        (
+            "output tokens/s (client)",
+            [
+                _line(
+                    x,
+                    series.binned_rate(req.event_t, series.event_tokens(req), edges),
+                    "output tok/s",
+                    PALETTE[2],
+                    "",
+                    fill="tozeroy",
+                )
+            ],
+            0.8,
+        )
+    )
 
     rows.append(_gantt(req))
     return _stack(rows, f"{point.point_id}: timeline (run clock, s)")
@@ -162,17 +294,36 @@ def _gantt(req: Any) -> tuple[str, list[dict[str, Any]], float]:
 
     first_or_end = np.where(np.isfinite(req.first), req.first, req.end)
     traces = []
-    for (a, b), name, color in (((req.intended, req.sent), "queued (client)", PALETTE[1]),
-                                ((req.sent, first_or_end), "prefill / TTFT", PALETTE[3]),
-                                ((req.first, req.end), "decode", PALETTE[0])):
+    for (a, b), name, color in (
+        ((req.intended, req.sent), "queued (client)", PALETTE[1]),
+        ((req.sent, first_or_end), "prefill / TTFT", PALETTE[3]),
+        ((req.first, req.end), "decode", PALETTE[0]),
+    ):
         xs, ys = segments(a, b)
-        traces.append(_line(xs, ys, name, color, "", line={"width": width}, connectgaps=False, hoverinfo="x+name"))
+        traces.append(
+            _line(xs, ys, name, color, "", line={"width": width}, connectgaps=False, hoverinfo="x+name")
+        )
     err = np.array([req.error[i] is not None for i in idx], dtype=bool)
     if err.any():
-        traces.append({"type": "scatter", "mode": "markers", "x": req.end[idx][err], "y": y[err], "xaxis": "x",
-                       "yaxis": "", "name": "error", "text": [f"{req.ids[i]}: {req.error[i]}" for i in idx[err]],
-                       "hoverinfo": "text+x", "marker": {"symbol": "x", "color": "#000", "size": 7}})
-    title = "requests (Gantt)" if n == len(req) else f"requests (Gantt: {n:,} of {len(req):,} drawn, every error kept)"
+        traces.append(
+            {
+                "type": "scatter",
+                "mode": "markers",
+                "x": req.end[idx][err],
+                "y": y[err],
+                "xaxis": "x",
+                "yaxis": "",
+                "name": "error",
+                "text": [f"{req.ids[i]}: {req.error[i]}" for i in idx[err]],
+                "hoverinfo": "text+x",
+                "marker": {"symbol": "x", "color": "#000", "size": 7},
+            }
+        )
+    title = (
+        "requests (Gantt)"
+        if n == len(req)
+        else f"requests (Gantt: {n:,} of {len(req):,} drawn, every error kept)"
+    )
     return title, traces, 2.5
 
 
@@ -181,20 +332,41 @@ def _stack(rows: list[tuple[str, list[dict[str, Any]], float]], title: str) -> F
     gap = 0.035
     total = sum(h for _, _, h in rows)
     usable = 1 - gap * (len(rows) - 1)
-    layout: dict[str, Any] = {"title": {"text": title, "x": 0.01}, "height": 170 * total + 120, "hovermode": "x",
-                              "margin": {"l": 60, "r": 20, "t": 50, "b": 40}, "legend": {"orientation": "v"},
-                              "xaxis": {"anchor": f"y{len(rows)}", "title": {"text": "run clock (s)"}},
-                              "barmode": "stack", "bargap": 0, "annotations": []}
+    layout: dict[str, Any] = {
+        "title": {"text": title, "x": 0.01},
+        "height": 170 * total + 120,
+        "hovermode": "x",
+        "margin": {"l": 60, "r": 20, "t": 50, "b": 40},
+        "legend": {"orientation": "v"},
+        "xaxis": {"anchor": f"y{len(rows)}", "title": {"text": "run clock (s)"}},
+        "barmode": "stack",
+        "bargap": 0,
+        "annotations": [],
+    }
     data: list[dict[str, Any]] = []
     top = 1.0
     for i, (row_title, traces, h) in enumerate(rows, 1):
         height = usable * h / total
         name = "y" if i == 1 else f"y{i}"
-        layout["yaxis" if i == 1 else f"yaxis{i}"] = {"domain": [max(top - height, 0), top], "anchor": "x",
-                                                      "rangemode": "tozero", "automargin": True}
-        layout["annotations"].append({"text": f"<b>{row_title}</b>", "xref": "paper", "yref": "paper",
-                                      "x": 0, "y": top, "xanchor": "left", "yanchor": "bottom",
-                                      "showarrow": False, "font": {"size": 11}})
+        layout["yaxis" if i == 1 else f"yaxis{i}"] = {
+            "domain": [max(top - height, 0), top],
+            "anchor": "x",
+            "rangemode": "tozero",
+            "automargin": True,
+        }
+        layout["annotations"].append(
+            {
+                "text": f"<b>{row_title}</b>",
+                "xref": "paper",
+                "yref": "paper",
+                "x": 0,
+                "y": top,
+                "xanchor": "left",
+                "yanchor": "bottom",
+                "showarrow": False,
+                "font": {"size": 11},
+            }
+        )
         for t in traces:
             t["yaxis"] = name
             data.append(t)
@@ -216,16 +388,28 @@ def distributions(point: PointData) -> Fig | None:
     groups = [("all", None)] + ([(c, c) for c in classes] if len(classes) > 1 else [])
     panels = [("TTFT (s)", "ttft"), ("ITL (s)", "itl"), ("TPOT (s)", "tpot"), ("E2E latency (s)", "e2e")]
     data: list[dict[str, Any]] = []
-    layout: dict[str, Any] = {"title": {"text": f"{point.point_id}: latency distributions (CDF)", "x": 0.01},
-                              "height": 560, "margin": {"l": 60, "r": 20, "t": 60, "b": 50}, "annotations": [],
-                              "hovermode": "closest"}
+    layout: dict[str, Any] = {
+        "title": {"text": f"{point.point_id}: latency distributions (CDF)", "x": 0.01},
+        "height": 560,
+        "margin": {"l": 60, "r": 20, "t": 60, "b": 50},
+        "annotations": [],
+        "hovermode": "closest",
+    }
     for p, (label, key) in enumerate(panels):
         ax = "" if p == 0 else str(p + 1)
         col, row = p % 2, p // 2
-        layout[f"xaxis{ax}"] = {"domain": [col * 0.53, col * 0.53 + 0.47], "anchor": f"y{ax}",
-                                "title": {"text": label}, "rangemode": "tozero"}
-        layout[f"yaxis{ax}"] = {"domain": [0.56 - row * 0.56, 1.0 - row * 0.56], "anchor": f"x{ax}",
-                                "range": [0, 1.02], "title": {"text": "fraction" if col == 0 else ""}}
+        layout[f"xaxis{ax}"] = {
+            "domain": [col * 0.53, col * 0.53 + 0.47],
+            "anchor": f"y{ax}",
+            "title": {"text": label},
+            "rangemode": "tozero",
+        }
+        layout[f"yaxis{ax}"] = {
+            "domain": [0.56 - row * 0.56, 1.0 - row * 0.56],
+            "anchor": f"x{ax}",
+            "range": [0, 1.02],
+            "title": {"text": "fraction" if col == 0 else ""},
+        }
         for g, (gname, cls) in enumerate(groups):
             if key == "itl":
                 v = lat["itl"] if cls is None else lat["itl"][lat["itl_cls"] == cls]
@@ -233,14 +417,29 @@ def distributions(point: PointData) -> Fig | None:
                 v = lat[key][ok if cls is None else ok & (req.cls == cls)]
             xs, ys = series.cdf(v)
             if xs.size:
-                data.append({"type": "scatter", "mode": "lines", "x": xs, "y": ys, "name": gname,
-                             "legendgroup": gname, "showlegend": p == 0, "xaxis": f"x{ax}", "yaxis": f"y{ax}",
-                             "line": {"color": PALETTE[g % len(PALETTE)], "width": 2 if cls is None else 1.5,
-                                      "shape": "hv"}})
+                data.append(
+                    {
+                        "type": "scatter",
+                        "mode": "lines",
+                        "x": xs,
+                        "y": ys,
+                        "name": gname,
+                        "legendgroup": gname,
+                        "showlegend": p == 0,
+                        "xaxis": f"x{ax}",
+                        "yaxis": f"y{ax}",
+                        "line": {
+                            "color": PALETTE[g % len(PALETTE)],
+                            "width": 2 if cls is None else 1.5,
+                            "shape": "hv",
+                        },
+                    }
+                )
     return {"data": data, "layout": layout} if data else None
 
 
 # ---- sweep curves -------------------------------------------------------------------------------
+
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """Nested dict -> {"a.b": scalar}; lists are kept as a whole value."""
@@ -264,10 +463,11 @@ def _find(flat: dict[str, Any], patterns: tuple[str, ...]) -> tuple[str, float] 
     return None
 
 
-LOAD_KEYS = (r"(load\.)?concurrency", r"(load\.)?rate", r".*\.concurrency", r".*\.rate")
-THROUGHPUT_KEYS = (r".*steady.*output_tok.*", r"(.*\.)?output_tok.*_s", r"(.*\.)?output_tok.*")
-GOODPUT_KEYS = (r".*steady.*goodput.*", r"(.*\.)?goodput.*")
-LATENCY_KEYS = {q: (rf"(.*\.)?e2e[^.]*\.{q}", rf"(.*\.)?ttft[^.]*\.{q}") for q in ("p50", "p99")}
+# PointSummary keys (loadgen.metrics.summarize / loadgen.engine.run_point), most specific first.
+LOAD_KEYS = (r"load\.concurrency", r"load\.rate", r"load\.speedup")
+THROUGHPUT_KEYS = (r"throughput\.steady\.output_tok_per_s", r"throughput\.whole\.output_tok_per_s")
+GOODPUT_KEYS = (r"goodput\.req_per_s", r"goodput\.req_per_s_whole")
+LATENCY_KEYS = {q: (rf"latency\.e2e\.{q}", rf"latency\.ttft\.{q}") for q in ("p50", "p99")}
 
 
 def sweep_rows(run: RunData) -> list[dict[str, Any]]:
@@ -276,8 +476,13 @@ def sweep_rows(run: RunData) -> list[dict[str, Any]]:
     for p in run.summary.get("points") or []:
         flat = flatten(p)
         row: dict[str, Any] = {"point_id": str(p.get("point_id", p.get("id", "")))}
-        for name, pats in (("load", LOAD_KEYS), ("throughput", THROUGHPUT_KEYS), ("goodput", GOODPUT_KEYS),
-                           ("p50", LATENCY_KEYS["p50"]), ("p99", LATENCY_KEYS["p99"])):
+        for name, pats in (
+            ("load", LOAD_KEYS),
+            ("throughput", THROUGHPUT_KEYS),
+            ("goodput", GOODPUT_KEYS),
+            ("p50", LATENCY_KEYS["p50"]),
+            ("p99", LATENCY_KEYS["p99"]),
+        ):
             hit = _find(flat, pats)
             row[name], row[name + "_key"] = (hit[1], hit[0]) if hit else (None, None)
         rows.append(row)
@@ -301,41 +506,115 @@ def sweep(runs: list[RunData]) -> Fig | None:
         common = {"type": "scatter", "mode": "lines+markers", "legendgroup": name, "text": text}
         if any(x["throughput"] is not None for x in rows):
             labels.setdefault("throughput", rows[0]["throughput_key"] or "throughput")
-            data.append({**common, "x": load, "y": [x["throughput"] for x in rows], "name": name, "xaxis": "x",
-                         "yaxis": "y", "line": {"color": color}})
+            data.append(
+                {
+                    **common,
+                    "x": load,
+                    "y": [x["throughput"] for x in rows],
+                    "name": name,
+                    "xaxis": "x",
+                    "yaxis": "y",
+                    "line": {"color": color},
+                }
+            )
         for q, dash in (("p50", "solid"), ("p99", "dash")):
             pts = [x for x in rows if x["throughput"] is not None and x[q] is not None]
             if not pts:
                 continue
             labels.setdefault("latency", (pts[0][q + "_key"] or "latency").rsplit(".", 1)[0])
-            data.append({**common, "x": [x["throughput"] for x in pts], "y": [x[q] for x in pts],
-                         "text": [x["point_id"] for x in pts], "name": f"{name} {q}", "xaxis": "x2", "yaxis": "y2",
-                         "showlegend": False, "line": {"color": color, "dash": dash}})
+            data.append(
+                {
+                    **common,
+                    "x": [x["throughput"] for x in pts],
+                    "y": [x[q] for x in pts],
+                    "text": [x["point_id"] for x in pts],
+                    "name": f"{name} {q}",
+                    "xaxis": "x2",
+                    "yaxis": "y2",
+                    "showlegend": False,
+                    "line": {"color": color, "dash": dash},
+                }
+            )
             if q == "p99":
                 k = series.knee_index([x["throughput"] for x in pts], [x[q] for x in pts])
                 if k is not None:
-                    data.append({"type": "scatter", "mode": "markers+text", "x": [pts[k]["throughput"]],
-                                 "y": [pts[k][q]], "text": ["knee"], "textposition": "top left",
-                                 "name": f"{name} knee", "xaxis": "x2", "yaxis": "y2", "showlegend": False,
-                                 "marker": {"symbol": "star", "size": 14, "color": color,
-                                            "line": {"color": "#000", "width": 1}}})
+                    data.append(
+                        {
+                            "type": "scatter",
+                            "mode": "markers+text",
+                            "x": [pts[k]["throughput"]],
+                            "y": [pts[k][q]],
+                            "text": ["knee"],
+                            "textposition": "top left",
+                            "name": f"{name} knee",
+                            "xaxis": "x2",
+                            "yaxis": "y2",
+                            "showlegend": False,
+                            "marker": {
+                                "symbol": "star",
+                                "size": 14,
+                                "color": color,
+                                "line": {"color": "#000", "width": 1},
+                            },
+                        }
+                    )
         if any(x["goodput"] is not None for x in rows):
             labels.setdefault("goodput", rows[0]["goodput_key"] or "goodput")
-            data.append({**common, "x": load, "y": [x["goodput"] for x in rows], "name": name, "xaxis": "x3",
-                         "yaxis": "y3", "showlegend": False, "line": {"color": color}})
+            data.append(
+                {
+                    **common,
+                    "x": load,
+                    "y": [x["goodput"] for x in rows],
+                    "name": name,
+                    "xaxis": "x3",
+                    "yaxis": "y3",
+                    "showlegend": False,
+                    "line": {"color": color},
+                }
+            )
     if not data:
         return None
-    axes = [("x", "y", labels.get("load"), labels.get("throughput"), "throughput vs load"),
-            ("x2", "y2", labels.get("throughput"), (labels.get("latency") or "latency") + " p50 (solid) / p99 (dash)",
-             "latency vs throughput"),
-            ("x3", "y3", labels.get("load"), labels.get("goodput"), "goodput vs load")]
-    layout: dict[str, Any] = {"title": {"text": "sweep", "x": 0.01}, "height": 420, "annotations": [],
-                              "margin": {"l": 60, "r": 20, "t": 70, "b": 60}, "hovermode": "closest"}
+    axes = [
+        ("x", "y", labels.get("load"), labels.get("throughput"), "throughput vs load"),
+        (
+            "x2",
+            "y2",
+            labels.get("throughput"),
+            (labels.get("latency") or "latency") + " p50 (solid) / p99 (dash)",
+            "latency vs throughput",
+        ),
+        ("x3", "y3", labels.get("load"), labels.get("goodput"), "goodput vs load"),
+    ]
+    layout: dict[str, Any] = {
+        "title": {"text": "sweep", "x": 0.01},
+        "height": 420,
+        "annotations": [],
+        "margin": {"l": 60, "r": 20, "t": 70, "b": 60},
+        "hovermode": "closest",
+    }
     for i, (xa, ya, xt, yt, title) in enumerate(axes):
         sx = "" if i == 0 else str(i + 1)
-        layout[f"xaxis{sx}"] = {"domain": [i * 0.35, i * 0.35 + 0.3], "anchor": ya, "title": {"text": xt or ""},
-                                "rangemode": "tozero"}
-        layout[f"yaxis{sx}"] = {"domain": [0, 0.9], "anchor": xa, "title": {"text": yt or ""}, "rangemode": "tozero"}
-        layout["annotations"].append({"text": f"<b>{title}</b>", "xref": "paper", "yref": "paper",
-                                      "x": i * 0.35, "y": 0.93, "xanchor": "left", "showarrow": False})
+        layout[f"xaxis{sx}"] = {
+            "domain": [i * 0.35, i * 0.35 + 0.3],
+            "anchor": ya,
+            "title": {"text": xt or ""},
+            "rangemode": "tozero",
+        }
+        layout[f"yaxis{sx}"] = {
+            "domain": [0, 0.9],
+            "anchor": xa,
+            "title": {"text": yt or ""},
+            "rangemode": "tozero",
+        }
+        layout["annotations"].append(
+            {
+                "text": f"<b>{title}</b>",
+                "xref": "paper",
+                "yref": "paper",
+                "x": i * 0.35,
+                "y": 0.93,
+                "xanchor": "left",
+                "showarrow": False,
+            }
+        )
     return {"data": data, "layout": layout}

@@ -61,7 +61,9 @@ def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError as exc:
-        raise ReportInputError(f"{path} is missing: is this a results directory written by `bench run`?") from exc
+        raise ReportInputError(
+            f"{path} is missing: is this a results directory written by `bench run`?"
+        ) from exc
     except json.JSONDecodeError as exc:
         raise ReportInputError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})") from exc
 
@@ -112,7 +114,9 @@ def requests_from_records(records: list[dict[str, Any]]) -> Requests:
         first=first,
         end=np.array([_num(r.get("end")) for r in recs]),
         output_tokens=np.array([_num(r.get("output_tokens")) for r in recs]),
-        error=np.array([(r.get("error") or {}).get("kind") if r.get("error") else None for r in recs], dtype=object),
+        error=np.array(
+            [(r.get("error") or {}).get("kind") if r.get("error") else None for r in recs], dtype=object
+        ),
         event_t=np.array(ev_t, dtype=float),
         event_tokens=np.array(ev_k, dtype=float),
         event_req=np.array(ev_i, dtype=np.int64),
@@ -135,7 +139,9 @@ def load_run(path: Path) -> RunData:
     if not isinstance(summary, dict):
         raise ReportInputError(f"{path / 'summary.json'} must hold a JSON object")
     run = _read_json(path / "run.json") if (path / "run.json").is_file() else {}
-    by_id = {str(p.get("point_id", p.get("id"))): p for p in summary.get("points") or [] if isinstance(p, dict)}
+    by_id = {
+        str(p.get("point_id", p.get("id"))): p for p in summary.get("points") or [] if isinstance(p, dict)
+    }
     points: list[PointData] = []
     for d in _point_dirs(path):
         pid = d.relative_to(path / "points").as_posix()

@@ -19,7 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from loadgen.report import series
+from loadgen import metrics
+from loadgen.engine import LoadSpec
+
+SLO = {"ttft": 0.5, "tpot": 0.05}
 
 
 @dataclass
@@ -56,7 +59,9 @@ class _Seq:
     events: list[list[float]] = field(default_factory=list)
 
 
-def _simulate_point(cfg: SimConfig, conc: int, t_start: float, rng: np.random.Generator, pfx: str) -> dict[str, Any]:
+def _simulate_point(
+    cfg: SimConfig, conc: int, t_start: float, rng: np.random.Generator, pfx: str
+) -> dict[str, Any]:
     n_total = cfg.requests_per_point + cfg.warmup_per_point
     names = list(cfg.classes)
     records: list[dict[str, Any]] = []
@@ -73,23 +78,41 @@ def _simulate_point(cfg: SimConfig, conc: int, t_start: float, rng: np.random.Ge
         sent = at + float(rng.uniform(5e-5, 6e-4))
         out = int(rng.integers(o_lo, o_hi + 1))
         fails = rng.random() < cfg.error_rate
-        fail_at = (int(rng.integers(0, max(out // 2, 1) + 1)) if fails else None)
-        seq = _Seq(f"{pfx}-{issued:05d}", cls, int(rng.integers(p_lo, p_hi + 1)), out, at, sent,
-                   sent + float(rng.uniform(1e-4, 4e-4)), fail_at)
+        fail_at = int(rng.integers(0, max(out // 2, 1) + 1)) if fails else None
+        seq = _Seq(
+            f"{pfx}-{issued:05d}",
+            cls,
+            int(rng.integers(p_lo, p_hi + 1)),
+            out,
+            at,
+            sent,
+            sent + float(rng.uniform(1e-4, 4e-4)),
+            fail_at,
+        )
         issued += 1
         heapq.heappush(pending, (seq.arrive, issued, seq))
 
     def finish(seq: _Seq, end: float, error: dict[str, str] | None, status: int | None) -> None:
-        records.append({
-            "id": seq.rid, "cls": seq.cls, "warmup": len(records) < cfg.warmup_per_point,
-            "intended": round(seq.intended, 6), "sent": round(seq.sent, 6),
-            "headers": round(seq.sent + 0.0008, 6) if status else None,
-            "end": round(end, 6), "status": status, "error": error,
-            "events": [[round(t, 6), k] for t, k in seq.events],
-            "prompt_tokens": seq.prompt, "prompt_tokens_source": "usage",
-            "output_tokens": seq.generated, "output_tokens_source": "usage" if error is None else "events",
-            "finish_reason": "length" if error is None else None, "extra": {},
-        })
+        records.append(
+            {
+                "id": seq.rid,
+                "cls": seq.cls,
+                "warmup": len(records) < cfg.warmup_per_point,
+                "intended": round(seq.intended, 6),
+                "sent": round(seq.sent, 6),
+                "headers": round(seq.sent + 0.0008, 6) if status else None,
+                "end": round(end, 6),
+                "status": status,
+                "error": error,
+                "events": [[round(t, 6), k] for t, k in seq.events],
+                "prompt_tokens": seq.prompt,
+                "prompt_tokens_source": "usage",
+                "output_tokens": seq.generated,
+                "output_tokens_source": "usage" if error is None else "events",
+                "finish_reason": "length" if error is None else None,
+                "extra": {},
+            }
+        )
         issue(end)  # closed loop: the freed slot sends the next request
 
     for _ in range(conc):
@@ -102,7 +125,12 @@ def _simulate_point(cfg: SimConfig, conc: int, t_start: float, rng: np.random.Ge
             seq = heapq.heappop(pending)[2]
             if seq.fail_at == 0:  # refused at once: an HTTP 500 with an error body
                 seq.events = []
-                finish(seq, seq.arrive + 0.002, {"kind": "http_5xx", "message": "HTTP 500: engine overloaded"}, 500)
+                finish(
+                    seq,
+                    seq.arrive + 0.002,
+                    {"kind": "http_5xx", "message": "HTTP 500: engine overloaded"},
+                    500,
+                )
             else:
                 waiting.append(seq)
         if not waiting and not running:
@@ -110,7 +138,11 @@ def _simulate_point(cfg: SimConfig, conc: int, t_start: float, rng: np.random.Ge
             continue
         budget = cfg.token_budget - len(running)
         admitted: list[_Seq] = []
-        while waiting and len(running) + len(admitted) < cfg.max_num_seqs and (waiting[0].prompt <= budget or not (running or admitted)):
+        while (
+            waiting
+            and len(running) + len(admitted) < cfg.max_num_seqs
+            and (waiting[0].prompt <= budget or not (running or admitted))
+        ):
             seq = waiting.pop(0)
             budget -= seq.prompt
             admitted.append(seq)
@@ -120,15 +152,28 @@ def _simulate_point(cfg: SimConfig, conc: int, t_start: float, rng: np.random.Ge
         t_end = t + dt * float(rng.uniform(0.95, 1.08))
         batch = running + admitted
         kv_used = sum(math.ceil((s.prompt + s.generated + 1) / cfg.block_size) for s in batch)
-        iters.append({"t": t_end, "request_ids": [s.rid for s in batch], "prefill_tokens": prefill,
-                      "decode_tokens": decode, "kv_blocks_used": kv_used, "kv_blocks_total": cfg.kv_blocks_total,
-                      "waiting": len(waiting)})
+        iters.append(
+            {
+                "t": t_end,
+                "request_ids": [s.rid for s in batch],
+                "prefill_tokens": prefill,
+                "decode_tokens": decode,
+                "kv_blocks_used": kv_used,
+                "kv_blocks_total": cfg.kv_blocks_total,
+                "waiting": len(waiting),
+            }
+        )
         still: list[_Seq] = []
         for seq in batch:
             seq.generated += 1
             seq.events.append([t_end + float(rng.uniform(1e-4, 5e-4)), 1])
             if seq.fail_at is not None and seq.generated >= seq.fail_at:
-                finish(seq, seq.events[-1][0] + 0.001, {"kind": "disconnect", "message": "connection dropped mid-stream"}, 200)
+                finish(
+                    seq,
+                    seq.events[-1][0] + 0.001,
+                    {"kind": "disconnect", "message": "connection dropped mid-stream"},
+                    200,
+                )
             elif seq.generated >= seq.out:
                 finish(seq, seq.events[-1][0] + 0.0002, None, 200)
             else:
@@ -137,34 +182,6 @@ def _simulate_point(cfg: SimConfig, conc: int, t_start: float, rng: np.random.Ge
         t = t_end
     records.sort(key=lambda r: r["end"])
     return {"records": records, "iterations": iters, "t_end": t}
-
-
-def _pct(v: np.ndarray) -> dict[str, float | None]:
-    v = v[np.isfinite(v)]
-    if v.size == 0:
-        return {"mean": None, "p50": None, "p90": None, "p99": None, "max": None}
-    return {"mean": round(float(v.mean()), 6), **{f"p{q}": round(float(np.percentile(v, q)), 6) for q in (50, 90, 99)},
-            "max": round(float(v.max()), 6)}
-
-
-def _summarize(point_id: str, conc: int, records: list[dict[str, Any]]) -> dict[str, Any]:
-    from loadgen.report.load import requests_from_records
-
-    req = requests_from_records(records)
-    lat = series.latencies(req)
-    ok = lat["ok"]
-    dur = float(np.nanmax(req.end) - np.nanmin(req.sent)) if len(req) else 0.0
-    good = ok & (lat["ttft"] < 0.5)
-    return {
-        "point_id": point_id, "load": {"mode": "concurrency", "concurrency": conc},
-        "requests": {"completed": int(ok.sum()), "errors": int((~ok).sum())},
-        "ttft_s": _pct(lat["ttft"][ok]), "tpot_s": _pct(lat["tpot"][ok]), "itl_s": _pct(lat["itl"]),
-        "e2e_s": _pct(lat["e2e"][ok]),
-        "request_per_s": round(float(ok.sum()) / dur, 4) if dur else None,
-        "output_tok_per_s": round(float(np.nansum(req.output_tokens[ok])) / dur, 3) if dur else None,
-        "goodput_req_per_s": round(float(good.sum()) / dur, 4) if dur else None,
-        "error_rate": round(float((~ok).mean()), 6) if len(req) else None,
-    }
 
 
 def _dump_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -188,36 +205,99 @@ def write_synthetic_results(root: Path, run_id: str = "synthetic", cfg: SimConfi
         sim = _simulate_point(cfg, conc, t, rng, pid)
         _dump_jsonl(pdir / "requests.jsonl", sim["records"])
         its = sim["iterations"]
-        if cfg.iterations:
-            _dump_jsonl(pdir / "iterations.jsonl", [
-                {"t_unix": round(t0_unix + it["t"], 6), **{k: v for k, v in it.items() if k not in ("t", "waiting")}}
-                for it in its])
+        if cfg.iterations:  # as the poller writes GET /v1/iterations: unix time plus the run clock
+            rows = [
+                {
+                    "t_unix": round(t0_unix + it["t"], 6),
+                    "t": round(it["t"], 6),
+                    **{k: v for k, v in it.items() if k not in ("t", "waiting")},
+                }
+                for it in its
+            ]
+            _dump_jsonl(pdir / "iterations.jsonl", rows)
         step_t = np.array([it["t"] for it in its])
-        if cfg.server_state:
+        ticks = np.arange(t, sim["t_end"], 0.1)
+        if cfg.server_state:  # as backends.poller writes it: Prometheus keys with labels, scrape latency
             rows = []
-            for ts in np.arange(t, sim["t_end"], 0.1):
+            for ts in ticks:
                 i = int(np.searchsorted(step_t, ts)) - 1
                 it = its[i] if i >= 0 else {"request_ids": [], "waiting": 0, "kv_blocks_used": 0}
-                rows.append({"t": round(float(ts), 4), "scrape_s": round(float(rng.uniform(0.001, 0.004)), 5), "metrics": {
-                    "vllm:num_requests_running": len(it["request_ids"]), "vllm:num_requests_waiting": it["waiting"],
-                    "vllm:kv_cache_usage_perc": round(it["kv_blocks_used"] / cfg.kv_blocks_total, 5)}})
+                lbl = "{engine=0,model_name=synthetic}"
+                rows.append(
+                    {
+                        "t": round(float(ts), 6),
+                        "metrics": {
+                            f"vllm:num_requests_running{lbl}": float(len(it["request_ids"])),
+                            f"vllm:num_requests_waiting{lbl}": float(it["waiting"]),
+                            f"vllm:kv_cache_usage_perc{lbl}": round(
+                                it["kv_blocks_used"] / cfg.kv_blocks_total, 5
+                            ),
+                            f"vllm:generation_tokens_total{lbl}": float(np.searchsorted(step_t, ts)),
+                        },
+                        "latency_s": round(float(rng.uniform(0.001, 0.004)), 6),
+                    }
+                )
             _dump_jsonl(pdir / "server_state.jsonl", rows)
-        if cfg.telemetry:
+        if cfg.telemetry:  # as loadgen.telemetry writes host samples
             rows = []
-            for ts in np.arange(t, sim["t_end"], 0.1):
-                busy = float(np.mean((step_t > ts - 0.1) & (step_t <= ts)) > 0)
-                cpu = min(100.0, 8 + 85 * busy + float(rng.normal(0, 3)))
-                rows.append({"t": round(float(ts), 4), "cpu_percent": round(max(cpu, 0.0), 1),
-                             "mem_used_bytes": int(3.1e9 + 1e6 * float(rng.normal(0, 5)))})
+            for ts in ticks:
+                busy = float(((step_t > ts - 0.1) & (step_t <= ts)).any())
+                cores = [round(float(np.clip(8 + 85 * busy + rng.normal(0, 4), 0, 100)), 1) for _ in range(2)]
+                rows.append(
+                    {
+                        "t": round(float(ts), 6),
+                        "cpu_pct": cores,
+                        "mem_used_b": int(3.1e9 + 1e6 * rng.normal(0, 5)),
+                        "mem_total_b": 24_000_000_000,
+                        "client_cpu_pct": round(float(rng.uniform(2, 6)), 1),
+                        "server_cpu_pct": round(float(np.clip(170 * busy + rng.normal(10, 5), 0, 200)), 1),
+                    }
+                )
             _dump_jsonl(pdir / "telemetry.jsonl", rows)
-        summary = _summarize(pid, conc, sim["records"])
+        load = LoadSpec(
+            process="closed",
+            concurrency=conc,
+            num_requests=cfg.requests_per_point,
+            warmup=cfg.warmup_per_point,
+            seed=cfg.seed,
+        ).describe()
+        summary = {
+            "point_id": pid,
+            "load": load,
+            "labels": {},
+            "t_start": t,
+            "t_end": sim["t_end"],
+            **metrics.summarize(sim["records"], load, SLO),
+        }
         (pdir / "summary.json").write_text(json.dumps(summary, indent=1))
         points.append(summary)
         t = sim["t_end"] + 0.5
-    config = {"backend": "synthetic", "concurrency": list(cfg.concurrencies), "requests": cfg.requests_per_point}
-    (out / "run.json").write_text(json.dumps({"run_id": run_id, "t0_unix": t0_unix, "config": config,
-                                              "points": [p["point_id"] for p in points]}, indent=1))
-    (out / "summary.json").write_text(json.dumps({"run_id": run_id, "config": config,
-                                                  "environment": {"cpu": "synthetic"}, "fingerprint": "synthetic",
-                                                  "points": points}, indent=1))
+    config = {
+        "backend": "synthetic",
+        "concurrency": list(cfg.concurrencies),
+        "requests": cfg.requests_per_point,
+    }
+    (out / "run.json").write_text(
+        json.dumps(
+            {
+                "run_id": run_id,
+                "t0_unix": t0_unix,
+                "config": config,
+                "points": [p["point_id"] for p in points],
+            },
+            indent=1,
+        )
+    )
+    (out / "summary.json").write_text(
+        json.dumps(
+            {
+                "run_id": run_id,
+                "config": config,
+                "environment": {"cpu": "synthetic"},
+                "fingerprint": "synthetic",
+                "points": points,
+            },
+            indent=1,
+        )
+    )
     return out
