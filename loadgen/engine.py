@@ -46,7 +46,7 @@ T = TypeVar("T")
 @dataclass
 class LoadSpec:
     process: str = "closed"
-    concurrency: int | None = None  # closed loop
+    concurrency: int | None = 1  # closed loop
     rate: float | None = None  # open loop, req/s
     burstiness: float = 1.0  # gamma shape
     num_requests: int | None = None  # measured requests (warm-up not counted)

@@ -1,0 +1,426 @@
+"""The ``bench`` command: ``bench run``, ``bench sweep``, ``bench calibrate`` (+ other areas' commands).
+
+Other areas add their subcommands at the bottom of this file, one line each::
+
+    app.command("report")(report_command)        # a function with typer-annotated parameters
+    app.add_typer(server_app, name="server")     # a whole typer sub-app
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import httpx
+import typer
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from backends.base import Backend
+from backends.registry import available, get_backend
+from loadgen.clock import RunClock
+from loadgen.engine import PROCESSES, LoadSpec, Progress, run_async
+from loadgen.nullserver import free_port
+from loadgen.results import ResultsDir, new_run_id
+from loadgen.sweep import PointPlan, loads_from, plan_points, run_sweep
+from workloads.base import Workload
+
+app = typer.Typer(
+    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    help="servelab: load-test and benchmark LLM inference servers.",
+)  # fmt: skip
+console = Console(stderr=True)
+
+
+class UsageError(Exception):
+    """Bad input: printed as a one-line error, exit status 2."""
+
+
+def parse_list(text: str, kind: type[float] | type[int], what: str) -> list[Any]:
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"{what} must be a comma-separated list of numbers, got {text!r}") from None
+    if any(v <= 0 for v in values):
+        raise UsageError(f"{what} values must be > 0, got {text!r}")
+    return values
+
+
+_UNITS = {"ms": 1e-3, "s": 1.0, "us": 1e-6}
+
+
+def parse_slo(text: str | None) -> dict[str, float] | None:
+    """``ttft=500ms,tpot=50ms,e2e=10s`` → seconds; a bare number is milliseconds (as vLLM's --goodput)."""
+    if not text:
+        return None
+    slo: dict[str, float] = {}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        key = key.strip().lower()
+        m = re.fullmatch(r"\s*([0-9.]+)\s*(ms|s|us)?\s*", value)
+        if key not in ("ttft", "tpot", "e2e") or not m:
+            raise UsageError(f"--slo wants ttft=..,tpot=..,e2e=.. (e.g. ttft=500ms,tpot=50ms), got {part!r}")
+        try:
+            slo[key] = float(m.group(1)) * _UNITS[m.group(2) or "ms"]
+        except ValueError:
+            raise UsageError(f"--slo: {value!r} is not a number") from None
+    return slo
+
+
+def load_workload(name: str) -> Workload:
+    try:
+        from workloads import load_workload as _load
+    except ImportError:
+        raise UsageError("workloads.load_workload is not available in this install") from None
+    try:
+        return _load(name)
+    except (FileNotFoundError, KeyError, ValueError) as exc:
+        raise UsageError(f"workload {name!r}: {exc}") from None
+
+
+def make_backend(
+    name: str, url: str, model: str | None, api: str | None, api_key_env: str | None, continuous_usage: bool,
+    extra_body: str | None,
+) -> Backend:  # fmt: skip
+    api_key = None
+    if api_key_env:
+        api_key = os.environ.get(api_key_env)
+        if not api_key:
+            raise UsageError(f"--api-key-env {api_key_env}: that environment variable is not set")
+    try:
+        extra = json.loads(extra_body) if extra_body else {}
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--extra-body is not valid JSON: {exc}") from None
+    if not isinstance(extra, dict):
+        raise UsageError("--extra-body must be a JSON object")
+    try:
+        cls = get_backend(name)
+    except KeyError:
+        raise UsageError(f"unknown backend {name!r}; available: {', '.join(available())}") from None
+    opts: dict[str, Any] = {"api": api, "extra_body": extra}
+    if continuous_usage:
+        opts["continuous_usage"] = True
+    try:
+        return cls(url, model=model or _first_model(url, api_key), api_key=api_key, **opts)  # type: ignore[call-arg]
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"backend {name!r}: {exc}") from None
+
+
+def _first_model(url: str, api_key: str | None) -> str | None:
+    """The server's first model from GET /v1/models; None when it has no such endpoint."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(url.rstrip("/") + "/v1/models", headers=headers, timeout=10, trust_env=False)
+        data = r.json().get("data") or []
+        return str(data[0]["id"]) if r.status_code == 200 and data else None
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+@contextmanager
+def embedded_server(log_path: Path, timeout: float = 600.0) -> Iterator[str]:
+    """Start the bundled reference server on a free loopback port; yields its URL; stops it after."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "reference_server", "--host", "127.0.0.1", "--port", str(port)],
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)  # fmt: skip
+        try:
+            console.print(f"[dim]starting the reference server on {url} (log: {log_path})[/]")
+            deadline = time.monotonic() + timeout
+            while True:
+                if proc.poll() is not None:
+                    raise UsageError(f"the reference server exited with status {proc.returncode}; see {log_path}")
+                try:
+                    if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise UsageError(f"the reference server did not become healthy in {timeout:.0f} s; see {log_path}")
+                time.sleep(0.5)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+class _LiveView:
+    def __init__(self, plan: PointPlan, progress: Progress, clock: RunClock) -> None:
+        self.plan, self.p, self.clock = plan, progress, clock
+
+    def __rich__(self) -> Text:
+        p = self.p
+        dt = max(self.clock.now() - p.t_start, 1e-9) if p.t_start else 0.0
+        tps = p.output_tokens / dt if dt else 0.0
+        err = f"  [red]errors {p.errors}[/]" if p.errors else ""
+        return Text.from_markup(
+            f"[bold]{self.plan.point_id}[/]  done {p.done}  in-flight {p.inflight}  "
+            f"{tps:,.0f} out tok/s  {dt:,.1f} s{err}"
+        )
+
+
+def _fmt(v: float | None, scale: float = 1e3, digits: int = 1) -> str:
+    return "-" if v is None else f"{v * scale:,.{digits}f}"
+
+
+def summary_table(summaries: list[dict[str, Any]]) -> Table:
+    t = Table(title="results (latencies in ms; throughput over the steady-state window)")
+    for col in ("point", "ok", "err", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
+                "ITL p50", "ITL p99", "E2E p50", "E2E p99", "lag p99"):  # fmt: skip
+        t.add_column(col, justify="left" if col == "point" else "right")
+    for s in summaries:
+        lat, thr = s["latency"], s["throughput"]["steady"]
+        t.add_row(
+            s["point_id"], str(s["counts"]["ok"]), str(s["counts"]["errors"]),
+            _fmt(thr["req_per_s"], 1, 2), _fmt(thr["output_tok_per_s"], 1, 0),
+            _fmt(lat["ttft"]["p50"]), _fmt(lat["ttft"]["p99"]), _fmt(lat["tpot"]["p50"]), _fmt(lat["tpot"]["p99"]),
+            _fmt(lat["itl"]["p50"]), _fmt(lat["itl"]["p99"]), _fmt(lat["e2e"]["p50"]), _fmt(lat["e2e"]["p99"]),
+            _fmt(s["client"]["schedule_lag"]["p99"], 1e3, 2),
+        )  # fmt: skip
+    return t
+
+
+def _report(summaries: list[dict[str, Any]], results: ResultsDir) -> None:
+    out = Console()
+    out.print(summary_table(summaries))
+    for s in summaries:
+        for w in s["client"]["warnings"]:
+            out.print(f"[yellow]warning[/] {s['point_id']}: the client may be limiting this run: {w}")
+        if s["errors"]["by_kind"]:
+            kinds = ", ".join(f"{k}: {n}" for k, n in s["errors"]["by_kind"].items())
+            out.print(f"[red]errors[/] {s['point_id']}: {kinds}")
+    out.print(f"results: {results.path}")
+
+
+# Shared options of `bench run` and `bench sweep`.
+Url = Annotated[str | None, typer.Option(help="Target base URL (default: start the bundled reference server).")]
+BackendOpt = Annotated[str, typer.Option("--backend", help="Server dialect (see backends.registry).")]
+ApiOpt = Annotated[str | None, typer.Option(help="completions or chat (default: the workload's).")]
+Model = Annotated[str | None, typer.Option(help="Model name sent to the server (default: GET /v1/models).")]
+Arrival = Annotated[str | None, typer.Option(help=f"Arrival process: {', '.join(PROCESSES)} (default: closed with"
+                                             " --concurrency, poisson with --rate).")]  # fmt: skip
+Burstiness = Annotated[float, typer.Option(help="Gamma shape: 1 = Poisson, < 1 burstier.")]
+WorkloadOpt = Annotated[str, typer.Option(help="Workload name or TOML path.")]
+NumRequests = Annotated[int | None, typer.Option(help="Measured requests per point.")]
+Duration = Annotated[float | None, typer.Option(help="Seconds of dispatch per point.")]
+Warmup = Annotated[int, typer.Option(help="Warm-up sessions per point (excluded from metrics).")]
+Seed = Annotated[int, typer.Option(help="Seed for arrivals and workload sampling.")]
+Slo = Annotated[str | None, typer.Option(help="Goodput SLOs, e.g. ttft=500ms,tpot=50ms,e2e=10s (bare = ms).")]
+Repeat = Annotated[int, typer.Option(help="Repeat each point N times as separate trials.")]
+OutputDir = Annotated[Path, typer.Option(help="Results root; the run goes to <output-dir>/<run-id>/.")]
+RunId = Annotated[str | None, typer.Option(help="Run id (default: a timestamp).")]
+ApiKeyEnv = Annotated[str | None, typer.Option(help="Name of the env var holding the API key (never stored).")]
+ContinuousUsage = Annotated[bool, typer.Option(help="Ask for per-chunk usage (vLLM continuous_usage_stats).")]
+ExtraBody = Annotated[str | None, typer.Option(help="JSON object merged into every request body.")]
+Client = Annotated[str, typer.Option(help="HTTP transport: aiohttp (httpx-aiohttp) or httpx.")]
+Timeout = Annotated[float, typer.Option(help="Per-request limit, seconds.")]
+StallTimeout = Annotated[float, typer.Option(help="Longest silence within a response, seconds.")]
+Speedup = Annotated[float, typer.Option(help="Trace replay speed-up (send at at/speedup).")]
+
+
+def _go(
+    *, url: str | None, backend: str, api: str | None, model: str | None, workloads: list[str],
+    concurrency: list[int], rate: list[float], arrival: str | None, burstiness: float,
+    num_requests: int | None, duration: float | None, warmup: int, seed: int, slo: str | None, repeat: int,
+    output_dir: Path, run_id: str | None, api_key_env: str | None, continuous_usage: bool,
+    extra_body: str | None, client: str, timeout: float, stall_timeout: float, speedup: float,
+    command: str, default_num_requests: int,
+) -> None:  # fmt: skip
+    """The common body of run and sweep: validate, plan, (start the server), run, report."""
+    if api not in (None, "completions", "chat"):
+        raise UsageError(f"--api must be completions or chat, got {api!r}")
+    if client not in ("aiohttp", "httpx"):
+        raise UsageError(f"--client must be aiohttp or httpx, got {client!r}")
+    if arrival is not None and arrival not in PROCESSES:
+        raise UsageError(f"--arrival must be one of {', '.join(PROCESSES)}, got {arrival!r}")
+    if repeat < 1 or warmup < 0:
+        raise UsageError("--repeat must be >= 1 and --warmup >= 0")
+    if url is not None and not re.match(r"^https?://", url):
+        raise UsageError(f"--url must start with http:// or https://, got {url!r}")
+    slo_s = parse_slo(slo)
+    wls = [load_workload(w) for w in workloads]
+    if num_requests is None and duration is None:
+        num_requests = default_num_requests
+    if not concurrency and not rate:  # the workload file's arrival settings, else concurrency 1
+        spec = wls[0].arrival
+        arrival = arrival or spec.process
+        if spec.rate:
+            rate = [spec.rate]
+        elif arrival != "trace":
+            concurrency = [spec.concurrency or 1]
+        burstiness = spec.burstiness or burstiness
+    open_process = arrival if arrival not in (None, "closed") else "poisson"
+    if arrival == "closed" and rate:
+        raise UsageError("--arrival closed takes --concurrency, not --rate")
+    if arrival in ("constant", "poisson", "gamma") and concurrency and not rate:
+        raise UsageError(f"--arrival {arrival} needs --rate")
+    try:
+        base = LoadSpec(process="closed", concurrency=1, num_requests=num_requests, duration=duration,
+                        warmup=warmup, seed=seed, burstiness=burstiness, timeout=timeout,
+                        stall_timeout=stall_timeout, speedup=speedup)  # fmt: skip
+        loads = loads_from(base, concurrency, rate, open_process)
+        if arrival == "trace":
+            loads = [LoadSpec(**{**base.describe(), "process": "trace", "concurrency": None})]
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    plans = plan_points(wls, loads, repeat)
+    results = ResultsDir(output_dir / (run_id or new_run_id()))
+    config = {
+        "command": command, "url": url or "embedded reference server", "backend": backend, "api": api,
+        "model": model, "workloads": workloads, "concurrency": concurrency, "rate": rate, "arrival": arrival,
+        "burstiness": burstiness, "num_requests": num_requests, "duration": duration, "warmup": warmup,
+        "seed": seed, "slo": slo_s, "repeat": repeat, "api_key_env": api_key_env,
+        "continuous_usage": continuous_usage, "extra_body": extra_body, "client": client, "timeout": timeout,
+        "stall_timeout": stall_timeout, "speedup": speedup,
+    }  # fmt: skip
+
+    def go(target: str) -> list[dict[str, Any]]:
+        be = make_backend(backend, target, model, api, api_key_env, continuous_usage, extra_body)
+        clock = RunClock()
+
+        @contextmanager
+        def live(plan: PointPlan, progress: Progress) -> Iterator[None]:
+            with Live(_LiveView(plan, progress, clock), console=console, refresh_per_second=2, transient=True):
+                yield
+
+        return run_async(run_sweep(be, plans, results, clock, config, slo=slo_s, client_kind=client, live=live))
+
+    try:
+        if url is None:
+            with embedded_server(results.path / "server.log") as target:
+                summaries = go(target)
+        else:
+            summaries = go(url)
+    except KeyboardInterrupt:
+        console.print(f"[yellow]interrupted[/]: finished requests are in {results.path}/points/*/requests.jsonl")
+        raise typer.Exit(130) from None
+    _report(summaries, results)
+    if any(s["counts"]["ok"] == 0 for s in summaries):
+        console.print("[red]error[/]: a point had no successful request (see the errors above)")
+        raise typer.Exit(1)
+
+
+def _guard(fn: Any, **kwargs: Any) -> None:
+    try:
+        fn(**kwargs)
+    except UsageError as exc:
+        console.print(f"[red]error[/]: {exc}")
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def run(
+    url: Url = None, backend: BackendOpt = "openai", api: ApiOpt = None, model: Model = None,
+    concurrency: Annotated[int | None, typer.Option(help="Closed-loop concurrency.")] = None,
+    rate: Annotated[float | None, typer.Option(help="Open-loop rate, req/s.")] = None,
+    arrival: Arrival = None, burstiness: Burstiness = 1.0, workload: WorkloadOpt = "chat-short",
+    num_requests: NumRequests = None, duration: Duration = None, warmup: Warmup = 0, seed: Seed = 0,
+    slo: Slo = None, repeat: Repeat = 1, output_dir: OutputDir = Path("results"), run_id: RunId = None,
+    api_key_env: ApiKeyEnv = None, continuous_usage: ContinuousUsage = False, extra_body: ExtraBody = None,
+    client: Client = "aiohttp", timeout: Timeout = 600.0, stall_timeout: StallTimeout = 60.0,
+    speedup: Speedup = 1.0,
+) -> None:  # fmt: skip
+    """Run one load point (closed loop at --concurrency or open loop at --rate)."""
+    if concurrency is not None and rate is not None:
+        console.print("[red]error[/]: bench run takes --concurrency or --rate, not both (use bench sweep)")
+        raise typer.Exit(2)
+    if concurrency is not None and concurrency < 1 or rate is not None and rate <= 0:
+        console.print("[red]error[/]: --concurrency must be >= 1 and --rate > 0")
+        raise typer.Exit(2)
+    _guard(
+        _go, url=url, backend=backend, api=api, model=model, workloads=[workload],
+        concurrency=[concurrency] if concurrency else [], rate=[rate] if rate else [], arrival=arrival,
+        burstiness=burstiness, num_requests=num_requests, duration=duration, warmup=warmup, seed=seed, slo=slo,
+        repeat=repeat, output_dir=output_dir, run_id=run_id, api_key_env=api_key_env,
+        continuous_usage=continuous_usage, extra_body=extra_body, client=client, timeout=timeout,
+        stall_timeout=stall_timeout, speedup=speedup, command="run", default_num_requests=100,
+    )  # fmt: skip
+
+
+@app.command()
+def sweep(
+    url: Url = None, backend: BackendOpt = "openai", api: ApiOpt = None, model: Model = None,
+    concurrency: Annotated[str | None, typer.Option(help="Closed-loop concurrencies, e.g. 1,4,16.")] = None,
+    rate: Annotated[str | None, typer.Option(help="Open-loop rates in req/s, e.g. 2,4,8.")] = None,
+    arrival: Arrival = None, burstiness: Burstiness = 1.0,
+    workload: Annotated[str, typer.Option(help="Workload name(s) or TOML path(s), comma-separated.")] = "chat-short",
+    num_requests: NumRequests = None, duration: Duration = None, warmup: Warmup = 2, seed: Seed = 0,
+    slo: Slo = None, repeat: Repeat = 1, output_dir: OutputDir = Path("results"), run_id: RunId = None,
+    api_key_env: ApiKeyEnv = None, continuous_usage: ContinuousUsage = False, extra_body: ExtraBody = None,
+    client: Client = "aiohttp", timeout: Timeout = 600.0, stall_timeout: StallTimeout = 60.0,
+    speedup: Speedup = 1.0,
+) -> None:  # fmt: skip
+    """Run a list of load points (concurrencies and/or rates × workloads) into one results directory."""
+
+    def body() -> None:
+        conc = parse_list(concurrency, int, "--concurrency") if concurrency else []
+        rates = parse_list(rate, float, "--rate") if rate else []
+        if not conc and not rates and arrival != "trace":
+            conc = [1, 4, 16]
+        _go(
+            url=url, backend=backend, api=api, model=model, workloads=[w for w in workload.split(",") if w],
+            concurrency=conc, rate=rates, arrival=arrival, burstiness=burstiness, num_requests=num_requests,
+            duration=duration, warmup=warmup, seed=seed, slo=slo, repeat=repeat, output_dir=output_dir,
+            run_id=run_id, api_key_env=api_key_env, continuous_usage=continuous_usage, extra_body=extra_body,
+            client=client, timeout=timeout, stall_timeout=stall_timeout, speedup=speedup, command="sweep",
+            default_num_requests=32,
+        )  # fmt: skip
+
+    _guard(body)
+
+
+@app.command()
+def calibrate(
+    concurrency: Annotated[int, typer.Option(help="Closed-loop concurrency.")] = 512,
+    events: Annotated[int, typer.Option(help="Stream events per response.")] = 200,
+    num_requests: Annotated[int, typer.Option(help="Closed-loop measured requests.")] = 20000,
+    rate: Annotated[float, typer.Option(help="Open-loop Poisson rate, req/s.")] = 300.0,
+    duration: Annotated[float, typer.Option(help="Open-loop seconds.")] = 30.0,
+    client: Client = "aiohttp", output_dir: OutputDir = Path("results"), run_id: RunId = None,
+) -> None:  # fmt: skip
+    """Measure this client's own ceiling against the null SSE server (run in a separate process)."""
+    from loadgen.calibrate import calibrate as _calibrate
+
+    if concurrency < 1 or events < 1 or num_requests < 1 or rate <= 0 or duration <= 0:
+        console.print("[red]error[/]: all calibrate options must be positive")
+        raise typer.Exit(2)
+    if client not in ("aiohttp", "httpx"):
+        console.print(f"[red]error[/]: --client must be aiohttp or httpx, got {client!r}")
+        raise typer.Exit(2)
+    out_dir = output_dir / (run_id or f"calibrate-{new_run_id()}")
+    console.print(f"calibrating: closed loop c={concurrency}, {events} events/stream; open loop Poisson {rate:g}/s")
+    res = run_async(_calibrate(out_dir, concurrency, events, num_requests, rate, duration, client))
+    t = Table(title=f"client ceiling ({client}; load average {res['load_average'][0]:.2f})")
+    for col in ("point", "req/s", "events/s", "conc. achieved/req.", "rate achieved/req.", "lag p50 ms",
+                "lag p99 ms", "client CPU"):  # fmt: skip
+        t.add_column(col, justify="right")
+    for name in ("closed", "open"):
+        r = res[name]
+        conc = f"{r['achieved_concurrency']:.1f}/{r['requested_concurrency']}" if r["requested_concurrency"] else "-"
+        rt = f"{r['achieved_rate']:.1f}/{r['requested_rate']:g}" if r["requested_rate"] else "-"
+        t.add_row(name, f"{r['req_per_s']:,.0f}", f"{r['events_per_s']:,.0f}", conc, rt,
+                  f"{r['lag_p50_ms']:.2f}", f"{r['lag_p99_ms']:.2f}", f"{r['client_cpu']:.0%}")  # fmt: skip
+    Console().print(Group(t, Text(f"results: {out_dir}")))
+
+
+def main() -> None:
+    app()
+
+
+# Other areas' subcommands (one line each):

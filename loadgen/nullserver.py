@@ -1,0 +1,313 @@
+"""A null OpenAI-compatible SSE server: instant (or paced) token streams, and injected faults.
+
+``bench calibrate`` runs it in its own process (``python -m loadgen.nullserver``) so that client and
+server do not share an event loop or a core; the tests use it as a fault-injection server. It speaks
+just enough HTTP/1.1 (keep-alive, Content-Length request bodies, chunked responses) on a raw asyncio
+protocol to stay out of the client's way.
+
+Each request's behaviour is the server default (command-line flags) updated by the request body's
+``"nullserver"`` object (send it with ``GenRequest.extra_body``)::
+
+    {"nullserver": {"events": 50, "tokens_per_event": 3, "ttft": 0.01, "itl": 0.001,
+                    "fault": "disconnect", "fault_after": 5}}
+
+``events`` defaults to ``max_tokens / tokens_per_event``. Faults: ``500``, ``429`` (JSON error bodies),
+``html`` (200 with a non-SSE body), ``hang`` (never answers), ``disconnect`` (drops the connection after
+``fault_after`` events), ``garbage`` (a non-SSE line), ``bad_json`` (a non-JSON data line),
+``error_event`` (``event: error``), ``error_payload`` (``data: {"error": ...}``), ``stall`` (goes quiet
+after ``fault_after`` events), ``no_done`` (ends without ``[DONE]``), ``cut`` (ends mid-line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+FAULTS = ("500", "429", "html", "hang", "disconnect", "garbage", "bad_json", "error_event", "error_payload",
+          "stall", "no_done", "cut")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Behaviour:
+    events: int | None = None
+    tokens_per_event: int = 1
+    ttft: float = 0.0
+    itl: float = 0.0
+    fault: str | None = None
+    fault_after: int = 0
+
+    def update(self, overrides: dict[str, Any]) -> Behaviour:
+        names = {f.name for f in fields(self)}
+        unknown = set(overrides) - names
+        if unknown:
+            raise ValueError(f"unknown nullserver option(s) {sorted(unknown)}; known: {sorted(names)}")
+        new = replace(self, **overrides)
+        if new.fault is not None and new.fault not in FAULTS:
+            raise ValueError(f"unknown fault {new.fault!r}; known: {', '.join(FAULTS)}")
+        return new
+
+
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error"}
+_SSE_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+             b"transfer-encoding: chunked\r\n\r\n")  # fmt: skip
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def _json_response(status: int, obj: Any, extra_headers: str = "") -> bytes:
+    body = json.dumps(obj).encode()
+    head = (f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n{extra_headers}\r\n")  # fmt: skip
+    return head.encode() + body
+
+
+class _Stream:
+    """The SSE events of one response."""
+
+    def __init__(self, body: dict[str, Any], b: Behaviour) -> None:
+        self.chat = "messages" in body
+        self.b = b
+        max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+        self.n = b.events if b.events is not None else max(1, -(-max_tokens // b.tokens_per_event))
+        prompt = body.get("prompt") if not self.chat else " ".join(m.get("content", "") for m in body["messages"])
+        self.prompt_tokens = len(str(prompt).split())
+        opts = body.get("stream_options") or {}
+        self.usage = bool(opts.get("include_usage"))
+        self.continuous = bool(opts.get("continuous_usage_stats"))
+
+    def event(self, i: int) -> bytes:
+        k = self.b.tokens_per_event
+        text = " tok" * k
+        finish = '"length"' if i == self.n - 1 else "null"
+        if self.chat:
+            choice = f'{{"index":0,"delta":{{"content":"{text}"}},"finish_reason":{finish}}}'
+            head = '{"id":"chatcmpl-null","object":"chat.completion.chunk","created":0,"model":"null","choices":['
+        else:
+            choice = f'{{"index":0,"text":"{text}","logprobs":null,"finish_reason":{finish}}}'
+            head = '{"id":"cmpl-null","object":"text_completion","created":0,"model":"null","choices":['
+        usage = f',"usage":{self._usage((i + 1) * k)}' if self.continuous else ""
+        return f"data: {head}{choice}]{usage}}}\n\n".encode()
+
+    def _usage(self, out: int) -> str:
+        p = self.prompt_tokens
+        return f'{{"prompt_tokens":{p},"completion_tokens":{out},"total_tokens":{p + out}}}'
+
+    def tail(self, done: bool = True) -> bytes:
+        out = b""
+        if self.usage:
+            out += f'data: {{"id":"null","choices":[],"usage":{self._usage(self.n * self.b.tokens_per_event)}}}\n\n'.encode()
+        return out + (b"data: [DONE]\n\n" if done else b"")
+
+
+class _Conn(asyncio.Protocol):
+    def __init__(self, default: Behaviour) -> None:
+        self.default = default
+        self.buf = b""
+        self.busy = False
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        self._next()
+
+    def _next(self) -> None:
+        while not self.busy and self.transport is not None and not self.transport.is_closing():
+            i = self.buf.find(b"\r\n\r\n")
+            if i < 0:
+                return
+            head = self.buf[:i].decode("latin-1").split("\r\n")
+            length = 0
+            for line in head[1:]:
+                name, _, value = line.partition(":")
+                if name.strip().lower() == "content-length":
+                    length = int(value.strip())
+            if len(self.buf) < i + 4 + length:
+                return
+            body, self.buf = self.buf[i + 4 : i + 4 + length], self.buf[i + 4 + length :]
+            method, path = (head[0].split(" ") + ["", ""])[:2]
+            self._handle(method, path, body)
+
+    def _handle(self, method: str, path: str, raw: bytes) -> None:
+        t = self.transport
+        assert t is not None
+        if method == "GET" and path == "/health":
+            t.write(_json_response(200, {"status": "ok"}))
+            return
+        if method == "GET" and path == "/v1/models":
+            t.write(_json_response(200, {"object": "list", "data": [{"id": "null", "object": "model"}]}))
+            return
+        if method != "POST" or path not in ("/v1/completions", "/v1/chat/completions"):
+            t.write(_json_response(404, {"error": {"message": f"no route {method} {path}"}}))
+            return
+        try:
+            body = json.loads(raw)
+            b = self.default.update(body.get("nullserver") or {})
+            stream = _Stream(body, b)
+        except (ValueError, TypeError) as exc:
+            t.write(_json_response(400, {"error": {"message": str(exc), "type": "invalid_request_error"}}))
+            return
+        if b.fault == "500":
+            t.write(_json_response(500, {"error": {"message": "injected server error", "type": "server_error"}}))
+        elif b.fault == "429":
+            t.write(_json_response(429, {"error": {"message": "injected rate limit"}}, "retry-after: 1\r\n"))
+        elif b.fault == "html":
+            body_html = b"<html><body>not an event stream</body></html>"
+            t.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/html\r\ncontent-length: %d\r\n\r\n%s"
+                    % (len(body_html), body_html))  # fmt: skip
+        elif b.fault is None and b.ttft == 0 and b.itl == 0:  # fast path: the whole stream in one write
+            t.write(_SSE_HEAD + _chunk(b"".join(map(stream.event, range(stream.n))) + stream.tail()) + b"0\r\n\r\n")
+        else:
+            self.busy = True
+            asyncio.get_running_loop().create_task(self._paced(stream, b))
+
+    async def _paced(self, stream: _Stream, b: Behaviour) -> None:
+        t = self.transport
+        assert t is not None
+        if b.fault == "hang":
+            await self._quiet(3600)
+            return
+        t.write(_SSE_HEAD)
+        if b.ttft:
+            await asyncio.sleep(b.ttft)
+        for i in range(stream.n):
+            if b.fault is not None and i == b.fault_after:
+                if await self._fault(stream, b):
+                    return
+            if i and b.itl:
+                await asyncio.sleep(b.itl)
+            if t.is_closing():
+                return
+            t.write(_chunk(stream.event(i)))
+        if b.fault == "cut":
+            t.write(_chunk(b'data: {"choices":[{"index":0,"te'))
+        else:
+            t.write(_chunk(stream.tail(done=b.fault != "no_done")))
+        t.write(b"0\r\n\r\n")
+        self.busy = False
+        self._next()
+
+    async def _fault(self, stream: _Stream, b: Behaviour) -> bool:
+        """Inject ``b.fault`` mid-stream; True when the response is over."""
+        t = self.transport
+        assert t is not None
+        if b.fault == "disconnect":
+            t.abort()
+            return True
+        if b.fault == "stall":
+            await self._quiet(3600)
+            return True
+        extra = {
+            "garbage": b"this is not server-sent events\n\n",
+            "bad_json": b"data: {not json\n\n",
+            "error_event": b'event: error\ndata: {"error": {"message": "injected stream error"}}\n\n',
+            "error_payload": b'data: {"error": {"message": "injected error payload", "code": 500}}\n\n',
+        }.get(b.fault or "")
+        if extra is not None:
+            t.write(_chunk(extra))
+        return False
+
+    async def _quiet(self, seconds: float) -> None:
+        """Say nothing until the client hangs up (or ``seconds`` pass)."""
+        end = time.monotonic() + seconds
+        while self.transport is not None and not self.transport.is_closing() and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        if self.transport is not None:
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+
+
+async def serve(host: str, port: int, default: Behaviour, ready: asyncio.Event | None = None) -> None:
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: _Conn(default), host, port, backlog=4096, reuse_address=True)
+    if ready is not None:
+        ready.set()
+    async with server:
+        await server.serve_forever()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class NullServerProcess:
+    """The null server in a child process; ``with NullServerProcess(itl=0.001) as url: ...``."""
+
+    def __init__(self, host: str = "127.0.0.1", **behaviour: Any) -> None:
+        self.host, self.port = host, free_port(host)
+        self.behaviour = Behaviour().update(behaviour)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 20.0) -> str:
+        args = [sys.executable, "-m", "loadgen.nullserver", "--host", self.host, "--port", str(self.port),
+                "--behaviour", json.dumps(asdict(self.behaviour))]  # fmt: skip
+        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"null server exited with status {self.proc.returncode}")
+            try:
+                socket.create_connection((self.host, self.port), timeout=0.2).close()
+                return self.url
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"null server did not listen on {self.url} within {timeout} s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m loadgen.nullserver", description=__doc__.split("\n")[0])
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8099)
+    ap.add_argument("--behaviour", default="{}", help="JSON object of default Behaviour fields")
+    args = ap.parse_args(argv)
+    default = Behaviour().update(json.loads(args.behaviour))
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve(args.host, args.port, default))
+    else:
+        uvloop.run(serve(args.host, args.port, default))
+
+
+if __name__ == "__main__":
+    main()

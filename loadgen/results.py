@@ -1,0 +1,160 @@
+"""The results directory (layout in docs/architecture.md), fingerprints and the sweep table.
+
+``ResultsDir(root / run_id)`` owns ``run.json``, ``summary.json``, ``sweep.csv``/``sweep.parquet`` and
+``points/<point_id>/``. The environment fingerprint says what machine and software produced a run; the
+config fingerprint is a hash of everything that changes the traffic or the target, so two runs with the
+same hash are comparable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+PACKAGES = ("servelab", "torch", "httpx", "httpx-aiohttp", "aiohttp", "uvloop", "numpy", "pandas", "transformers")
+_SECRET_KEY = re.compile(r"(api[_-]?key|authorization|token|secret|password)", re.I)
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+def fingerprint(obj: Any) -> str:
+    """sha256 (first 16 hex) of the canonical JSON of ``obj``."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def scrub(obj: Any) -> Any:
+    """``obj`` with any value under a secret-looking key replaced (defence in depth for configs)."""
+    if isinstance(obj, dict):
+        return {k: ("<redacted>" if _SECRET_KEY.search(str(k)) and v else scrub(v)) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [scrub(v) for v in obj]
+    return obj
+
+
+def environment() -> dict[str, Any]:
+    """CPU model, cores, memory, OS, Python, package versions, GPUs (via nvidia-smi when present)."""
+    env: dict[str, Any] = {
+        "cpu_model": _cpu_model(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
+        "python": sys.version.split()[0], "hostname_hash": fingerprint(platform.node()),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }  # fmt: skip
+    try:
+        import psutil
+
+        env["memory_bytes"] = psutil.virtual_memory().total
+    except ImportError:
+        pass
+    versions = {}
+    for pkg in PACKAGES:
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            continue
+    env["packages"] = versions
+    env["gpus"] = _gpus()
+    return env
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _gpus() -> list[str]:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def flatten(summary: dict[str, Any]) -> dict[str, Any]:
+    """One sweep-table row: load params, labels and metrics as flat columns (no per-class, no lists)."""
+    row: dict[str, Any] = {"point_id": summary["point_id"]}
+    load = summary.get("load", {})
+    for key in ("process", "concurrency", "rate", "burstiness", "num_requests", "duration", "seed"):
+        row[key] = load.get(key)
+    row["workload"] = (summary.get("workload") or {}).get("name")
+    for k, v in (summary.get("labels") or {}).items():
+        row[k] = v
+    row.update(_flat(summary.get("counts", {}), "n"))
+    for name, st in summary.get("latency", {}).items():
+        row.update(_flat(st, name))
+    for scope, thr in summary.get("throughput", {}).items():
+        row.update(_flat(thr, scope))
+    row["error_rate"] = summary.get("errors", {}).get("rate")
+    for kind, n in summary.get("errors", {}).get("by_kind", {}).items():
+        row[f"errors_{kind}"] = n
+    if "goodput" in summary:
+        row.update(_flat({k: v for k, v in summary["goodput"].items() if k != "slo"}, "goodput"))
+    client = summary.get("client", {})
+    row.update(_flat({k: v for k, v in client.items() if k != "warnings"}, "client"))
+    return row
+
+
+def _flat(d: dict[str, Any], prefix: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}_{k}"))
+        elif not isinstance(v, list):
+            out[f"{prefix}_{k}"] = v
+    return out
+
+
+class ResultsDir:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def run_id(self) -> str:
+        return self.path.name
+
+    def point_dir(self, point_id: str) -> Path:
+        d = self.path / "points" / point_id
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def write_run(self, config: dict[str, Any], t0_unix: float, point_ids: list[str],
+                  extra: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+        config = scrub(config)
+        run = {
+            "run_id": self.run_id, "config": config, "environment": environment(),
+            "fingerprint": fingerprint(config), "t0_unix": t0_unix, "points": point_ids, **(extra or {}),
+        }  # fmt: skip
+        _write_json(self.path / "run.json", run)
+        return run
+
+    def write_summary(self, run: dict[str, Any], points: list[dict[str, Any]]) -> None:
+        """Top summary.json plus sweep.csv/.parquet; called after every point so a crash keeps them."""
+        top = {k: run[k] for k in ("run_id", "config", "environment", "fingerprint")} | {"points": points}
+        _write_json(self.path / "summary.json", top)
+        df = pd.DataFrame([flatten(p) for p in points])
+        df.to_csv(self.path / "sweep.csv", index=False)
+        df.to_parquet(self.path / "sweep.parquet", index=False)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str))
+    tmp.replace(path)

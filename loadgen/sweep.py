@@ -1,0 +1,96 @@
+"""The sweep driver: a list of load points (loads × workloads × trials) into one results directory.
+
+    plans = plan_points([workload], loads_from(concurrency=[1, 4, 16], base=LoadSpec(num_requests=200)))
+    summaries = await run_sweep(backend, plans, ResultsDir(Path("results/r1")), RunClock(), config={...})
+
+After every point the top ``summary.json`` and ``sweep.csv``/``sweep.parquet`` are rewritten, so an
+interrupted sweep keeps what it finished. ``sidecars`` is a list used for every point or a function
+``plan -> list`` (fresh sidecar objects per point).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from backends.base import Backend
+from loadgen.clock import RunClock, Sidecar
+from loadgen.engine import LoadSpec, Progress, run_point
+from loadgen.results import ResultsDir
+from workloads.base import Workload
+
+
+@dataclass
+class PointPlan:
+    point_id: str
+    workload: Workload
+    load: LoadSpec
+    trial: int = 0
+    labels: dict[str, Any] = field(default_factory=dict)
+
+
+def loads_from(
+    base: LoadSpec, concurrency: Sequence[int] = (), rate: Sequence[float] = (), process: str = "poisson",
+) -> list[LoadSpec]:
+    """Closed-loop points for each concurrency, then open-loop (``process``) points for each rate."""
+    out = [replace(base, process="closed", concurrency=c, rate=None) for c in concurrency]
+    out += [replace(base, process=process, rate=r, concurrency=None) for r in rate]
+    return out
+
+
+def plan_points(
+    workloads: Sequence[Workload], loads: Sequence[LoadSpec], repeat: int = 1, prefix: str | None = None,
+) -> list[PointPlan]:
+    """Point ids ``[prefix/][workload/]<load>[/t<trial>]``: workload shown when there are several,
+    trial when ``repeat > 1``. Trials of a point use seeds ``seed + trial``."""
+    plans = []
+    for wl in workloads:
+        for load in loads:
+            for trial in range(repeat):
+                parts = [prefix] if prefix else []
+                if len(workloads) > 1:
+                    parts.append(wl.name)
+                parts.append(load.point_id())
+                if repeat > 1:
+                    parts.append(f"t{trial}")
+                labels = {"trial": trial} if repeat > 1 else {}
+                plans.append(PointPlan("/".join(parts), wl, replace(load, seed=load.seed + trial), trial, labels))
+    return plans
+
+
+async def run_sweep(
+    backend: Backend, plans: Sequence[PointPlan], results: ResultsDir, clock: RunClock, config: dict[str, Any],
+    sidecars: Sequence[Sidecar] | Callable[[PointPlan], Sequence[Sidecar]] = (), *,
+    slo: dict[str, float] | None = None, client_kind: str = "aiohttp",
+    live: Callable[[PointPlan, Progress], AbstractContextManager[Any]] | None = None,
+    run_extra: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Run ``plans`` in order; returns the PointSummaries (also in summary.json / sweep.csv)."""
+    ids = [p.point_id for p in plans]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"duplicate point ids in the sweep: {ids}")
+    extra = {"backend": backend.describe(), "workloads": _workloads(plans), **(run_extra or {})}
+    run = results.write_run(config, clock.t0_unix, ids, extra)
+    summaries: list[dict[str, Any]] = []
+    for plan in plans:
+        progress = Progress()
+        scs = sidecars(plan) if callable(sidecars) else sidecars
+        with live(plan, progress) if live else contextlib.nullcontext():
+            s = await run_point(
+                backend, plan.workload, plan.load, results.point_dir(plan.point_id), clock, scs,
+                point_id=plan.point_id, labels=plan.labels, slo=slo, client_kind=client_kind, progress=progress,
+            )  # fmt: skip
+        s["trial"] = plan.trial
+        summaries.append(s)
+        results.write_summary(run, summaries)
+    return summaries
+
+
+def _workloads(plans: Sequence[PointPlan]) -> list[dict[str, object]]:
+    seen: dict[str, dict[str, object]] = {}
+    for p in plans:
+        seen.setdefault(p.workload.name, p.workload.describe())
+    return list(seen.values())
