@@ -424,3 +424,8 @@ def main() -> None:
 
 
 # Other areas' subcommands (one line each):
+from loadgen.experiments import experiment_command  # noqa: E402, I001
+from loadgen.kvbudget import kv_budget_command  # noqa: E402, I001
+
+app.command("kv-budget")(kv_budget_command)
+app.command("experiment")(experiment_command)

@@ -170,12 +170,9 @@ def kv_budget(
     rows = []
     for ctx in contexts:
         per_req = _blocks(ctx, block_size)
-        shared = min(shared_prefix, ctx) // block_size  # only full blocks can be shared
-        private = per_req - shared
-        if private == 0:  # the whole context is the shared prefix: unbounded sharing, cap at capacity
-            with_prefix = blocks if shared <= blocks else 0
-        else:
-            with_prefix = max(0, (blocks - shared) // private)
+        # only full blocks can be shared, and a request's last block (where it writes) is its own
+        shared = min(shared_prefix, ctx - 1) // block_size
+        with_prefix = max(0, (blocks - shared) // (per_req - shared))
         rows.append(BudgetRow(ctx, blocks // per_req, blocks_mha // per_req, with_prefix))
     return KVBudget(
         model=shape.name,

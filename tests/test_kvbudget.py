@@ -31,6 +31,12 @@ def test_80gb_gpu_40gb_model_by_hand():
     assert row.concurrent_shared_prefix == (7_629 - 62) // 194 == 39
 
 
+def test_shared_prefix_longer_than_context_keeps_last_block_private():
+    b = kv_budget(L70, parse_size("80GB"), parse_size("40GB"), dtype="fp16", contexts=(512,), shared_prefix=1000)
+    # 511 tokens -> 31 shared blocks; each request keeps 32 - 31 = 1 block of its own
+    assert b.rows[0].concurrent_shared_prefix == (7_629 - 31) // 1
+
+
 def test_partial_block_rounds_up_and_utilization():
     shape = ModelShape(layers=1, heads=1, kv_heads=1, head_dim=1)  # 2 * dtype bytes per token
     b = kv_budget(shape, 1000, 200, dtype="fp32", contexts=(17, 16), block_size=16, utilization=0.5)
