@@ -229,7 +229,7 @@ def server_grid(template: str, grid_specs: list[str]) -> list[GridPoint]:
     return points
 
 
-RunInner = Callable[[str, GridPoint], list[dict[str, Any]]]
+RunInner = Callable[[str, GridPoint, list[dict[str, Any]]], list[dict[str, Any]]]
 
 
 def sweep_servers(
@@ -241,9 +241,10 @@ def sweep_servers(
     health_path: str = "/health",
     health_timeout_s: float = 180.0,
 ) -> list[dict[str, Any]]:
-    """For each grid point: start the server, ``run_inner(base_url, point)`` (the load sweep, which
-    returns PointSummaries), stop the server. A server that fails to start, or dies during its points,
-    yields a failure entry for that grid point; the sweep goes on with the next one."""
+    """For each grid point: start the server, ``run_inner(base_url, point, results_so_far)`` (the load
+    sweep, returning its PointSummaries), stop the server. Each summary gets ``server_launch`` (params,
+    command, log, start-up time). A server that fails to start, or dies during its points, gives a
+    ``failed`` entry for that grid point and the sweep goes on with the next one."""
     results: list[dict[str, Any]] = []
     for gp in points:
         port = free_port()
@@ -251,25 +252,20 @@ def sweep_servers(
         srv = ServerProcess(
             argv, port, run_dir / "points" / gp.label / "server.log", health_path, health_timeout_s
         )
-        server_info = {"params": gp.params, "command": shlex.join(argv), "log": str(srv.log_path)}
+        info: dict[str, Any] = {"params": gp.params, "command": shlex.join(argv), "log": str(srv.log_path)}
         try:
             with srv:
-                server_info["startup_s"] = round(srv.startup_s or 0.0, 3)
-                summaries = run_inner(srv.base_url, gp)
+                info["startup_s"] = round(srv.startup_s or 0.0, 3)
+                summaries = run_inner(srv.base_url, gp, results)
                 died = srv.proc.poll() if srv.proc else None
         except LaunchError as exc:
+            failed = {"kind": "launch", "message": str(exc)}
             results.append(
-                {
-                    "point_id": gp.label,
-                    "labels": {"server": gp.params},
-                    "server": server_info,
-                    "failed": {"kind": "launch", "message": str(exc)},
-                }
+                {"point_id": gp.label, "labels": dict(gp.params), "server_launch": info, "failed": failed}
             )
             continue
         for s in summaries:
-            s.setdefault("labels", {})["server"] = gp.params
-            s["server_launch"] = server_info
+            s["server_launch"] = info
             if died is not None:
                 s["failed"] = {
                     "kind": "server_exited",

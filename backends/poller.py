@@ -170,6 +170,7 @@ class ServerStatePoller:
         self._file: Any = None
         self._client: httpx.Client | None = None
         self._iter_since: int | None = None
+        self._paths: dict[str, str] = {}
 
     def start(self, clock: RunClock, point_dir: Path) -> None:
         self._clock, self._dir = clock, point_dir
@@ -177,6 +178,8 @@ class ServerStatePoller:
         self._file = (point_dir / "server_state.jsonl").open("w", encoding="utf-8")
         self._client = httpx.Client(base_url=self.base_url, timeout=self.timeout_s)
         self._iter_since = self._iterations_cursor()
+        self._paths = {k: p for k, p in (("metrics", self.profile.metrics_path), ("slots", self.profile.slots_path))
+                       if p and self._answers(p)}  # fmt: skip
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="server-state-poller", daemon=True)
         self._thread.start()
@@ -188,6 +191,7 @@ class ServerStatePoller:
         self._sample()  # a last scrape so the counters include the point's final requests
         self._file.close()
         summary = reconcile(self.samples, self._counters, self.profile, window)
+        summary["sources"] = sorted(self._paths)
         if self._iter_since is not None:
             summary["iterations"] = self._fetch_iterations()
         self._client.close()
@@ -208,14 +212,14 @@ class ServerStatePoller:
         t = self._clock.now()
         sample: dict[str, Any] = {"t": round(t, 6)}
         try:
-            if self.profile.metrics_path:
-                resp = self._client.get(self.profile.metrics_path)
+            if "metrics" in self._paths:
+                resp = self._client.get(self._paths["metrics"])
                 resp.raise_for_status()
                 values, counters = parse_metrics(resp.text)
                 self._counters |= counters
                 sample["metrics"] = values
-            if self.profile.slots_path:
-                resp = self._client.get(self.profile.slots_path)
+            if "slots" in self._paths:
+                resp = self._client.get(self._paths["slots"])
                 if resp.status_code == 200:
                     sample["slots"] = [_compact_slot(s) for s in resp.json()]
         except (httpx.HTTPError, ValueError) as exc:
@@ -225,6 +229,14 @@ class ServerStatePoller:
         self.samples.append(sample)
         self._file.write(json.dumps(sample, separators=(",", ":")) + "\n")
         self._file.flush()
+
+    def _answers(self, path: str) -> bool:
+        """False when the server says it has no such endpoint (404/501); True otherwise, so an
+        unreachable server is still sampled and its failures recorded."""
+        try:
+            return self._client.get(path).status_code not in (404, 405, 501)  # type: ignore[union-attr]
+        except httpx.HTTPError:
+            return True
 
     def _iterations_cursor(self) -> int | None:
         """The reference server's next iteration index, or None when the server has no such endpoint."""

@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -27,6 +28,8 @@ from rich.table import Table
 from rich.text import Text
 
 from backends.base import Backend
+from backends.launcher import GridPoint, LaunchError, server_grid, sweep_servers
+from backends.poller import ServerStatePoller, profile_of
 from backends.registry import available, get_backend
 from loadgen.clock import RunClock
 from loadgen.engine import PROCESSES, LoadSpec, Progress, run_async
@@ -232,6 +235,7 @@ Client = Annotated[str, typer.Option(help="HTTP transport: aiohttp (httpx-aiohtt
 Timeout = Annotated[float, typer.Option(help="Per-request limit, seconds.")]
 StallTimeout = Annotated[float, typer.Option(help="Longest silence within a response, seconds.")]
 Speedup = Annotated[float, typer.Option(help="Trace replay speed-up (send at at/speedup).")]
+PollHz = Annotated[float, typer.Option(help="Server-state poller rate (/metrics, /slots), Hz; 0 = off.")]
 
 
 def _go(
@@ -240,7 +244,8 @@ def _go(
     num_requests: int | None, duration: float | None, warmup: int, seed: int, slo: str | None, repeat: int,
     output_dir: Path, run_id: str | None, api_key_env: str | None, continuous_usage: bool,
     extra_body: str | None, client: str, timeout: float, stall_timeout: float, speedup: float,
-    command: str, default_num_requests: int,
+    command: str, default_num_requests: int, poll_hz: float = 10.0, server: str | None = None,
+    grid: list[str] | None = None, server_timeout: float = 300.0,
 ) -> None:  # fmt: skip
     """The common body of run and sweep: validate, plan, (start the server), run, report."""
     if api not in (None, "completions", "chat"):
@@ -253,6 +258,16 @@ def _go(
         raise UsageError("--repeat must be >= 1 and --warmup >= 0")
     if url is not None and not re.match(r"^https?://", url):
         raise UsageError(f"--url must start with http:// or https://, got {url!r}")
+    if poll_hz < 0:
+        raise UsageError("--poll-hz must be >= 0 (0 turns the server-state poller off)")
+    if grid and not server:
+        raise UsageError("--grid needs --server (the command template the grid fills in)")
+    if server and url:
+        raise UsageError("--server starts the target itself; drop --url")
+    try:
+        grid_points = server_grid(server, grid or []) if server else []
+    except (ValueError, LaunchError) as exc:
+        raise UsageError(f"--server/--grid: {exc}") from None
     slo_s = parse_slo(slo)
     wls = [load_workload(w) for w in workloads]
     if num_requests is None and duration is None:
@@ -287,22 +302,37 @@ def _go(
         "burstiness": burstiness, "num_requests": num_requests, "duration": duration, "warmup": warmup,
         "seed": seed, "slo": slo_s, "repeat": repeat, "api_key_env": api_key_env,
         "continuous_usage": continuous_usage, "extra_body": extra_body, "client": client, "timeout": timeout,
-        "stall_timeout": stall_timeout, "speedup": speedup,
+        "stall_timeout": stall_timeout, "speedup": speedup, "poll_hz": poll_hz, "server": server, "grid": grid,
     }  # fmt: skip
+    clock = RunClock()
 
-    def go(target: str) -> list[dict[str, Any]]:
+    def go(target: str, gp: GridPoint | None = None, previous: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         be = make_backend(backend, target, model, api, api_key_env, continuous_usage, extra_body)
-        clock = RunClock()
+        todo = plans if gp is None else [
+            replace(p, point_id=f"{gp.label}/{p.point_id}", labels={**p.labels, **gp.params}) for p in plans
+        ]  # fmt: skip
+
+        def pollers(plan: PointPlan) -> list[ServerStatePoller]:
+            return [ServerStatePoller(target, profile_of(be), poll_hz)] if poll_hz > 0 else []
 
         @contextmanager
         def live(plan: PointPlan, progress: Progress) -> Iterator[None]:
             with Live(_LiveView(plan, progress, clock), console=console, refresh_per_second=2, transient=True):
                 yield
 
-        return run_async(run_sweep(be, plans, results, clock, config, slo=slo_s, client_kind=client, live=live))
+        return run_async(run_sweep(be, todo, results, clock, config, pollers, slo=slo_s, client_kind=client,
+                                   live=live, previous=previous or []))  # fmt: skip
 
     try:
-        if url is None:
+        if server:
+            console.print(f"[dim]server sweep: {len(grid_points)} server configuration(s)[/]")
+            summaries = sweep_servers(server, grid_points, results.path, go, health_timeout_s=server_timeout)
+            run_path = results.path / "run.json"  # written by run_sweep unless every server failed
+            run_meta = json.loads(run_path.read_text()) if run_path.exists() else results.write_run(config, clock.t0_unix, [])
+            run_meta["points"] = [s["point_id"] for s in summaries]
+            run_path.write_text(json.dumps(run_meta, indent=1, default=str))
+            results.write_summary(run_meta, summaries)  # adds the launch info and launch failures
+        elif url is None:
             with embedded_server(results.path / "server.log") as target:
                 summaries = go(target)
         else:
@@ -310,9 +340,13 @@ def _go(
     except KeyboardInterrupt:
         console.print(f"[yellow]interrupted[/]: finished requests are in {results.path}/points/*/requests.jsonl")
         raise typer.Exit(130) from None
+    failed = [s for s in summaries if "failed" in s]
+    summaries = [s for s in summaries if "counts" in s]
     _report(summaries, results)
-    if any(s["counts"]["ok"] == 0 for s in summaries):
-        console.print("[red]error[/]: a point had no successful request (see the errors above)")
+    for s in failed:
+        console.print(f"[red]failed[/] {s['point_id']}: {s['failed']['message']}")
+    if failed or any(s["counts"]["ok"] == 0 for s in summaries):
+        console.print("[red]error[/]: a point failed or had no successful request (see above)")
         raise typer.Exit(1)
 
 
@@ -334,7 +368,7 @@ def run(
     slo: Slo = None, repeat: Repeat = 1, output_dir: OutputDir = Path("results"), run_id: RunId = None,
     api_key_env: ApiKeyEnv = None, continuous_usage: ContinuousUsage = False, extra_body: ExtraBody = None,
     client: Client = "aiohttp", timeout: Timeout = 600.0, stall_timeout: StallTimeout = 60.0,
-    speedup: Speedup = 1.0,
+    speedup: Speedup = 1.0, poll_hz: PollHz = 10.0,
 ) -> None:  # fmt: skip
     """Run one load point (closed loop at --concurrency or open loop at --rate)."""
     if concurrency is not None and rate is not None:
@@ -349,7 +383,7 @@ def run(
         burstiness=burstiness, num_requests=num_requests, duration=duration, warmup=warmup, seed=seed, slo=slo,
         repeat=repeat, output_dir=output_dir, run_id=run_id, api_key_env=api_key_env,
         continuous_usage=continuous_usage, extra_body=extra_body, client=client, timeout=timeout,
-        stall_timeout=stall_timeout, speedup=speedup, command="run", default_num_requests=100,
+        stall_timeout=stall_timeout, speedup=speedup, command="run", default_num_requests=100, poll_hz=poll_hz,
     )  # fmt: skip
 
 
@@ -364,7 +398,11 @@ def sweep(
     slo: Slo = None, repeat: Repeat = 1, output_dir: OutputDir = Path("results"), run_id: RunId = None,
     api_key_env: ApiKeyEnv = None, continuous_usage: ContinuousUsage = False, extra_body: ExtraBody = None,
     client: Client = "aiohttp", timeout: Timeout = 600.0, stall_timeout: StallTimeout = 60.0,
-    speedup: Speedup = 1.0,
+    speedup: Speedup = 1.0, poll_hz: PollHz = 10.0,
+    server: Annotated[str | None, typer.Option(help="Start this server command for each grid point, e.g. "
+                      "'llama-server -m {model} -np {np} --port {port}' ({model}: bundled GGUF, {port}: free port).")] = None,
+    grid: Annotated[list[str] | None, typer.Option(help="Server grid axis NAME=V1,V2 (repeat for a product).")] = None,
+    server_timeout: Annotated[float, typer.Option(help="Seconds to wait for a started server's health.")] = 300.0,
 ) -> None:  # fmt: skip
     """Run a list of load points (concurrencies and/or rates × workloads) into one results directory."""
 
@@ -379,7 +417,8 @@ def sweep(
             duration=duration, warmup=warmup, seed=seed, slo=slo, repeat=repeat, output_dir=output_dir,
             run_id=run_id, api_key_env=api_key_env, continuous_usage=continuous_usage, extra_body=extra_body,
             client=client, timeout=timeout, stall_timeout=stall_timeout, speedup=speedup, command="sweep",
-            default_num_requests=32,
+            default_num_requests=32, poll_hz=poll_hz, server=server,
+            grid=[axis for g in grid or [] for axis in g.split()], server_timeout=server_timeout,
         )  # fmt: skip
 
     _guard(body)

@@ -148,14 +148,15 @@ def test_sweep_servers_records_failures_and_goes_on(tmp_path):
     assert [p.label for p in points] == ["modedie", "modeok"]
     calls = []
 
-    def inner(base_url, gp):
-        calls.append(gp.label)
-        return [{"point_id": f"{gp.label}/c001", "labels": {}}]
+    def inner(base_url, gp, so_far):
+        calls.append((gp.label, len(so_far)))
+        return [{"point_id": f"{gp.label}/c001", "labels": gp.params}]
 
     results = sweep_servers(template, points, tmp_path, inner, health_path="/", health_timeout_s=20)
-    assert calls == ["modeok"]
+    assert calls == [("modeok", 1)]  # the failed point is already in the results it sees
     assert results[0]["failed"]["kind"] == "launch" and "code 4" in results[0]["failed"]["message"]
-    assert results[1]["labels"] == {"server": {"mode": "ok"}} and "failed" not in results[1]
+    assert results[0]["labels"] == {"mode": "die"} and "failed" not in results[1]
+    assert results[1]["server_launch"]["params"] == {"mode": "ok"}
     assert results[1]["server_launch"]["startup_s"] > 0
     assert (tmp_path / "points" / "modeok" / "server.log").read_text().startswith("$ ")
     with pytest.raises(ValueError, match="no --grid"):

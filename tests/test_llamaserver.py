@@ -116,7 +116,7 @@ def test_server_sweep_two_np_values(tmp_path):
     points = server_grid(SERVER, ["np=1,4"])
     seen_ports = []
 
-    def inner(base_url, gp):
+    def inner(base_url, gp, so_far):
         seen_ports.append(base_url)
         backend = LlamaCppNativeBackend(base_url)
         poller = ServerStatePoller(base_url, profile_of(backend), hz=10)
@@ -125,7 +125,7 @@ def test_server_sweep_two_np_values(tmp_path):
         return [summary]
 
     results = sweep_servers(SERVER, points, tmp_path, inner, health_timeout_s=60)
-    assert [r["labels"]["server"] for r in results] == [{"np": "1"}, {"np": "4"}]
+    assert [r["server_launch"]["params"] for r in results] == [{"np": "1"}, {"np": "4"}]
     assert len(set(seen_ports)) == 2
     for r, label in zip(results, ["np1", "np4"], strict=True):
         assert "failed" not in r and r["counts"]["ok"] == 8
@@ -142,5 +142,5 @@ def test_server_sweep_two_np_values(tmp_path):
 
 def test_sweep_records_a_server_that_never_starts(tmp_path):
     bad = "llama-server -m /nonexistent-{np}.gguf --port {port}"
-    results = sweep_servers(bad, server_grid(bad, ["np=2"]), tmp_path, lambda u, gp: [], health_timeout_s=30)
+    results = sweep_servers(bad, server_grid(bad, ["np=2"]), tmp_path, lambda u, gp, so_far: [], health_timeout_s=30)
     assert results[0]["failed"]["kind"] == "launch" and "exited with code" in results[0]["failed"]["message"]
