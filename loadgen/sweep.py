@@ -66,15 +66,18 @@ async def run_sweep(
     sidecars: Sequence[Sidecar] | Callable[[PointPlan], Sequence[Sidecar]] = (), *,
     slo: dict[str, float] | None = None, client_kind: str = "aiohttp",
     live: Callable[[PointPlan, Progress], AbstractContextManager[Any]] | None = None,
-    run_extra: dict[str, Any] | None = None,
+    run_extra: dict[str, Any] | None = None, previous: Sequence[dict[str, Any]] = (),
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """Run ``plans`` in order; returns the PointSummaries (also in summary.json / sweep.csv)."""
-    ids = [p.point_id for p in plans]
+    """Run ``plans`` in order; returns the PointSummaries (also in summary.json / sweep.csv).
+
+    ``previous``: summaries already in this results directory (earlier server grid points), kept in
+    summary.json / sweep.csv ahead of the new ones."""
+    ids = [*(s["point_id"] for s in previous), *(p.point_id for p in plans)]
     if len(set(ids)) != len(ids):
         raise ValueError(f"duplicate point ids in the sweep: {ids}")
     extra = {"backend": backend.describe(), "workloads": _workloads(plans), **(run_extra or {})}
     run = results.write_run(config, clock.t0_unix, ids, extra)
-    summaries: list[dict[str, Any]] = []
+    summaries: list[dict[str, Any]] = list(previous)
     for plan in plans:
         progress = Progress()
         scs = sidecars(plan) if callable(sidecars) else sidecars
@@ -86,7 +89,7 @@ async def run_sweep(
         s["trial"] = plan.trial
         summaries.append(s)
         results.write_summary(run, summaries)
-    return summaries
+    return summaries[len(previous):]
 
 
 def _workloads(plans: Sequence[PointPlan]) -> list[dict[str, object]]:
