@@ -468,3 +468,7 @@ from loadgen.kvbudget import kv_budget_command  # noqa: E402, I001
 
 app.command("kv-budget")(kv_budget_command)
 app.command("experiment")(experiment_command)
+from loadgen.gate_cli import baseline_app, gate  # noqa: E402, I001
+
+app.command("gate")(gate)
+app.add_typer(baseline_app, name="baseline")

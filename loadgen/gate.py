@@ -105,6 +105,7 @@ def load(path: str | Path) -> ResultSet:
     """A result directory (its ``summary.json``), a ``summary.json`` or a saved baseline file."""
     p = Path(path)
     file = p / "summary.json" if p.is_dir() else p
+    run_json = p / "run.json" if p.is_dir() else p.with_name("run.json")
     if not file.is_file():
         raise GateError(
             f"{path}: no such result (expected a results/<run_id>/ directory or a baseline .json)"
@@ -125,11 +126,38 @@ def load(path: str | Path) -> ResultSet:
         trials.sort(key=_trial_index)
     return ResultSet(
         source=str(path),
-        fingerprint=doc.get("fingerprint") or {},
-        environment=doc.get("environment") or {},
+        fingerprint=comparable_config(doc),
+        environment={k: v for k, v in (doc.get("environment") or {}).items() if k not in ENV_IGNORED},
         points=points,
-        paired=bool(doc.get("ab_paired", False)),
+        paired=bool(doc.get("ab_paired", False)) or _run_flag(run_json, "ab_paired"),
     )
+
+
+def _run_flag(run_json: Path, key: str) -> bool:
+    """A flag from the ``run.json`` beside a ``summary.json`` (interleaved A/B runs mark themselves there)."""
+    try:
+        return bool(json.loads(run_json.read_text(encoding="utf-8")).get(key, False))
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return False
+
+
+# Config keys that do not change what is measured: where the server is, how many trials, limits that only
+# matter on failure. Everything else in ``config`` (workload, load, seed, model, API, client) must match.
+# The server command is not in it either: comparing two servers (or two builds of one) is the point.
+CONFIG_IGNORED = frozenset(
+    {"command", "url", "server", "poll_hz", "repeat", "api_key_env", "timeout", "stall_timeout", "run_id"}
+)
+ENV_IGNORED = frozenset({"load_average"})
+
+
+def comparable_config(doc: dict[str, Any]) -> dict[str, Any]:
+    """What must be equal for two results to be compared: the run config without :data:`CONFIG_IGNORED`
+    (so a refusal can name the field), or the bare ``fingerprint`` when a result has no config."""
+    config = doc.get("config")
+    if isinstance(config, dict):
+        return {k: v for k, v in config.items() if k not in CONFIG_IGNORED}
+    fp = doc.get("fingerprint")
+    return fp if isinstance(fp, dict) else {"fingerprint": fp}
 
 
 def _trial_index(pt: dict[str, Any]) -> int:
@@ -141,14 +169,14 @@ def _trial_index(pt: dict[str, Any]) -> int:
 
 def save_baseline(result: str | Path, out: str | Path) -> dict[str, Any]:
     """Write the result's fingerprints and point summaries as a baseline file; returns it."""
-    rs = load(result)
+    rs = load(result)  # validates the result
     src = Path(result)
     doc = json.loads((src / "summary.json" if src.is_dir() else src).read_text(encoding="utf-8"))
     baseline = {
         "format": BASELINE_FORMAT,
-        "source_run": doc.get("run_id"),
-        "fingerprint": rs.fingerprint,
-        "environment": rs.environment,
+        "run_id": doc.get("run_id"),
+        "fingerprint": doc.get("fingerprint"),
+        "environment": doc.get("environment"),
         "config": doc.get("config"),
         "ab_paired": rs.paired,
         "points": doc["points"],

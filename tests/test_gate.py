@@ -191,3 +191,103 @@ def test_unreadable_inputs_are_gate_errors(tmp_path):
     (tmp_path / "x.json").write_text("{}")
     with pytest.raises(GateError, match="no 'points'"):
         load(tmp_path / "x.json")
+
+
+def write_run_result(path: Path, tok_s: np.ndarray, config: dict, env: dict) -> Path:
+    """A result as bench run writes it: config + hashed fingerprint, trials as labels/trial."""
+    path.mkdir(parents=True)
+    points = [
+        {"point_id": f"c004/t{i}", "trial": i, "throughput": {"steady": {"output_tok_per_s": float(v)}}}
+        for i, v in enumerate(tok_s)
+    ]
+    doc = {
+        "run_id": path.name,
+        "config": config,
+        "environment": env,
+        "fingerprint": str(hash(str(config))),
+        "points": points,
+    }
+    (path / "summary.json").write_text(json.dumps(doc))
+    return path
+
+
+CONFIG = {
+    "command": "run",
+    "url": "http://127.0.0.1:8001",
+    "workloads": ["chat-short"],
+    "concurrency": [4],
+    "seed": 0,
+    "repeat": 5,
+}
+
+
+def test_config_fingerprint_ignores_url_and_repeat_but_not_traffic(tmp_path):
+    tok = np.array([100.0, 101, 99, 100, 100, 101])
+    b = write_run_result(tmp_path / "b", tok[:5], CONFIG, {**ENV, "load_average": [0.1]})
+    c = write_run_result(
+        tmp_path / "c",
+        tok,
+        {**CONFIG, "url": "http://127.0.0.1:9999", "repeat": 6},
+        {**ENV, "load_average": [3.0]},
+    )
+    rep = compare(load(b), load(c), RULES[:1])
+    assert rep.verdict == "pass" and rep.warnings == []
+    d = write_run_result(tmp_path / "d", tok, {**CONFIG, "concurrency": [8]}, ENV)
+    rep = compare(load(b), load(d), RULES[:1])
+    assert rep.verdict == "invalid" and "concurrency: [4] != [8]" in rep.errors[0]
+
+
+def _bench(*args: str):
+    from typer.testing import CliRunner
+
+    from loadgen.cli import app
+
+    result = CliRunner().invoke(app, list(args))
+    result.text = " ".join(result.output.split())  # rich wraps long lines
+    return result
+
+
+def test_bench_gate_exit_codes_and_outputs(tmp_path):
+    rng = np.random.default_rng(11)
+    b = write_result(tmp_path / "b", trials(rng, 100, 0.02, 8))
+    same = write_result(tmp_path / "same", trials(rng, 100, 0.02, 8))
+    slow = write_result(tmp_path / "slow", trials(rng, 80, 0.02, 8))
+    few = write_result(tmp_path / "few", trials(rng, 100, 0.02, 3))
+    md, js = tmp_path / "gate.md", tmp_path / "gate.json"
+    r = _bench("gate", "--baseline", str(b), "--candidate", str(same), "--metric", "output_tok_s:-5%",
+               "--markdown", str(md), "--json", str(js))  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert "pass" in md.read_text() and json.loads(js.read_text())["verdict"] == "pass"
+    r = _bench(
+        "gate",
+        "--baseline",
+        str(b),
+        "--candidate",
+        str(slow),
+        "--metric",
+        "output_tok_s:-5%",
+        "--json",
+        str(js),
+    )
+    assert r.exit_code == 1 and json.loads(js.read_text())["checks"][0]["verdict"] == "regression"
+    r = _bench("gate", "--baseline", str(b), "--candidate", str(few), "--metric", "output_tok_s:-5%")
+    assert r.exit_code == 2 and "inconclusive" in r.text
+    r = _bench(
+        "gate", "--baseline", str(b), "--candidate", str(tmp_path / "missing"), "--metric", "output_tok_s:-5%"
+    )
+    assert r.exit_code == 2 and "no such result" in r.text
+    r = _bench("gate", "--baseline", str(b), "--candidate", str(same), "--metric", "output_tok_s")
+    assert r.exit_code == 2 and "bad --metric" in r.text
+
+
+def test_bench_baseline_save_then_gate(tmp_path):
+    rng = np.random.default_rng(12)
+    res = write_result(tmp_path / "run", trials(rng, 100, 0.02, 6))
+    out = tmp_path / "baselines" / "main.json"
+    r = _bench("baseline", "save", str(res), "-o", str(out))
+    assert r.exit_code == 0, r.output
+    assert json.loads(out.read_text())["format"] == "servelab-baseline/1"
+    r = _bench("gate", "--baseline", str(out), "--candidate", str(res), "--metric", "output_tok_s:-5%")
+    assert r.exit_code == 0, r.output
+    r = _bench("baseline", "save", str(tmp_path / "nope"), "-o", str(out))
+    assert r.exit_code == 2
