@@ -116,8 +116,7 @@ class _Dispatch:
         if self.stop.is_set():
             return None
         sess = next(self.sessions, None)
-        if sess is None:
-            self.stop.set()
+        if sess is None:  # workload exhausted: dispatch ends, started sessions go on
             return None
         self.n_sessions += 1
         return sess, self.n_sessions <= self.load.warmup
@@ -201,7 +200,6 @@ class _Dispatch:
             task = asyncio.create_task(self.session(sess, warmup, intended))
             self.tasks.add(task)
             task.add_done_callback(lambda tk: (self.tasks.discard(tk), limit.release()))
-        self.stop.set()
         if self.tasks:
             await asyncio.gather(*list(self.tasks))
 
@@ -265,6 +263,7 @@ async def _bounded(main: asyncio.Future[None], d: _Dispatch, load: LoadSpec) -> 
                 await asyncio.wait({main}, timeout=load.timeout if load.drain is None else load.drain)
             if not main.done():
                 await _cancel(main, d)
+                return
         await main
     except asyncio.CancelledError:  # Ctrl-C: close every in-flight record as cancelled, then stop
         await _cancel(main, d)

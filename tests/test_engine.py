@@ -1,0 +1,221 @@
+"""The dispatcher and client against the real null/fault server on loopback."""
+
+import json
+from dataclasses import dataclass, field
+
+import pytest
+
+from backends.base import GenRequest
+from backends.openai import OpenAIBackend
+from loadgen.calibrate import FixedWorkload
+from loadgen.clock import RunClock
+from loadgen.engine import LoadSpec, run_point
+from loadgen.nullserver import free_port
+from loadgen.records import read_records
+from workloads.base import ArrivalSpec, Session, SingleShot, Workload
+
+
+def ns(**kw):
+    return {"nullserver": kw}
+
+
+async def point(url, tmp_path, load, wl=None, backend=None, **kw):
+    backend = backend or OpenAIBackend(url, model="null")
+    s = await run_point(backend, wl or FixedWorkload(max_tokens=8), load, tmp_path / "p", RunClock(), **kw)
+    return s, read_records(tmp_path / "p" / "requests.jsonl")
+
+
+FAULTS = [
+    (ns(), None),
+    (ns(fault="500"), "http_5xx"),
+    (ns(fault="429"), "http_429"),
+    (ns(fault="html"), "protocol"),
+    (ns(fault="garbage", fault_after=2), "protocol"),
+    (ns(fault="bad_json", fault_after=2), "protocol"),
+    (ns(fault="error_event", fault_after=1), "stream_error"),
+    (ns(fault="error_payload", fault_after=1), "stream_error"),
+    (ns(fault="disconnect", fault_after=3), "disconnect"),
+    (ns(fault="no_done"), "truncated"),
+    (ns(fault="cut", fault_after=4), "truncated"),
+    (ns(fault="stall", fault_after=2), "stall"),
+    (ns(fault="hang"), "timeout"),
+    (ns(ttft=0.05, itl=0.005), None),
+]
+
+
+async def test_every_fault_is_recorded_with_its_kind_and_the_run_completes(null_server, tmp_path):
+    wl = FixedWorkload(max_tokens=8, extra_bodies=[b for b, _ in FAULTS])
+    load = LoadSpec("closed", concurrency=4, num_requests=2 * len(FAULTS), stall_timeout=0.5)
+    s, recs = await point(null_server, tmp_path, load, wl)
+    assert len(recs) == 2 * len(FAULTS)
+    by_id = {r["id"]: r for r in recs}
+    for i in range(2 * len(FAULTS)):
+        r = by_id[f"r{i}"]
+        expected = FAULTS[i % len(FAULTS)][1]
+        assert (r["error"] or {}).get("kind") == expected, (i, r["error"])
+        if expected is None:
+            assert r["output_tokens"] == 8 and r["output_tokens_source"] == "usage" and len(r["events"]) == 8
+    assert s["counts"]["errors"] == 2 * (len(FAULTS) - 2)
+    assert s["errors"]["by_kind"]["truncated"] == 4
+    partial = next(r for r in recs if r["id"] == "r8")  # disconnect after 3 events keeps those events
+    assert len(partial["events"]) == 3 and partial["status"] == 200
+    assert "injected server error" in by_id["r1"]["error"]["message"]
+
+
+async def test_connection_refused_is_a_connect_error(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    s, recs = await point(url, tmp_path, LoadSpec("closed", concurrency=1, num_requests=2))
+    assert [r["error"]["kind"] for r in recs] == ["connect", "connect"]
+    assert recs[0]["status"] is None
+
+
+@pytest.mark.parametrize("continuous", [True, False])
+async def test_multi_token_chunks(null_server, tmp_path, continuous):
+    backend = OpenAIBackend(null_server, model="null", continuous_usage=continuous)
+    wl = FixedWorkload(max_tokens=12, extra_bodies=[ns(tokens_per_event=3, itl=0.002)])
+    s, recs = await point(null_server, tmp_path, LoadSpec(num_requests=3), wl, backend)
+    for r in recs:
+        assert [k for _, k in r["events"]] == [3, 3, 3, 3]
+        assert r["output_tokens"] == 12 and r["output_tokens_source"] == "usage"
+        assert r["event_tokens"] == ("stated" if continuous else "spread")
+    assert s["latency"]["itl"]["count"] == 3 * 9  # 3 requests x 3 later events x 3 tokens
+    assert s["latency"]["chunk_gap"]["count"] == 3 * 3
+
+
+async def test_chat_api_and_prompt_tokens(null_server, tmp_path):
+    backend = OpenAIBackend(null_server, model="null", api="chat")
+    s, recs = await point(null_server, tmp_path, LoadSpec(num_requests=2), FixedWorkload(max_tokens=5, prompt="a b c"),
+                          backend)
+    assert all(r["error"] is None and r["output_tokens"] == 5 for r in recs)
+    assert recs[0]["prompt_tokens"] == 3 and recs[0]["prompt_tokens_source"] == "usage"
+
+
+async def test_closed_loop_warmup_and_count(null_server, tmp_path):
+    load = LoadSpec("closed", concurrency=3, num_requests=10, warmup=4)
+    s, recs = await point(null_server, tmp_path, load)
+    assert len(recs) == 14 and sum(r["warmup"] for r in recs) == 4
+    assert s["counts"]["requests"] == 10 and s["counts"]["warmup"] == 4
+    assert max(s["client"]["schedule_lag"]["max"], 0) < 0.05  # closed loop: sent right when the slot freed
+
+
+async def test_open_loop_constant_schedule(null_server, tmp_path):
+    load = LoadSpec("constant", rate=100.0, num_requests=30)
+    s, recs = await point(null_server, tmp_path, load)
+    intended = sorted(r["intended"] for r in recs)
+    gaps = [b - a for a, b in zip(intended, intended[1:], strict=False)]
+    assert gaps == pytest.approx([0.01] * 29, abs=1e-9)
+    assert s["client"]["schedule_lag"]["p50"] < 0.005
+    assert s["client"]["scheduled_rate"] == pytest.approx(100.0)
+
+
+async def test_poisson_schedule_is_seeded(null_server, tmp_path):
+    runs = []
+    for i, seed in enumerate((7, 7, 8)):
+        load = LoadSpec("poisson", rate=200.0, num_requests=20, seed=seed)
+        s = await run_point(OpenAIBackend(null_server, model="null"), FixedWorkload(), load, tmp_path / str(i),
+                            RunClock())
+        recs = read_records(tmp_path / str(i) / "requests.jsonl")
+        runs.append(sorted(round(r["intended"] - s["t_start"], 9) for r in recs))
+    assert runs[0] == runs[1] != runs[2]
+
+
+async def test_duration_stops_dispatch_and_cancels_the_rest(null_server, tmp_path):
+    wl = FixedWorkload(max_tokens=1000, extra_bodies=[ns(itl=0.01)])  # 10 s responses
+    load = LoadSpec("closed", concurrency=2, duration=0.4, drain=0.2)
+    s, recs = await point(null_server, tmp_path, load, wl)
+    assert len(recs) == 2
+    assert all(r["error"]["kind"] == "cancelled" and 0 < len(r["events"]) < 1000 for r in recs)
+    assert s["t_end"] - s["t_start"] < 3
+
+
+@dataclass
+class _Trace(Workload):
+    ats: list = field(default_factory=list)
+    name: str = "trace"
+    arrival: ArrivalSpec = field(default_factory=ArrivalSpec)
+
+    def sessions(self, seed):
+        for i, at in enumerate(self.ats):
+            yield SingleShot(GenRequest(f"t{i}", "x", 2), at=at)
+
+
+async def test_trace_replay_honours_at_and_speedup(null_server, tmp_path):
+    ats = [0.0, 0.05, 0.06, 0.2, 0.3]
+    s, recs = await point(null_server, tmp_path, LoadSpec("trace", speedup=2.0), _Trace(ats=ats))
+    got = sorted(r["intended"] - s["t_start"] for r in recs)
+    assert got == pytest.approx([a / 2 for a in ats])
+    assert s["client"]["schedule_lag"]["max"] < 0.02
+
+
+class _Chat(Session):
+    cls = "multi"
+
+    def __init__(self, i):
+        self.i, self.seen = i, []
+
+    def first(self):
+        return GenRequest(f"m{self.i}-0", "hello", 3, "multi")
+
+    def next(self, response_text):
+        self.seen.append(response_text)
+        if len(self.seen) == 3:
+            return None
+        return 0.05, GenRequest(f"m{self.i}-{len(self.seen)}", "again", 3, "multi")
+
+
+@dataclass
+class _MultiTurn(Workload):
+    made: list = field(default_factory=list)
+    name: str = "multi"
+    arrival: ArrivalSpec = field(default_factory=ArrivalSpec)
+
+    def sessions(self, seed):
+        for i in range(2):
+            self.made.append(_Chat(i))
+            yield self.made[-1]
+
+
+async def test_multi_turn_sessions_get_responses_and_think_time(null_server, tmp_path):
+    wl = _MultiTurn()
+    s, recs = await point(null_server, tmp_path, LoadSpec("closed", concurrency=2, num_requests=100), wl)
+    assert len(recs) == 6
+    assert all(sess.seen == [" tok" * 3] * 3 for sess in wl.made)
+    by_id = {r["id"]: r for r in recs}
+    for i in range(2):
+        for t in (1, 2):
+            prev, cur = by_id[f"m{i}-{t - 1}"], by_id[f"m{i}-{t}"]
+            assert cur["intended"] == pytest.approx(prev["end"] + 0.05)
+            assert cur["sent"] >= cur["intended"] and cur["turn"] == t and cur["session"] == prev["session"]
+
+
+class _Sidecar:
+    name = "probe"
+
+    def __init__(self):
+        self.calls = []
+
+    def start(self, clock, point_dir):
+        self.calls.append(("start", point_dir))
+
+    def stop(self, window):
+        self.calls.append(("stop", window))
+        return {"samples": 3}
+
+
+async def test_sidecars_start_before_and_stop_after(null_server, tmp_path):
+    sc = _Sidecar()
+    s, _ = await point(null_server, tmp_path, LoadSpec(num_requests=2), sidecars=[sc])
+    assert [c[0] for c in sc.calls] == ["start", "stop"]
+    assert s["probe"] == {"samples": 3}
+    assert json.loads((tmp_path / "p" / "summary.json").read_text())["probe"] == {"samples": 3}
+
+
+def test_load_spec_rejects_unbounded_or_bad_input():
+    with pytest.raises(ValueError, match="bound"):
+        LoadSpec("closed", concurrency=1)
+    with pytest.raises(ValueError, match="rate"):
+        LoadSpec("poisson", num_requests=1)
+    with pytest.raises(ValueError, match="unknown arrival"):
+        LoadSpec("bursty", num_requests=1)
+    assert LoadSpec("closed", concurrency=16, num_requests=1).point_id() == "c016"
+    assert LoadSpec("poisson", rate=12.5, num_requests=1).point_id() == "r012.5"

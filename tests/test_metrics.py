@@ -1,0 +1,107 @@
+import numpy as np
+import pytest
+
+from loadgen import metrics
+
+
+def rec(sent, events, end, out=None, intended=None, cls="a", warmup=False, error=None, prompt=10):
+    return {
+        "id": "x", "cls": cls, "warmup": warmup, "intended": sent if intended is None else intended, "sent": sent,
+        "headers": sent, "end": end, "status": 200, "error": error, "events": [list(e) for e in events],
+        "prompt_tokens": prompt, "prompt_tokens_source": "usage",
+        "output_tokens": sum(k for _, k in events) if out is None else out, "output_tokens_source": "usage",
+    }
+
+
+def test_ttft_tpot_e2e_and_from_intended():
+    r = rec(1.0, [(1.5, 1), (1.6, 1), (1.8, 1), (2.0, 1)], 2.0, intended=0.5)
+    assert metrics.ttft(r) == pytest.approx(0.5)
+    assert metrics.e2e(r) == pytest.approx(1.0)
+    assert metrics.tpot(r) == pytest.approx((1.0 - 0.5) / 3)
+    s = metrics.summarize([r])
+    assert s["latency"]["ttft_from_intended"]["mean"] == pytest.approx(1.0)
+    assert s["latency"]["e2e_from_intended"]["mean"] == pytest.approx(1.5)
+
+
+def test_one_token_answer_has_no_tpot():
+    assert metrics.tpot(rec(0.0, [(0.2, 1)], 0.2)) is None
+
+
+def test_itl_is_token_weighted_and_chunk_gaps_are_raw():
+    # first event 1 token, then a 3-token event after 0.3 s, then a 1-token event after 0.1 s
+    r = rec(0.0, [(0.1, 1), (0.4, 3), (0.5, 1)], 0.5)
+    assert metrics.itl(r) == pytest.approx([0.1, 0.1, 0.1, 0.1])
+    assert metrics.chunk_gaps(r) == pytest.approx([0.3, 0.1])
+    s = metrics.summarize([r])
+    assert s["latency"]["itl"]["count"] == 4
+    assert s["latency"]["chunk_gap"]["mean"] == pytest.approx(0.2)
+    assert s["latency"]["tpot"]["mean"] == pytest.approx(0.4 / 4)
+
+
+def test_percentiles_match_numpy_linear():
+    vals = [0.1, 0.5, 0.2, 0.9, 0.3, 0.7, 1.5]
+    st = metrics.stats(vals)
+    for p in (50, 90, 95, 99):
+        assert st[f"p{p}"] == pytest.approx(np.percentile(vals, p))
+    assert st["max"] == 1.5 and st["count"] == 7 and st["mean"] == pytest.approx(np.mean(vals))
+    assert metrics.stats([])["p50"] is None
+
+
+def test_steady_window_throughput_and_whole_run():
+    # closed loop of 1: requests back to back, 1 s each, 10 tokens each (one per 0.1 s)
+    recs = [rec(float(i), [(i + 0.1 * (j + 1), 1) for j in range(10)], i + 1.0) for i in range(5)]
+    s = metrics.summarize(recs, {"process": "closed", "concurrency": 1})
+    assert s["window"] == [0.0, 4.0]
+    steady, whole = s["throughput"]["steady"], s["throughput"]["whole"]
+    assert steady["output_tok_per_s"] == pytest.approx(40 / 4)  # tokens at t in [0, 4]
+    assert steady["req_per_s"] == pytest.approx(4 / 4)  # ends at 1, 2, 3, 4
+    assert whole["req_per_s"] == pytest.approx(5 / 5)
+    assert whole["total_tok_per_s"] == pytest.approx((50 + 50) / 5)
+    assert s["client"]["achieved_concurrency"] == pytest.approx(1.0)
+    assert s["client"]["warnings"] == []
+
+
+def test_warmup_excluded_and_errors_by_kind():
+    recs = [
+        rec(0.0, [(0.1, 1)], 0.2, warmup=True),
+        rec(0.1, [(0.2, 2)], 0.3),
+        rec(0.2, [], 0.25, error={"kind": "http_5xx", "message": "x"}),
+        rec(0.3, [], 0.35, error={"kind": "http_5xx", "message": "x"}),
+        rec(0.4, [(0.5, 1)], 0.6, error={"kind": "disconnect", "message": "x"}),
+    ]
+    s = metrics.summarize(recs)
+    assert s["counts"] == {"requests": 4, "ok": 1, "errors": 3, "warmup": 1, "output_tokens": 2,
+                           "prompt_tokens": 10, "output_tokens_sources": {"usage": 1}}
+    assert s["errors"]["rate"] == pytest.approx(0.75)
+    assert s["errors"]["by_kind"] == {"disconnect": 1, "http_5xx": 2}
+    assert s["latency"]["ttft"]["count"] == 1
+
+
+def test_goodput_counts_requests_meeting_every_slo():
+    fast = rec(0.0, [(0.1, 1), (0.2, 1)], 0.2)
+    slow_ttft = rec(1.0, [(1.9, 1), (2.0, 1)], 2.0)
+    slow_tpot = rec(2.0, [(2.1, 1), (3.0, 1)], 3.0)
+    s = metrics.summarize([fast, slow_ttft, slow_tpot], slo={"ttft": 0.5, "tpot": 0.5})
+    assert s["goodput"]["good"] == 1
+    assert s["goodput"]["fraction"] == pytest.approx(1 / 3)
+    assert metrics.meets_slo(slow_tpot, {"ttft": 0.5}) is True
+
+
+def test_per_class_has_the_same_metrics():
+    recs = [rec(0.0, [(0.1, 1), (0.3, 1)], 0.3, cls="short"), rec(0.0, [(0.5, 4)], 0.5, cls="long")]
+    s = metrics.summarize(recs)
+    assert set(s["per_class"]) == {"short", "long"}
+    assert s["per_class"]["short"]["latency"]["ttft"]["mean"] == pytest.approx(0.1)
+    assert s["per_class"]["long"]["counts"]["output_tokens"] == 4
+    assert set(s["per_class"]["long"]) >= {"latency", "throughput", "errors", "counts"}
+
+
+def test_client_health_flags_schedule_lag_and_rate_shortfall():
+    # open loop at 100 req/s, but every request went out 20 ms late and the sends bunch up
+    recs = [rec(0.01 * i + 0.02 + 0.01 * i, [(0.05 + 0.02 * i, 1)], 0.06 + 0.02 * i, intended=0.01 * i)
+            for i in range(50)]
+    c = metrics.summarize(recs, {"process": "poisson", "rate": 100})["client"]
+    assert c["schedule_lag"]["p99"] > metrics.LAG_WARN_S
+    assert c["achieved_rate"] == pytest.approx(50.0)
+    assert c["scheduled_rate"] == pytest.approx(100.0)
+    assert c["limited"] and len(c["warnings"]) == 2
