@@ -36,7 +36,10 @@ def main() -> None:
     t = time.perf_counter()
     html = write_report([run], run / "report.html")
     build_s = time.perf_counter() - t
-    loads = [inspect_report_sync(html, args.out / "bench_report.png" if i == 0 else None) for i in range(args.loads)]
+    loads = [
+        inspect_report_sync(html, args.out / "bench_report.png" if i == 0 else None)
+        for i in range(args.loads)
+    ]
     first = loads[0]
     result = {
         "command": "python scripts/bench_report.py " + " ".join(f"{k}={v}" for k, v in vars(args).items()),
@@ -52,8 +55,14 @@ def main() -> None:
         "console_errors": first.console_errors,
         "network_requests": first.network_requests,
         "charts": len(first.charts),
-        "charts_without_data": [c["fig"] for c in first.charts if not c["drawn"] or c["empty_traces"] or not c["values"]],
-        "host": {"cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2), "python": platform.python_version()},
+        "charts_without_data": [
+            c["fig"] for c in first.charts if not c["drawn"] or c["empty_traces"] or not c["values"]
+        ],
+        "host": {
+            "cpus": os.cpu_count(),
+            "load_avg_1m": round(os.getloadavg()[0], 2),
+            "python": platform.python_version(),
+        },
     }
     (args.out / "bench_report.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))

@@ -136,6 +136,7 @@ async def inspect_report(
     width: int = 1400,
     height: int = 1000,
     timeout: float = 60.0,
+    full_page: bool = True,
 ) -> PageReport:
     """Load ``path`` in a fresh headless Chromium profile and report on it (see module docstring)."""
     with tempfile.TemporaryDirectory(prefix="servelab-chromium-") as profile:
@@ -152,7 +153,7 @@ async def inspect_report(
         )
         try:
             return await asyncio.wait_for(
-                _inspect(proc, Path(path), screenshot, width, height, timeout), timeout
+                _inspect(proc, Path(path), screenshot, width, height, timeout, full_page), timeout
             )
         finally:
             proc.terminate()
@@ -170,6 +171,7 @@ async def _inspect(
     width: int,
     height: int,
     timeout: float,
+    full_page: bool,
 ) -> PageReport:
     url = await _devtools_url(proc, timeout)
     async with aiohttp.ClientSession() as http, http.ws_connect(url, max_msg_size=0) as ws:
@@ -201,7 +203,7 @@ async def _inspect(
         )
         charts = await evaluate(_CHECK_JS)
         await asyncio.sleep(0.2)  # let console messages from the checks arrive
-        if screenshot is not None:
+        if screenshot is not None and full_page:
             full = int(await evaluate("document.documentElement.scrollHeight"))
             await cdp.send(
                 "Emulation.setDeviceMetricsOverride",
@@ -210,6 +212,7 @@ async def _inspect(
             )
             await evaluate("window.dispatchEvent(new Event('resize'))")
             await asyncio.sleep(0.5)
+        if screenshot is not None:
             shot = await cdp.send("Page.captureScreenshot", {"format": "png"}, session=sid)
             screenshot.write_bytes(base64.b64decode(shot["data"]))
         report = PageReport(load_s=load_s, nav_load_ms=nav_ms, charts=charts, marks=marks)

@@ -112,7 +112,7 @@ def diff_table(runs: list[RunData]) -> str:
         for m in ("throughput", "goodput", "p50", "p99"):
             if b[m] is None:
                 continue
-            row = [html.escape(pid), html.escape(b[m + "_key"]), cell(b[m])]
+            row = [html.escape(pid), html.escape(b[m + "_key"]), f"{b[m]:.5g}"]
             for other in per_run[1:]:
                 o = other.get(pid, {}).get(m)
                 if o is None:
@@ -121,7 +121,7 @@ def diff_table(runs: list[RunData]) -> str:
                 pct = (o - b[m]) / b[m] * 100 if b[m] else math.nan
                 better = (pct > 0) == (m in ("throughput", "goodput"))
                 row += [
-                    cell(o),
+                    f"{o:.5g}",
                     f'<span class="{"down" if better else "up"}">{pct:+.1f}</span>'
                     if math.isfinite(pct)
                     else "",

@@ -1,0 +1,280 @@
+"""The HTML report: its numeric transforms, its tables (equal to summary.json), optional series, errors."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loadgen import metrics
+from loadgen.report import ReportInputError, figures, series, write_report
+from loadgen.report.builder import cell
+from loadgen.report.load import load_run, read_jsonl, requests_from_records
+from loadgen.report.synthetic import SimConfig, write_synthetic_results
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    return write_synthetic_results(tmp_path_factory.mktemp("res"), "full", SimConfig(seed=1))
+
+
+@pytest.fixture(scope="module")
+def report_html(run_dir) -> str:
+    return write_report([run_dir], run_dir / "report.html").read_text()
+
+
+class _Tables(HTMLParser):
+    """Collects every <table class="summary">: (data-group, header cells, body rows of cell texts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables: list[dict] = []
+        self._cur: dict | None = None
+        self._row: list[str] | None = None
+        self._cell: list[str] | None = None
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "table" and "summary" in (a.get("class") or "").split():
+            self._cur = {"group": a.get("data-group"), "run": a.get("data-run"), "rows": []}
+        elif self._cur is not None and tag == "tr":
+            self._row = []
+        elif self._row is not None and tag in ("td", "th"):
+            self._cell = []
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell.append(data)
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th") and self._cell is not None:
+            self._row.append("".join(self._cell))
+            self._cell = None
+        elif tag == "tr" and self._row is not None:
+            self._cur["rows"].append(self._row)
+            self._row = None
+        elif tag == "table" and self._cur is not None:
+            self.tables.append(self._cur)
+            self._cur = None
+
+
+def _brute_occupancy(starts, ends, edges, samples=4000):
+    out = []
+    for a, b in zip(edges[:-1], edges[1:], strict=True):
+        t = np.linspace(a, b, samples, endpoint=False) + (b - a) / samples / 2
+        out.append(((starts[:, None] <= t) & (t < ends[:, None])).sum(axis=0).mean())
+    return np.array(out)
+
+
+def test_mean_occupancy_is_the_exact_time_average():
+    rng = np.random.default_rng(3)
+    starts = rng.uniform(0, 10, 200)
+    ends = starts + rng.exponential(1.5, 200)
+    edges = series.time_edges(0, 12, max_bins=24)
+    assert edges[0] <= 0 and edges[-1] >= 12 and len(edges) - 1 <= 24
+    exact = series.mean_occupancy(starts, ends, edges)
+    assert np.allclose(exact, _brute_occupancy(starts, ends, edges), atol=0.05)
+    # integral over all bins = total busy time
+    assert np.isclose((exact * np.diff(edges)).sum(), np.clip(ends, None, edges[-1]).sum() - starts.sum())
+
+
+def test_binned_rate_and_mean():
+    edges = np.array([0.0, 0.5, 1.0, 1.5])
+    t = np.array([0.1, 0.2, 0.7, 1.2, 9.0])  # 9.0 falls outside
+    w = np.array([1.0, 3.0, 2.0, 5.0, 7.0])
+    assert np.allclose(series.binned_rate(t, w, edges), [8.0, 4.0, 10.0])
+    m = series.binned_mean(np.array([0.1, 0.2, 1.2]), np.array([2.0, 4.0, 6.0]), edges)
+    assert np.allclose(m[[0, 2]], [3.0, 6.0]) and np.isnan(m[1])
+
+
+def test_cdf_is_monotonic_and_keeps_the_ends():
+    v = np.random.default_rng(0).lognormal(size=5000)
+    x, p = series.cdf(v, max_points=100)
+    assert len(x) <= 100 and x[0] == v.min() and x[-1] == v.max() and p[-1] == 1.0
+    assert np.all(np.diff(x) >= 0) and np.all(np.diff(p) > 0)
+
+
+def test_knee_is_where_latency_turns_up():
+    thr = [100, 200, 300, 380, 400, 405]
+    lat = [1.0, 1.05, 1.1, 1.3, 3.0, 9.0]
+    assert series.knee_index(thr, lat) == 3
+    assert series.knee_index([1, 2, 3, 4], [1, 2, 3, 4]) is None  # a straight line has no knee
+    assert series.knee_index([1, 2], [1, 5]) is None
+
+
+def test_latencies_match_the_metrics_module(run_dir):
+    records = read_jsonl(run_dir / "points" / "c004" / "requests.jsonl")
+    req = requests_from_records(records)
+    lat = series.latencies(req)
+    measured = [r for r in records if not r["warmup"]]
+    ok = [r for r in measured if r["error"] is None]
+    assert lat["ok"].sum() == len(ok) and len(req) == len(measured)
+    assert np.allclose(np.sort(lat["ttft"][lat["ok"]]), np.sort([metrics.ttft(r) for r in ok]))
+    assert np.allclose(np.sort(lat["tpot"][lat["ok"]]), np.sort([metrics.tpot(r) for r in ok]))
+    assert np.allclose(np.sort(lat["itl"]), np.sort(np.concatenate([metrics.itl(r) for r in ok])))
+
+
+def test_gantt_sample_keeps_errors_and_send_order(run_dir):
+    req = load_run(run_dir).points[-1].requests
+    idx = series.gantt_sample(req, 40)
+    errors = {i for i, e in enumerate(req.error) if e is not None}
+    assert 0 < len(errors) and errors <= set(idx.tolist())
+    assert len(idx) <= 40 + len(errors)
+    assert np.all(np.diff(req.sent[idx]) >= 0)
+
+
+def test_summary_tables_equal_summary_json(run_dir, report_html):
+    summary = json.loads((run_dir / "summary.json").read_text())
+    parser = _Tables()
+    parser.feed(report_html)
+    shown: dict[str, dict[str, str]] = {}  # point id -> key -> cell text
+    for table in parser.tables:
+        header, *rows = table["rows"]
+        assert header[0] == "metric"
+        for row in rows:
+            for pid, text in zip(header[1:], row[1:], strict=True):
+                if text != "":
+                    shown.setdefault(pid, {})[row[0]] = text
+    assert set(shown) == {p["point_id"] for p in summary["points"]}
+    for p in summary["points"]:
+        flat = figures.flatten(p)
+        assert shown[p["point_id"]] == {k: cell(v) for k, v in flat.items()}
+        # same numbers: every numeric cell parses back to exactly the value in summary.json
+        for k, v in flat.items():
+            if isinstance(v, float):
+                assert float(shown[p["point_id"]][k]) == v
+    assert "latency.ttft.p99" in shown["c016"] and "throughput.steady.output_tok_per_s" in shown["c016"]
+
+
+def test_report_is_self_contained(report_html):
+    from plotly.offline import get_plotlyjs
+
+    js = get_plotlyjs()
+    assert report_html.count(js[:400]) == 1  # plotly.js inlined exactly once
+    outside = report_html.replace(js.replace("</script", "<\\/script"), "")
+    assert not re.search(r"<(script|img|link|iframe)[^>]+(src|href)=", outside, re.I)
+    assert "default-src 'none'" in outside  # CSP: the page may not fetch anything
+
+
+def test_timeline_rows_share_one_x_axis_and_follow_the_data(run_dir):
+    run = load_run(run_dir)
+    fig = figures.timeline(run, run.points[1])
+    assert {t["xaxis"] for t in fig["data"]} == {"x"}  # one shared axis: zooming one row zooms all
+    titles = [a["text"] for a in fig["layout"]["annotations"]]
+    for expected in (
+        "requests (client)",
+        "server batch",
+        "tokens per engine step",
+        "KV cache",
+        "utilisation",
+        "output tokens/s",
+        "requests (Gantt",
+    ):
+        assert any(expected in t for t in titles), expected
+    names = {t["name"] for t in fig["data"]}
+    assert {"server running", "server waiting", "error", "decode", "prefill / TTFT"} <= names
+    # client-side output token rate integrates back to the tokens that were streamed
+    rate = next(t for t in fig["data"] if t["name"] == "output tok/s")
+    width = rate["x"][1] - rate["x"][0]
+    assert np.isclose(np.sum(rate["y"]) * width, series.event_tokens(run.points[1].requests).sum())
+    # the per-step server record is drawn on the run clock, inside the point's time span
+    steps = [t for t in fig["data"] if "tokens/step" in t["name"]]
+    req = run.points[1].requests
+    for t in steps:
+        x = np.asarray(t["x"], dtype=float)
+        assert np.nanmin(x) >= np.nanmin(req.sent) - 1 and np.nanmax(x) <= np.nanmax(req.end) + 1
+
+
+def test_optional_series_are_optional(tmp_path):
+    cfg = SimConfig(
+        concurrencies=(2, 8),
+        requests_per_point=40,
+        server_state=False,
+        iterations=False,
+        telemetry=False,
+        seed=2,
+    )
+    run_dir = write_synthetic_results(tmp_path, "bare", cfg)
+    run = load_run(run_dir)
+    fig = figures.timeline(run, run.points[0])
+    titles = " ".join(a["text"] for a in fig["layout"]["annotations"])
+    assert "server batch" not in titles and "KV cache" not in titles and "utilisation" not in titles
+    assert "requests (client)" in titles and "Gantt" in titles
+    text = write_report([run_dir], tmp_path / "r.html").read_text()
+    assert "Not recorded for this point: server state (/metrics), per-iteration record, telemetry." in text
+
+
+def test_server_state_from_llama_slots_and_failed_scrapes(run_dir, tmp_path):
+    d = tmp_path / "run"
+    shutil.copytree(run_dir, d)
+    rows = [
+        {"t": 1.0, "error": "ConnectError: refused", "latency_s": 0.002},
+        {
+            "t": 1.1,
+            "metrics": {"llamacpp:requests_deferred": 3.0},
+            "slots": [{"id": 0, "busy": True}, {"id": 1, "busy": False}],
+        },
+        {
+            "t": 1.2,
+            "metrics": {"llamacpp:requests_deferred": 1.0},
+            "slots": [{"id": 0, "busy": True}, {"id": 1, "busy": True}],
+        },
+    ]
+    (d / "points" / "c001" / "server_state.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    srv = figures._server_series(load_run(d).points[0])
+    assert srv["running"][1].tolist() == [1.0, 2.0] and srv["waiting"][1].tolist() == [3.0, 1.0]
+    assert "kv" not in srv
+
+
+def test_comparison_has_a_line_per_run_and_a_diff_table(tmp_path):
+    a = write_synthetic_results(tmp_path, "slow", SimConfig(concurrencies=(1, 4, 8), requests_per_point=40))
+    b = write_synthetic_results(
+        tmp_path,
+        "fast",
+        SimConfig(concurrencies=(1, 4, 8), requests_per_point=40, speed=2.0, telemetry=False),
+    )
+    fig = figures.sweep([load_run(a), load_run(b)])
+    assert {t["name"] for t in fig["data"] if t.get("yaxis") == "y"} == {"slow", "fast"}
+    text = write_report([a, b], tmp_path / "cmp.html").read_text()
+    diff = text[text.index('<table class="diff"') :]
+    diff = diff[: diff.index("</table>")]
+    rows = re.findall(
+        r"<tr><td>(c00\d)</td><td>([^<]+)</td><td>([^<]+)</td><td>([^<]+)</td><td><span[^>]*>([^<]+)</span>",
+        diff,
+    )
+    assert {r[0] for r in rows} == {"c001", "c004", "c008"}
+    for _pid, key, base, other, pct in rows:
+        assert float(pct) == pytest.approx(
+            (float(other) - float(base)) / float(base) * 100, abs=0.06
+        )  # 5 digits shown
+        if key.startswith("throughput"):
+            assert float(pct) > 50  # the twice-as-fast server
+    assert text.count("Run slow") == 1 and text.count("Run fast") == 1
+
+
+def test_bad_input_is_a_clear_error(tmp_path):
+    with pytest.raises(ReportInputError, match="not a directory"):
+        write_report([tmp_path / "nope"], tmp_path / "r.html")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ReportInputError, match="summary.json is missing"):
+        write_report([tmp_path / "empty"], tmp_path / "r.html")
+    (tmp_path / "empty" / "summary.json").write_text("{not json")
+    with pytest.raises(ReportInputError, match="summary.json is not valid JSON"):
+        write_report([tmp_path / "empty"], tmp_path / "r.html")
+    assert not (tmp_path / "r.html").exists()
+
+
+def test_torn_last_record_is_dropped(run_dir, tmp_path):
+    d = tmp_path / "run"
+    shutil.copytree(run_dir, d)
+    path = d / "points" / "c001" / "requests.jsonl"
+    n = len(read_jsonl(path))
+    with path.open("a") as f:
+        f.write('{"id": "torn", "cls": "sh')
+    assert len(read_jsonl(path)) == n
+    assert write_report([d], d / "report.html").stat().st_size > 0
