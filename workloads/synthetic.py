@@ -1,0 +1,243 @@
+"""Synthetic workloads from a :class:`~workloads.spec.WorkloadSpec`: class mix, exact prompt lengths,
+shared prefixes, multi-turn conversations.
+
+Reproducibility: the class of session ``i`` comes from one stream RNG seeded by ``seed``; everything
+inside the session (lengths, text, think times) from its own RNG seeded by ``(seed, i)``, so a
+conversation's user turns do not depend on how the engine interleaves sessions. Shared prefixes are
+seeded by ``seed`` and the class name.
+
+Prompt lengths are exact for the final string the server tokenizes (``GenRequest.prompt_tokens`` is set
+to it) with ``api = "completions"``: the length drawn is the whole prompt, shared prefix and template
+tokens included (a draw too small to hold them gives prefix + template + 1 token). With
+``api = "chat"`` the server adds its own chat template, so the drawn length is that of the message
+contents and ``prompt_tokens`` is left to the server's usage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from collections.abc import Iterator
+from dataclasses import asdict
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from backends.base import GenRequest
+from workloads.base import Session, SingleShot, Workload
+from workloads.spec import ClassSpec, Dist, WorkloadSpec
+from workloads.text import CHATML_SYSTEM, CHATML_USER, DATA, PromptBuilder, builder_for
+
+CODE_DIR = DATA / "code"
+CREATIVE = DATA / "creative_prompts.txt"
+
+
+@lru_cache(maxsize=1)
+def _code_snippets() -> tuple[tuple[str, str], ...]:
+    """(file name, code) for every shipped code sample."""
+    return tuple((p.name, p.read_text(encoding="utf-8")) for p in sorted(CODE_DIR.glob("*.py")))
+
+
+@lru_cache(maxsize=1)
+def _creative_prompts() -> tuple[str, ...]:
+    return tuple(line.strip() for line in CREATIVE.read_text(encoding="utf-8").splitlines() if line.strip())
+
+
+_IDENT = re.compile(r"\b[a-z_][a-z0-9_]{3,}\b")
+_RESERVED = {"self", "return", "import", "from", "class", "while", "with", "else", "elif", "pass", "lambda",
+             "yield", "none", "true", "false", "print", "range", "float", "list", "dict", "tuple", "len", "def",
+             "isinstance", "raise", "assert", "break", "continue", "global", "nonlocal", "except", "finally",
+             "str", "int", "bool", "sorted", "sum", "min", "max", "enumerate", "zip", "append", "items",
+             "keys", "values", "join", "split", "strip", "format", "open", "super", "init"}  # fmt: skip
+
+
+def code_edit_request(rng: random.Random) -> tuple[str, int]:
+    """A rename instruction + code: (user text, tokens-ish budget hint = len of the code in chars / 3)."""
+    name, code = rng.choice(_code_snippets())
+    counts: dict[str, int] = {}
+    for ident in _IDENT.findall(code):
+        if ident.lower() not in _RESERVED:
+            counts[ident] = counts.get(ident, 0) + 1
+    candidates = sorted(k for k, v in counts.items() if v >= 3)
+    old = rng.choice(candidates)
+    new = rng.choice(["renamed", "updated", "current", "result", "value"]) + "_" + old
+    text = (
+        f"Rewrite the following Python code ({name}) with the identifier `{old}` renamed to `{new}`. "
+        f"Change nothing else and output only the complete code.\n\n```python\n{code}```\n"
+    )
+    return text, len(code)
+
+
+class _Classes:
+    """Per-class prompt machinery shared by all sessions of one ``sessions(seed)`` call."""
+
+    def __init__(self, spec: WorkloadSpec, builder: PromptBuilder, seed: int) -> None:
+        self.spec, self.builder = spec, builder
+        self.prefixes: dict[str, list[str]] = {}
+        for cls in spec.classes:
+            if cls.shared_prefix is not None:
+                sp = cls.shared_prefix
+                self.prefixes[cls.name] = [
+                    self._prefix_text(cls, sp.tokens, random.Random(f"{seed}:prefix:{cls.name}:{k}"))
+                    for k in range(sp.count)
+                ]
+
+    def _prefix_text(self, cls: ClassSpec, tokens: int, rng: random.Random) -> str:
+        """A system prompt whose tokens are exactly the first ``tokens`` of every prompt that uses it."""
+        if self.spec.api == "chat":
+            return self.builder.fill(tokens, rng)
+        if cls.template == "chatml":
+            n = tokens - self.builder.count(CHATML_SYSTEM[0]) - self.builder.count(CHATML_SYSTEM[1])
+            return self.builder.fill(max(1, n), rng, CHATML_SYSTEM[0], CHATML_SYSTEM[1])
+        # ends in a newline so that the next text (a new pre-token) cannot merge into it
+        return self.builder.fill(max(1, tokens - 1), rng, after="\n")
+
+    def prefix(self, cls: ClassSpec, rng: random.Random) -> str | None:
+        sp = cls.shared_prefix
+        if sp is None or rng.random() >= sp.fraction:
+            return None
+        return rng.choice(self.prefixes[cls.name])
+
+    def user_text(self, cls: ClassSpec, rng: random.Random) -> tuple[str | None, int]:
+        """Fixed user text (code-edit, creative) or None for corpus text; and the default max_tokens."""
+        if cls.content == "code-edit":
+            text, chars = code_edit_request(rng)
+            return text, chars // 3 + 16  # the rewritten code: about the code's own length
+        if cls.content == "creative":
+            return rng.choice(_creative_prompts()), 256
+        return None, 128
+
+
+class Conversation(Session):
+    """One session of a class: a single request, or a multi-turn chat that carries its history."""
+
+    def __init__(self, classes: _Classes, cls: ClassSpec, index: int, seed: int) -> None:
+        self.c, self.spec_cls, self.index = classes, cls, index
+        self.rng = random.Random(f"{seed}:{index}")
+        self.turns = cls.turns.count.sample_int(self.rng) if cls.turns is not None else 1
+        self.turn = 0
+        self.system = classes.prefix(cls, self.rng)
+        self.history: list[dict[str, str]] = []  # user/assistant messages so far
+
+    @property
+    def cls(self) -> str:  # type: ignore[override]
+        return self.spec_cls.name
+
+    def first(self) -> GenRequest:
+        return self._request()
+
+    def next(self, response_text: str) -> tuple[float, GenRequest] | None:
+        if self.spec_cls.turns is None or self.turn + 1 >= self.turns:
+            return None
+        self.history.append({"role": "assistant", "content": response_text})
+        self.turn += 1
+        return self.spec_cls.turns.think_time.sample(self.rng), self._request()
+
+    def _request(self) -> GenRequest:
+        cls, b, rng = self.spec_cls, self.c.builder, self.rng
+        fixed, default_out = self.c.user_text(cls, rng)
+        target = cls.prompt.sample_int(rng) if fixed is None else 0
+        max_tokens = cls.output.sample_int(rng) if cls.output is not None else default_out
+        sampling_seed = rng.randrange(2**31) if cls.temperature > 0 else None
+        rid = f"r{self.index}" if cls.turns is None else f"r{self.index}.{self.turn}"
+        if self.c.spec.api == "chat":
+            content = fixed if fixed is not None else b.fill(target, rng)
+            self.history.append({"role": "user", "content": content})
+            system = [{"role": "system", "content": self.system}] if self.system is not None else []
+            prompt: str | list[dict[str, str]] = system + [dict(m) for m in self.history]
+            prompt_tokens = None
+        else:
+            head = self._transcript()
+            open_, close = self._wrap()
+            if fixed is not None:
+                content = fixed
+            else:
+                if self.turn == 0:  # the drawn length is the whole prompt
+                    target -= b.count(head + open_) + b.count(close)
+                text = b.fill(max(1, target), rng, head + open_, close)
+                content = text[len(head + open_) : len(text) - len(close)]
+            self.history.append({"role": "user", "content": content})
+            prompt = self._transcript()
+            prompt_tokens = b.count(prompt)
+        return GenRequest(
+            request_id=rid, prompt=prompt, max_tokens=max_tokens, workload_class=cls.name, api=self.c.spec.api,
+            prompt_tokens=prompt_tokens, ignore_eos=cls.ignore_eos, temperature=cls.temperature,
+            seed=sampling_seed, extra_body=dict(cls.extra_body),
+        )  # fmt: skip
+
+    def _wrap(self) -> tuple[str, str]:
+        """What goes around a user message in a completions prompt."""
+        if self.spec_cls.template == "chatml":
+            return CHATML_USER
+        return ("User:", "\nAssistant:") if self.spec_cls.turns is not None else ("", "")
+
+    def _transcript(self) -> str:
+        """The completions prompt for the history so far (ends ready for the assistant's turn)."""
+        open_, close = self._wrap()
+        end = "<|im_end|>\n" if self.spec_cls.template == "chatml" else "\n"
+        out = self.system or ""
+        for m in self.history:
+            out += open_ + m["content"] + close if m["role"] == "user" else m["content"] + end
+        return out
+
+
+class SyntheticWorkload(Workload):
+    def __init__(self, spec: WorkloadSpec) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.arrival = spec.arrival
+
+    def sessions(self, seed: int) -> Iterator[Session]:
+        """Loads the tokenizer and builds the shared prefixes now, then yields sessions lazily."""
+        classes = _Classes(self.spec, builder_for(self.spec.tokenizer), seed)
+        return self._stream(classes, seed)
+
+    def _stream(self, classes: _Classes, seed: int) -> Iterator[Session]:
+        rng = random.Random(f"{seed}:stream")
+        specs = list(self.spec.classes)
+        weights = [c.weight for c in specs]
+        index = 0
+        while True:
+            cls = rng.choices(specs, weights=weights)[0]
+            sess = Conversation(classes, cls, index, seed)
+            if cls.turns is None:
+                yield SingleShot(sess.first())
+            else:
+                yield sess
+            index += 1
+
+    def describe(self) -> dict[str, object]:
+        return {"name": self.name, "source": self.spec.source, "spec": spec_dict(self.spec),
+                "corpus_sha256": _sha256(DATA / "corpus.txt")}  # fmt: skip
+
+
+def spec_dict(spec: WorkloadSpec) -> dict[str, Any]:
+    """The spec as plain JSON-able data (distributions in their file form)."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, Dist):
+            return value.describe()
+        if isinstance(value, Path):
+            return str(value)
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value
+
+    out = {k: getattr(spec, k) for k in spec.__dataclass_fields__}
+    out["arrival"] = asdict(spec.arrival)
+    out["classes"] = [{k: getattr(c, k) for k in c.__dataclass_fields__} for c in spec.classes]
+    for c in out["classes"]:
+        for key in ("shared_prefix", "turns"):
+            if c[key] is not None:
+                c[key] = {k: getattr(c[key], k) for k in c[key].__dataclass_fields__}
+    if spec.trace is not None:
+        out["trace"] = asdict(spec.trace)
+    return plain(out)  # type: ignore[no-any-return]
+
+
+@lru_cache(maxsize=16)
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]

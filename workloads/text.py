@@ -1,0 +1,108 @@
+"""Text of an exact token length, through the target's tokenizer.
+
+Re-tokenizing a concatenation can merge tokens across the seams, so lengths are never added up blindly:
+the corpus is cut into pre-tokenizer units (a BPE tokenizer never merges across those), text is built
+from whole units, and the *final string* (with whatever comes before and after it) is encoded again
+and checked. A miss (rare: a seam that re-splits differently) is retried from another corpus position.
+"""
+
+from __future__ import annotations
+
+import random
+from functools import lru_cache
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+DATA = Path(__file__).resolve().parent / "data"
+CORPUS = DATA / "corpus.txt"
+CHATML_USER = ("<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n")
+CHATML_SYSTEM = ("<|im_start|>system\n", "<|im_end|>\n")
+
+_ATTEMPTS = 64
+
+
+@lru_cache(maxsize=8)
+def load_tokenizer(spec: str = "bundled") -> Tokenizer:
+    """``bundled`` (the reference server's GGUF), a ``.gguf`` file, or a ``tokenizer.json`` file."""
+    from reference_server.tokenizer import default_model_path, tokenizer_from_gguf
+
+    if spec == "bundled":
+        return tokenizer_from_gguf(default_model_path())
+    path = Path(spec)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"tokenizer {spec!r} not found: use 'bundled', a .gguf file or a tokenizer.json file"
+        )
+    if path.suffix == ".gguf":
+        return tokenizer_from_gguf(path)
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:
+        raise ValueError(f"{spec}: not a tokenizer.json file ({exc})") from exc
+
+
+class PromptBuilder:
+    """Cuts exact-length text from the corpus for one tokenizer."""
+
+    def __init__(self, tokenizer: Tokenizer, corpus: str) -> None:
+        self.tokenizer = tokenizer
+        self.corpus = corpus
+        enc = tokenizer.encode(corpus, add_special_tokens=False)
+        starts: list[int] = []
+        counts: list[int] = []
+        last = None
+        for word, (start, _) in zip(enc.word_ids, enc.offsets, strict=True):
+            if word != last:
+                starts.append(start)
+                counts.append(0)
+                last = word
+            counts[-1] += 1
+        self.starts = starts + [len(corpus)]  # unit k spans starts[k]:starts[k+1]
+        self.counts = counts
+        # Units that begin a sentence-ish word: natural places to start a prompt.
+        self.anchors = [
+            k for k in range(len(counts)) if corpus[self.starts[k] : self.starts[k] + 2].strip()[:1].isupper()
+        ]
+
+    def count(self, text: str) -> int:
+        """Tokens the server sees for ``text`` (special tokens included, as the tokenizer is configured)."""
+        return len(self.tokenizer.encode(text).ids)
+
+    def _cut(self, n: int, rng: random.Random) -> str:
+        k = rng.choice(self.anchors) if self.anchors else rng.randrange(len(self.counts))
+        parts: list[str] = []
+        acc = 0
+        units = len(self.counts)
+        for step in range(units):
+            if acc == n:
+                break
+            j = (k + step) % units
+            c = self.counts[j]
+            if acc + c <= n:
+                parts.append(self.corpus[self.starts[j] : self.starts[j + 1]])
+                acc += c
+        if acc != n:
+            raise ValueError(f"cannot cut {n} tokens from the corpus")
+        return "".join(parts)
+
+    def fill(self, n: int, rng: random.Random, before: str = "", after: str = "") -> str:
+        """``before + body + after`` whose encoding is ``before``'s tokens, exactly ``n`` more, then ``after``'s.
+
+        Raises ``ValueError`` when no corpus position works (it has never happened on the shipped corpus).
+        """
+        if n < 1:
+            raise ValueError(f"a prompt body needs at least 1 token, got {n}")
+        head = self.tokenizer.encode(before).ids if before else []
+        n_after = self.count(after) if after else 0
+        for _ in range(_ATTEMPTS):
+            text = before + self._cut(n, rng) + after
+            ids = self.tokenizer.encode(text).ids
+            if len(ids) == len(head) + n + n_after and ids[: len(head)] == head:
+                return text
+        raise ValueError(f"could not build a prompt of exactly {n} tokens after {len(head)} fixed tokens")
+
+
+@lru_cache(maxsize=8)
+def builder_for(tokenizer_spec: str = "bundled") -> PromptBuilder:
+    return PromptBuilder(load_tokenizer(tokenizer_spec), CORPUS.read_text(encoding="utf-8"))
