@@ -91,15 +91,20 @@ def load_workload(name: str) -> Workload:
         raise UsageError(f"workload {name!r}: {exc}") from None
 
 
+def read_api_key(api_key_env: str | None) -> str | None:
+    """The API key from the environment variable named by --api-key-env (the key itself is never stored)."""
+    if not api_key_env:
+        return None
+    api_key = os.environ.get(api_key_env)
+    if not api_key:
+        raise UsageError(f"--api-key-env {api_key_env}: that environment variable is not set")
+    return api_key
+
+
 def make_backend(
-    name: str, url: str, model: str | None, api: str | None, api_key_env: str | None, continuous_usage: bool,
+    name: str, url: str, model: str | None, api: str | None, api_key: str | None, continuous_usage: bool,
     extra_body: str | None,
 ) -> Backend:  # fmt: skip
-    api_key = None
-    if api_key_env:
-        api_key = os.environ.get(api_key_env)
-        if not api_key:
-            raise UsageError(f"--api-key-env {api_key_env}: that environment variable is not set")
     try:
         extra = json.loads(extra_body) if extra_body else {}
     except json.JSONDecodeError as exc:
@@ -269,6 +274,7 @@ def _go(
     except (ValueError, LaunchError) as exc:
         raise UsageError(f"--server/--grid: {exc}") from None
     slo_s = parse_slo(slo)
+    api_key = read_api_key(api_key_env)
     wls = [load_workload(w) for w in workloads]
     if num_requests is None and duration is None:
         num_requests = default_num_requests
@@ -307,7 +313,7 @@ def _go(
     clock = RunClock()
 
     def go(target: str, gp: GridPoint | None = None, previous: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-        be = make_backend(backend, target, model, api, api_key_env, continuous_usage, extra_body)
+        be = make_backend(backend, target, model, api, api_key, continuous_usage, extra_body)
         todo = plans if gp is None else [
             replace(p, point_id=f"{gp.label}/{p.point_id}", labels={**p.labels, **gp.params}) for p in plans
         ]  # fmt: skip

@@ -1,0 +1,35 @@
+"""`bench` input validation: clear message, non-zero exit, before any traffic."""
+
+import pytest
+from typer.testing import CliRunner
+
+from loadgen.cli import app, parse_slo
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["run", "--url", "http://127.0.0.1:9", "--slo", "ttft=fast"], "--slo"),
+        (["run", "--url", "http://127.0.0.1:9", "--concurrency", "4", "--rate", "2"], "not both"),
+        (["run", "--url", "http://127.0.0.1:9", "--api", "grpc"], "--api"),
+        (["run", "--url", "ftp://127.0.0.1:9"], "http://"),
+        (["run", "--url", "http://127.0.0.1:9", "--arrival", "bursty"], "--arrival"),
+        (["sweep", "--url", "http://127.0.0.1:9", "--concurrency", "1,x"], "comma-separated"),
+        (["sweep", "--url", "http://127.0.0.1:9", "--rate", "0"], "> 0"),
+        (["run", "--url", "http://127.0.0.1:9", "--api-key-env", "SERVELAB_TEST_UNSET_VAR"], "not set"),
+        (["calibrate", "--concurrency", "0"], "positive"),
+    ],
+)
+def test_bad_input_is_a_clear_error(args, message, monkeypatch):
+    monkeypatch.delenv("SERVELAB_TEST_UNSET_VAR", raising=False)
+    res = runner.invoke(app, args)
+    assert res.exit_code == 2, res.output
+    out = " ".join(res.output.split())
+    assert "error" in out and message in out
+
+
+def test_parse_slo_units():
+    assert parse_slo("ttft=500ms,tpot=50,e2e=2s") == pytest.approx({"ttft": 0.5, "tpot": 0.05, "e2e": 2.0})
+    assert parse_slo(None) is None
