@@ -31,7 +31,8 @@ from backends.base import Backend
 from backends.launcher import GridPoint, LaunchError, server_grid, sweep_servers
 from backends.poller import ServerStatePoller, profile_of
 from backends.registry import available, get_backend
-from loadgen.clock import RunClock
+from loadgen import telemetry
+from loadgen.clock import RunClock, Sidecar
 from loadgen.engine import PROCESSES, LoadSpec, Progress, run_async
 from loadgen.nullserver import free_port
 from loadgen.results import ResultsDir, new_run_id
@@ -241,6 +242,8 @@ Timeout = Annotated[float, typer.Option(help="Per-request limit, seconds.")]
 StallTimeout = Annotated[float, typer.Option(help="Longest silence within a response, seconds.")]
 Speedup = Annotated[float, typer.Option(help="Trace replay speed-up (send at at/speedup).")]
 PollHz = Annotated[float, typer.Option(help="Server-state poller rate (/metrics, /slots), Hz; 0 = off.")]
+TelemetryHz = Annotated[float, typer.Option(help="Telemetry rate (NVML GPUs, host, server process), Hz; 0 = off.")]
+TelemetryUrl = Annotated[str | None, typer.Option(help="Prometheus URL of a DCGM/node exporter on the server's host.")]
 
 
 def _go(
@@ -250,7 +253,8 @@ def _go(
     output_dir: Path, run_id: str | None, api_key_env: str | None, continuous_usage: bool,
     extra_body: str | None, client: str, timeout: float, stall_timeout: float, speedup: float,
     command: str, default_num_requests: int, poll_hz: float = 10.0, server: str | None = None,
-    grid: list[str] | None = None, server_timeout: float = 300.0,
+    grid: list[str] | None = None, server_timeout: float = 300.0, telemetry_hz: float = 10.0,
+    telemetry_url: str | None = None,
 ) -> None:  # fmt: skip
     """The common body of run and sweep: validate, plan, (start the server), run, report."""
     if api not in (None, "completions", "chat"):
@@ -265,6 +269,10 @@ def _go(
         raise UsageError(f"--url must start with http:// or https://, got {url!r}")
     if poll_hz < 0:
         raise UsageError("--poll-hz must be >= 0 (0 turns the server-state poller off)")
+    try:
+        telemetry.check_options(telemetry_hz, telemetry_url)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     if grid and not server:
         raise UsageError("--grid needs --server (the command template the grid fills in)")
     if server and url:
@@ -311,6 +319,7 @@ def _go(
         "stall_timeout": stall_timeout, "speedup": speedup, "poll_hz": poll_hz, "server": server, "grid": grid,
     }  # fmt: skip
     clock = RunClock()
+    console.print(f"[dim]{telemetry.header_line(telemetry_hz, telemetry_url)}[/]")
 
     def go(target: str, gp: GridPoint | None = None, previous: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         be = make_backend(backend, target, model, api, api_key, continuous_usage, extra_body)
@@ -318,8 +327,9 @@ def _go(
             replace(p, point_id=f"{gp.label}/{p.point_id}", labels={**p.labels, **gp.params}) for p in plans
         ]  # fmt: skip
 
-        def pollers(plan: PointPlan) -> list[ServerStatePoller]:
-            return [ServerStatePoller(target, profile_of(be), poll_hz)] if poll_hz > 0 else []
+        def pollers(plan: PointPlan) -> list[Sidecar]:
+            polls = [ServerStatePoller(target, profile_of(be), poll_hz)] if poll_hz > 0 else []
+            return [*polls, *telemetry.sidecars(target, telemetry_hz, telemetry_url)]
 
         @contextmanager
         def live(plan: PointPlan, progress: Progress) -> Iterator[None]:
@@ -374,7 +384,8 @@ def run(
     slo: Slo = None, repeat: Repeat = 1, output_dir: OutputDir = Path("results"), run_id: RunId = None,
     api_key_env: ApiKeyEnv = None, continuous_usage: ContinuousUsage = False, extra_body: ExtraBody = None,
     client: Client = "aiohttp", timeout: Timeout = 600.0, stall_timeout: StallTimeout = 60.0,
-    speedup: Speedup = 1.0, poll_hz: PollHz = 10.0,
+    speedup: Speedup = 1.0, poll_hz: PollHz = 10.0, telemetry_hz: TelemetryHz = 10.0,
+    telemetry_url: TelemetryUrl = None,
 ) -> None:  # fmt: skip
     """Run one load point (closed loop at --concurrency or open loop at --rate)."""
     if concurrency is not None and rate is not None:
@@ -390,6 +401,7 @@ def run(
         repeat=repeat, output_dir=output_dir, run_id=run_id, api_key_env=api_key_env,
         continuous_usage=continuous_usage, extra_body=extra_body, client=client, timeout=timeout,
         stall_timeout=stall_timeout, speedup=speedup, command="run", default_num_requests=100, poll_hz=poll_hz,
+        telemetry_hz=telemetry_hz, telemetry_url=telemetry_url,
     )  # fmt: skip
 
 
@@ -404,7 +416,8 @@ def sweep(
     slo: Slo = None, repeat: Repeat = 1, output_dir: OutputDir = Path("results"), run_id: RunId = None,
     api_key_env: ApiKeyEnv = None, continuous_usage: ContinuousUsage = False, extra_body: ExtraBody = None,
     client: Client = "aiohttp", timeout: Timeout = 600.0, stall_timeout: StallTimeout = 60.0,
-    speedup: Speedup = 1.0, poll_hz: PollHz = 10.0,
+    speedup: Speedup = 1.0, poll_hz: PollHz = 10.0, telemetry_hz: TelemetryHz = 10.0,
+    telemetry_url: TelemetryUrl = None,
     server: Annotated[str | None, typer.Option(help="Start this server command for each grid point, e.g. "
                       "'llama-server -m {model} -np {np} --port {port}' ({model}: bundled GGUF, {port}: free port).")] = None,
     grid: Annotated[list[str] | None, typer.Option(help="Server grid axis NAME=V1,V2 (repeat for a product).")] = None,
@@ -425,6 +438,7 @@ def sweep(
             client=client, timeout=timeout, stall_timeout=stall_timeout, speedup=speedup, command="sweep",
             default_num_requests=32, poll_hz=poll_hz, server=server,
             grid=[axis for g in grid or [] for axis in g.split()], server_timeout=server_timeout,
+            telemetry_hz=telemetry_hz, telemetry_url=telemetry_url,
         )  # fmt: skip
 
     _guard(body)

@@ -15,6 +15,7 @@ Record shape (keys absent when not measured)::
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import psutil
@@ -120,6 +122,12 @@ def open_gpus() -> tuple[list[GpuProbe], str]:
         return [], NO_GPU_LINE
     names = ", ".join(sorted({p.name for p in probes}))
     return probes, f"GPU telemetry: {len(probes)} x {names} (driver {driver})"
+
+
+@functools.cache
+def _host_gpus() -> tuple[list[GpuProbe], str]:
+    """:func:`open_gpus` once per process (NVML init is slow-ish and the devices do not change)."""
+    return open_gpus()
 
 
 def gpu_environment() -> dict[str, Any]:
@@ -229,7 +237,8 @@ class TelemetrySampler(_ThreadedSampler):
     def __init__(self, rate_hz: float = 10.0, server_pid: int | None = None, gpu: bool = True) -> None:
         super().__init__(rate_hz)
         self.server_pid = server_pid
-        self.gpus, self.header = open_gpus() if gpu else ([], "GPU telemetry off (--no-gpu-telemetry)")
+        self.gpus: list[GpuProbe]
+        self.gpus, self.header = _host_gpus() if gpu else ([], "GPU telemetry off")
         self._host: HostProbe | None = None
 
     def start(self, clock: RunClock, point_dir: Path) -> None:
@@ -439,3 +448,49 @@ class RemoteTelemetry(_ThreadedSampler):
         if errors:
             out["scrape_errors"] = errors
         return out
+
+
+# --- wiring for bench run / sweep -------------------------------------------------------------------------
+
+REMOTE_MAX_HZ = 1.0  # exporters refresh at most about once a second; faster scrapes only repeat values
+
+
+def local_server_pid(base_url: str) -> int | None:
+    """The pid listening on a loopback ``base_url``'s port (the server bench started), if visible."""
+    parts = urlsplit(base_url)
+    if parts.hostname not in ("127.0.0.1", "::1", "localhost") or parts.port is None:
+        return None
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except psutil.Error:
+        return None
+    pids = {c.pid for c in conns if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == parts.port}
+    pids.discard(None)
+    return pids.pop() if len(pids) == 1 else None
+
+
+def check_options(hz: float, url: str | None) -> None:
+    """Validate ``--telemetry-hz``/``--telemetry-url`` before a run starts (ValueError says what to do)."""
+    if hz < 0:
+        raise ValueError("--telemetry-hz must be >= 0 (0 turns telemetry off)")
+    if url is not None and not url.startswith(("http://", "https://")):
+        raise ValueError(f"--telemetry-url must be an http(s) URL of a Prometheus exporter, got {url!r}")
+
+
+def header_line(hz: float, url: str | None) -> str:
+    """The run-header line: what telemetry this run records."""
+    if hz == 0:
+        return "telemetry off (--telemetry-hz 0)"
+    if url:
+        return f"remote telemetry: {url} at {min(hz, REMOTE_MAX_HZ):g} Hz"
+    return _host_gpus()[1]
+
+
+def sidecars(target_url: str, hz: float, url: str | None) -> list[_ThreadedSampler]:
+    """The telemetry sidecar for one point: remote exporter when ``url`` is given, else this host (NVML
+    GPUs, CPU, memory, and the server process when it listens on a loopback port here)."""
+    if hz == 0:
+        return []
+    if url:
+        return [RemoteTelemetry(url, rate_hz=min(hz, REMOTE_MAX_HZ))]
+    return [TelemetrySampler(rate_hz=hz, server_pid=local_server_pid(target_url))]
