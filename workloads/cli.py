@@ -1,0 +1,105 @@
+"""``bench workloads list|show|validate``."""
+
+from __future__ import annotations
+
+import json
+from itertools import islice
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from workloads import BUILTIN_DIR, builtin_names, load_spec_for, load_workload
+from workloads.spec import WorkloadError, WorkloadSpec
+from workloads.synthetic import spec_dict
+
+app = typer.Typer(
+    help="Workload files: list the built-ins, show one, validate your own.", no_args_is_help=True
+)
+console = Console()
+err = Console(stderr=True)
+
+
+def _classes(spec: WorkloadSpec) -> str:
+    if spec.trace is not None:
+        return f"trace ({spec.trace.format})"
+    return ", ".join(f"{c.name}×{c.weight:g}" for c in spec.classes)
+
+
+def _load(name: str) -> WorkloadSpec:
+    try:
+        return load_spec_for(name)
+    except WorkloadError as exc:
+        err.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(1) from exc
+
+
+@app.command("list")
+def list_() -> None:
+    """The built-in workloads."""
+    table = Table("name", "classes", "arrival", "description")
+    for name in builtin_names():
+        spec = load_spec_for(name)
+        a = spec.arrival
+        arrival = a.process or ""
+        arrival += f" c={a.concurrency}" if a.concurrency else ""
+        arrival += f" r={a.rate:g}/s" if a.rate else ""
+        table.add_row(name, _classes(spec), arrival, spec.description)
+    console.print(table)
+    console.print(f"[dim]files: {BUILTIN_DIR}[/]")
+
+
+@app.command()
+def show(
+    name: Annotated[
+        str, typer.Argument(help="built-in name, workload .toml, or trace (.jsonl Mooncake, .csv Azure)")
+    ],
+    sample: Annotated[int, typer.Option(help="also generate this many requests and show them")] = 3,
+    seed: Annotated[int, typer.Option(help="seed for the sample")] = 0,
+) -> None:
+    """A workload's settings (as parsed) and a sample of the requests it generates."""
+    spec = _load(name)
+    if spec.trace is None:
+        console.print_json(json.dumps(spec_dict(spec)))
+        console.print(f"[dim]file: {spec.source}[/]")
+    if sample <= 0:
+        return
+    try:
+        wl = load_workload(name)
+        sessions = list(islice(wl.sessions(seed), sample))
+    except (WorkloadError, FileNotFoundError, ValueError) as exc:
+        err.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(1) from exc
+    if spec.trace is not None:
+        console.print_json(json.dumps(wl.describe()))
+    table = Table("id", "class", "at", "prompt tokens", "max_tokens", "turns", "prompt (start)")
+    for sess in sessions:
+        req = sess.first()
+        text = req.prompt if isinstance(req.prompt, str) else json.dumps(req.prompt, ensure_ascii=False)
+        turns = str(getattr(sess, "turns", 1))
+        at = "" if sess.at is None else f"{sess.at:.3f}"
+        shown = text[:80].replace("\n", "⏎")
+        table.add_row(
+            req.request_id, req.workload_class, at, str(req.prompt_tokens), str(req.max_tokens), turns, shown
+        )
+    console.print(table)
+
+
+@app.command()
+def validate(
+    files: Annotated[list[str], typer.Argument(help="workload .toml files, built-in names or trace files")],
+) -> None:
+    """Check workload files (schema, and that prompts can be built); non-zero exit on the first error."""
+    failed = 0
+    for name in files:
+        try:
+            wl = load_workload(name)
+            next(iter(wl.sessions(0))).first()
+        except (WorkloadError, FileNotFoundError, ValueError) as exc:
+            err.print(f"[red]✗[/] {exc}")
+            failed += 1
+            continue
+        console.print(f"[green]✓[/] {name}: {wl.name}")
+    if failed:
+        raise typer.Exit(1)
