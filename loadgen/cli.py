@@ -492,3 +492,6 @@ from loadgen.gate_cli import baseline_app, gate  # noqa: E402, I001
 
 app.command("gate")(gate)
 app.add_typer(baseline_app, name="baseline")
+from workloads.cli import app as workloads_app  # noqa: E402, I001
+
+app.add_typer(workloads_app, name="workloads")
