@@ -161,3 +161,22 @@ def test_sweep_servers_records_failures_and_goes_on(tmp_path):
     assert (tmp_path / "points" / "modeok" / "server.log").read_text().startswith("$ ")
     with pytest.raises(ValueError, match="no --grid"):
         server_grid("srv {np} {port}", [])
+
+
+def test_cli_rejects_bad_server_sweeps(tmp_path):
+    from typer.testing import CliRunner
+
+    from loadgen.cli import app
+
+    runner = CliRunner()
+    cases = [
+        (["--grid", "np=1,2"], "--grid needs --server"),
+        (["--server", "srv {np} --port {port}"], "no --grid np"),
+        (["--server", "srv --port {port}", "--grid", "np=1"], "not used"),
+        (["--server", "srv {np} {port}", "--url", "http://127.0.0.1:1", "--grid", "np=1"], "drop --url"),
+        (["--poll-hz", "-1"], "--poll-hz"),
+    ]
+    for args, message in cases:
+        res = runner.invoke(app, ["sweep", "--output-dir", str(tmp_path), *args])
+        assert res.exit_code == 2, (args, res.output)
+        assert message in " ".join(res.output.split()), (args, res.output)
