@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import httpx
 
 from backends.base import Backend, GenRequest
-from loadgen import metrics
+from loadgen import metrics, telemetry
 from loadgen.arrivals import arrival_times
 from loadgen.client import execute, make_client
 from loadgen.clock import RunClock, Sidecar
@@ -249,6 +249,7 @@ async def run_point(
             summary[sc.name] = sc.stop(window)
         except Exception as exc:  # a broken sidecar must not lose the point's results
             summary[sc.name] = {"error": f"{type(exc).__name__}: {exc}"}
+    telemetry.add_energy_per_token(summary)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary
 

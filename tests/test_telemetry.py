@@ -18,6 +18,7 @@ from loadgen.telemetry import (
     GpuProbe,
     RemoteTelemetry,
     TelemetrySampler,
+    add_energy_per_token,
     exporter_record,
     joules_per_output_token,
     open_gpus,
@@ -142,6 +143,12 @@ def test_summary_window_energy_and_joules_per_token():
     assert s["gpu_energy_j"] == pytest.approx(68.0)
     assert joules_per_output_token(s, 34) == pytest.approx(2.0)
     assert joules_per_output_token(summarize([{"t": 0.0, "cpu_pct": [1.0]}], None), 34) is None
+    point = {"telemetry": s, "throughput": {"steady": {"output_tok_per_s": 85.0, "seconds": 0.4}}}
+    add_energy_per_token(point)
+    assert point["telemetry"]["joules_per_output_token"] == pytest.approx(68.0 / 34)
+    host_only = {"telemetry": summarize([{"t": 0.0, "cpu_pct": [1.0]}], None), "throughput": point["throughput"]}
+    add_energy_per_token(host_only)
+    assert "joules_per_output_token" not in host_only["telemetry"]
 
 
 DCGM_TEXT = """# HELP DCGM_FI_DEV_GPU_UTIL GPU utilization (in %).
