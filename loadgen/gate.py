@@ -482,27 +482,17 @@ def print_report(rep: GateReport) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(stderr=False)
+    console = Console()
+    if not console.is_terminal:  # CI logs: no terminal width to fit, keep the table readable
+        console.width = 120
     style = {"pass": "green", "regression": "bold red", "inconclusive": "yellow", "invalid": "bold red"}
     if rep.checks:
         table = Table(title=f"gate: {rep.baseline} -> {rep.candidate}")
-        for col in (
-            "point",
-            "metric",
-            "rule",
-            "baseline",
-            "candidate",
-            "ratio",
-            f"{rep.confidence:.0%} CI",
-            "n",
-            "verdict",
-        ):
-            table.add_column(
-                col, justify="right" if col in ("baseline", "candidate", "ratio", "n") else "left"
-            )
+        for col in ("point", "rule", "baseline", "candidate", "ratio", f"{rep.confidence:.0%} CI", "n", "verdict"):
+            table.add_column(col, justify="right" if col in ("baseline", "candidate", "ratio", "n") else "left")
         for c in rep.checks:
             table.add_row(
-                c.point, c.metric, c.rule, _fmt(c.baseline_mean), _fmt(c.candidate_mean), _fmt(c.ratio), _ci(c),
+                c.point, c.rule, _fmt(c.baseline_mean), _fmt(c.candidate_mean), _fmt(c.ratio), _ci(c),
                 f"{c.n_baseline}/{c.n_candidate}", f"[{style[c.verdict]}]{c.verdict}[/]",
             )  # fmt: skip
         console.print(table)
