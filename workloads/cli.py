@@ -90,7 +90,7 @@ def show(
 def validate(
     files: Annotated[list[str], typer.Argument(help="workload .toml files, built-in names or trace files")],
 ) -> None:
-    """Check workload files (schema, and that prompts can be built); non-zero exit on the first error."""
+    """Check workload files (schema, and that prompts can be built); non-zero exit when any fails."""
     failed = 0
     for name in files:
         try:

@@ -60,14 +60,20 @@ class PromptBuilder:
             counts[-1] += 1
         self.starts = starts + [len(corpus)]  # unit k spans starts[k]:starts[k+1]
         self.counts = counts
-        # Units that begin a sentence-ish word: natural places to start a prompt.
+        # Units that begin a sentence (" The", "The"): natural places to start a prompt.
         self.anchors = [
-            k for k in range(len(counts)) if corpus[self.starts[k] : self.starts[k] + 2].strip()[:1].isupper()
+            k for k in range(len(counts)) if corpus[starts[k] : starts[k] + 2].lstrip(" ")[:1].isupper()
         ]
+
+        # Recent encodings: heads (shared prefixes, templates) recur, and a filled prompt is counted again.
+        self._ids = lru_cache(maxsize=256)(self._encode)
+
+    def _encode(self, text: str) -> tuple[int, ...]:
+        return tuple(self.tokenizer.encode(text).ids)
 
     def count(self, text: str) -> int:
         """Tokens the server sees for ``text`` (special tokens included, as the tokenizer is configured)."""
-        return len(self.tokenizer.encode(text).ids)
+        return len(self._ids(text))
 
     def _cut(self, n: int, rng: random.Random) -> str:
         k = rng.choice(self.anchors) if self.anchors else rng.randrange(len(self.counts))
@@ -93,11 +99,11 @@ class PromptBuilder:
         """
         if n < 1:
             raise ValueError(f"a prompt body needs at least 1 token, got {n}")
-        head = self.tokenizer.encode(before).ids if before else []
+        head = self._ids(before) if before else ()
         n_after = self.count(after) if after else 0
         for _ in range(_ATTEMPTS):
             text = before + self._cut(n, rng) + after
-            ids = self.tokenizer.encode(text).ids
+            ids = self._ids(text)
             if len(ids) == len(head) + n + n_after and ids[: len(head)] == head:
                 return text
         raise ValueError(f"could not build a prompt of exactly {n} tokens after {len(head)} fixed tokens")

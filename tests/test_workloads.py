@@ -1,0 +1,245 @@
+"""Workloads: exact token lengths, reproducibility, shared prefixes, multi-turn, validation, CLI."""
+
+import json
+import random
+from dataclasses import asdict
+from itertools import islice
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from workloads import builtin_names, load_workload
+from workloads.cli import app
+from workloads.spec import WorkloadError
+from workloads.text import CHATML_USER, builder_for, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("bundled")
+
+
+def write(tmp_path: Path, text: str, name: str = "w.toml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def n_tokens(tok, text: str) -> int:
+    return len(tok.encode(text).ids)
+
+
+LENGTHS = [1, 2, 3, 5, 8, 31, 64, 100, 255, 511, 512, 513, 1000, 2000, 3000]
+
+
+def test_fill_is_exact_for_the_final_string(tok):
+    b = builder_for("bundled")
+    rng = random.Random(3)
+    for n in LENGTHS + [rng.randint(1, 1500) for _ in range(60)]:
+        assert n_tokens(tok, b.fill(n, rng)) == n
+    # with fixed text around it: the body adds exactly n tokens, the head's tokens are untouched
+    head = "<|im_start|>system\nYou answer in one line.<|im_end|>\n" + CHATML_USER[0]
+    for n in (1, 7, 300):
+        text = b.fill(n, rng, before=head, after=CHATML_USER[1])
+        ids = tok.encode(text).ids
+        assert len(ids) == n_tokens(tok, head) + n + n_tokens(tok, CHATML_USER[1])
+        assert ids[: n_tokens(tok, head)] == tok.encode(head).ids
+
+
+def test_synthetic_prompt_lengths_are_exact(tmp_path, tok):
+    classes = "".join(
+        f'[[classes]]\nname = "p{n}-{tpl}"\nprompt = {n}\noutput = 4\ntemplate = "{tpl}"\n\n'
+        for n in LENGTHS
+        for tpl in ("none", "chatml")
+        if tpl == "none" or n > 20
+    )
+    classes += '[[classes]]\nname = "prefixed"\nprompt = 900\ntemplate = "chatml"\nshared_prefix = { tokens = 600, fraction = 0.5 }\n'
+    classes += '[[classes]]\nname = "prefixed-plain"\nprompt = 777\nshared_prefix = { tokens = 300, fraction = 0.5 }\n'
+    wl = load_workload(str(write(tmp_path, classes)))
+    seen = set()
+    for sess in islice(wl.sessions(11), 300):
+        req = sess.first()
+        want = {"prefixed": 900, "prefixed-plain": 777}.get(req.workload_class) or int(
+            req.workload_class[1:].split("-")[0]
+        )
+        assert n_tokens(tok, req.prompt) == req.prompt_tokens == want, req.workload_class
+        seen.add(req.workload_class)
+    assert len(seen) > 20
+
+
+def test_tokenizer_json_path_is_used(tmp_path, tok):
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    wl = load_workload(str(write(tmp_path, '[[classes]]\nname = "a"\nprompt = 123\n')), tokenizer=str(path))
+    req = next(iter(wl.sessions(0))).first()
+    assert n_tokens(tok, req.prompt) == req.prompt_tokens == 123
+    with pytest.raises(FileNotFoundError, match="tokenizer"):
+        next(iter(load_workload("chat-short", tokenizer=str(tmp_path / "missing.json")).sessions(0)))
+
+
+def _stream(name: str, seed: int, n: int = 40) -> str:
+    out = []
+    for sess in islice(load_workload(name).sessions(seed), n):
+        req = sess.first()
+        out.append(json.dumps(asdict(req), sort_keys=True))
+        reply = sess.next("a fixed reply")
+        while reply is not None:
+            out.append(json.dumps([reply[0], asdict(reply[1])], sort_keys=True))
+            reply = sess.next("another fixed reply")
+    return "\n".join(out)
+
+
+@pytest.mark.parametrize("name", ["short-long-50-50", "multiturn-chat", "rag", "creative", "code-edit"])
+def test_same_seed_same_stream_byte_for_byte(name):
+    a, b = _stream(name, 7), _stream(name, 7)
+    assert a == b
+    assert a != _stream(name, 8)
+
+
+def test_shared_prefix_requests_share_their_first_n_tokens(tok):
+    reqs = [s.first() for s in islice(load_workload("shared-system-prompt").sessions(3), 60)]
+    ids = [tok.encode(r.prompt).ids for r in reqs]
+    first = {tuple(i[:512]) for i in ids}
+    # 90 % share one prefix: the most common 512-token start covers most requests, the rest differ
+    counts = {p: sum(1 for i in ids if tuple(i[:512]) == p) for p in first}
+    shared = max(counts.values())
+    assert 45 <= shared <= 59 and len(first) == 1 + 60 - shared
+    assert len({tuple(i[512:]) for i in ids}) == 60  # what follows the prefix is each request's own
+    # rag: 4 documents of 1536 tokens, every request starts with one of them
+    rag = [tok.encode(s.first().prompt).ids for s in islice(load_workload("rag").sessions(0), 30)]
+    assert len({tuple(i[:1536]) for i in rag}) == 4
+    assert len({tuple(i[1536:]) for i in rag}) == 30
+
+
+def test_short_long_mix_and_output_lengths():
+    reqs = [s.first() for s in islice(load_workload("short-long-50-50").sessions(0), 400)]
+    short = [r for r in reqs if r.workload_class == "short"]
+    assert 160 < len(short) < 240
+    assert all(r.max_tokens < 10 for r in short)
+    assert all(r.max_tokens > 500 for r in reqs if r.workload_class == "long")
+
+
+def test_multiturn_carries_history_and_ends(tmp_path, tok):
+    wl = load_workload("multiturn-chat")
+    sess = next(iter(wl.sessions(0)))
+    req = sess.first()
+    assert req.api == "chat" and [m["role"] for m in req.prompt] == ["user"]
+    turns = 1
+    while (nxt := sess.next(f"reply number {turns}")) is not None:
+        think, req = nxt
+        assert 1.0 <= think <= 3.0
+        roles = [m["role"] for m in req.prompt]
+        assert roles == ["user", "assistant"] * turns + ["user"]
+        assert req.prompt[-2]["content"] == f"reply number {turns}"
+        turns += 1
+    assert turns == sess.turns and 2 <= turns <= 5
+    # completions flavour: the transcript is one string whose token count is exact
+    p = write(tmp_path, '[[classes]]\nname = "c"\nprompt = 40\ntemplate = "chatml"\nturns = { count = 3 }\n')
+    sess = next(iter(load_workload(str(p)).sessions(0)))
+    req = sess.first()
+    assert n_tokens(tok, req.prompt) == req.prompt_tokens == 40
+    think, req2 = sess.next("Hello there.")
+    assert think == 0 and req2.prompt.startswith(req.prompt + "Hello there.<|im_end|>\n")
+    assert n_tokens(tok, req2.prompt) == req2.prompt_tokens
+    assert req2.request_id == "r0.1"
+
+
+def test_code_edit_prompt_contains_the_code_and_creative_is_open_ended():
+    req = next(iter(load_workload("code-edit").sessions(0))).first()
+    assert "```python\n" in req.prompt and "renamed to" in req.prompt and req.max_tokens > 200
+    req = next(iter(load_workload("creative").sessions(0))).first()
+    assert req.temperature > 0 and req.seed is not None
+
+
+def test_every_builtin_loads_and_generates():
+    names = builtin_names()
+    for want in ("chat-short", "short-long-50-50", "shared-system-prompt", "long-prefill", "code-edit", "creative",
+                 "multiturn-chat", "rag"):  # fmt: skip
+        assert want in names
+    for name in names:
+        wl = load_workload(name)
+        assert [s.first().max_tokens > 0 for s in islice(wl.sessions(1), 3)] == [True] * 3
+
+
+def test_overrides_and_arrival_from_file():
+    wl = load_workload("rag")
+    assert (wl.arrival.process, wl.arrival.rate) == ("poisson", 1.0)
+    wl = load_workload("rag", process="closed", concurrency=3, rate=None)
+    assert (wl.arrival.process, wl.arrival.concurrency, wl.arrival.rate) == ("closed", 3, 1.0)
+    with pytest.raises(WorkloadError, match="rate"):
+        load_workload("rag", rate=-1)
+    with pytest.raises(TypeError, match="unknown workload override"):
+        load_workload("rag", speed=2)
+
+
+BAD = [
+    (
+        '[[classes]]\nname = "x"\nprompt = { dist = "normal", mean = "lots", std = 3 }\n',
+        "classes[0].prompt.mean",
+        "expected a number",
+    ),
+    (
+        '[[classes]]\nname = "x"\noutput = "many"\n',
+        "classes[0].output",
+        "expected a number or a distribution table",
+    ),
+    ('[[classes]]\nname = "x"\nweight = true\n', "classes[0].weight", "expected a number"),
+    ("[[classes]]\nname = 5\n", "classes[0].name", "expected a string"),
+    ('[arrival]\nrate = "fast"\n[[classes]]\nname = "x"\n', "arrival.rate", "expected a number"),
+    ('[arrival]\nprocess = "bursty"\n[[classes]]\nname = "x"\n', "arrival.process", "expected one of"),
+    ('[[classes]]\nname = "x"\nprompt = { dist = "zipf" }\n', "classes[0].prompt.dist", "expected one of"),
+    ('[[classes]]\nname = "x"\npromt = 5\n', "classes[0].promt", "unknown key"),
+    (
+        '[[classes]]\nname = "x"\nshared_prefix = { tokens = 10, fraction = 2 }\n',
+        "classes[0].shared_prefix.fraction",
+        "between 0 and 1",
+    ),
+    ('[[classes]]\nname = "x"\nturns = { think_time = 1 }\n', "classes[0].turns.count", "is required"),
+    (
+        '[[classes]]\nname = "x"\nprompt = { dist = "empirical", values = [1, "b"] }\n',
+        "classes[0].prompt.values[1]",
+        "expected a number",
+    ),
+    ('[[classes]]\nname = "x"\ncontent = "code-edit"\nprompt = 5\n', "classes[0].prompt", "not allowed"),
+    ('name = "nothing"\n', "classes", "is required"),
+    (
+        'api = "chat"\n[[classes]]\nname = "x"\ntemplate = "chatml"\n',
+        "classes[0].template",
+        "expected 'none'",
+    ),
+    ('[[classes]]\nname = "x"\n[[classes]]\nname = "x"\n', "classes[1].name", "unique"),
+]
+
+
+@pytest.mark.parametrize(("text", "key", "expected"), BAD)
+def test_malformed_file_names_file_key_and_expected_type(tmp_path, text, key, expected):
+    p = write(tmp_path, text)
+    with pytest.raises(WorkloadError) as err:
+        load_workload(str(p))
+    msg = str(err.value)
+    assert str(p) in msg and f"key '{key}'" in msg and expected in msg, msg
+
+
+def test_toml_syntax_error_and_unknown_name(tmp_path):
+    p = write(tmp_path, "[[classes]\nname = 1\n")
+    with pytest.raises(WorkloadError, match=f"{p}: not valid TOML"):
+        load_workload(str(p))
+    with pytest.raises(WorkloadError, match="no such workload.*chat-short"):
+        load_workload("chat-shrot")
+
+
+def test_cli_list_show_validate(tmp_path):
+    runner = CliRunner()
+    res = runner.invoke(app, ["list"])
+    assert res.exit_code == 0 and "short-long-50-50" in res.output
+    res = runner.invoke(app, ["show", "short-long-50-50", "--sample", "2"])
+    assert res.exit_code == 0 and '"weight": 1.0' in res.output and "r1" in res.output
+    bad = write(tmp_path, '[[classes]]\nname = "x"\noutput = { dist = "uniform", low = 5 }\n')
+    res = runner.invoke(app, ["validate", "chat-short", str(bad)])
+    assert res.exit_code == 1
+    assert (
+        "✓ chat-short" in res.output
+        and "classes[0].output.high" in res.output
+        and "is required" in res.output
+    )
