@@ -8,8 +8,9 @@ ignore it. Anything in ``GenRequest.extra_body`` and the backend's ``extra_body`
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+import orjson
 
 from backends.base import Api, Backend, Delta, GenRequest, HttpCall, ParseState
 
@@ -62,17 +63,17 @@ class OpenAIBackend(Backend):
         if data == "[DONE]":
             return [_DONE]
         try:
-            obj = json.loads(data)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"stream event is not JSON: {exc.msg}: {data[:120]!r}") from exc
-        if not isinstance(obj, dict):
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise ValueError(f"stream event is not JSON: {exc}: {data[:120]!r}") from exc
+        if type(obj) is not dict:
             raise ValueError(f"stream event is not a JSON object: {data[:120]!r}")
-        if "error" in obj:
-            err = obj["error"]
-            return [Delta(error=str(err.get("message", err) if isinstance(err, dict) else err))]
-        choices = obj.get("choices") or []
+        choices = obj.get("choices")
         usage = obj.get("usage")
         if not choices:
+            if "error" in obj:
+                err = obj["error"]
+                return [Delta(error=str(err.get("message", err) if isinstance(err, dict) else err))]
             if usage:  # the final usage-only chunk
                 return [Delta(prompt_tokens=usage.get("prompt_tokens"),
                               completion_tokens=usage.get("completion_tokens"), tokens_source="usage")]

@@ -1,17 +1,18 @@
 """Per-request records and their crash-safe JSONL writer.
 
 One :class:`RequestRecord` per request (fields in docs/architecture.md). :class:`RecordWriter`
-appends each record as one line and flushes it to the OS as the request ends, so a killed run leaves
+appends each record as one line with a single unbuffered ``write()`` as the request ends, so a killed run leaves
 a valid ``requests.jsonl`` holding every finished request.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
+
+import orjson
 
 ERROR_KINDS = (
     "connect", "timeout", "http_4xx", "http_429", "http_5xx", "stream_error", "protocol",
@@ -57,11 +58,10 @@ class RecordWriter:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._f: IO[str] = path.open("a", encoding="utf-8")
+        self._f: IO[bytes] = path.open("ab", buffering=0)  # one write() per record, no user-space buffer
 
     def write(self, rec: RequestRecord) -> None:
-        self._f.write(json.dumps(rec.to_dict(), separators=(",", ":")) + "\n")
-        self._f.flush()
+        self._f.write(orjson.dumps(rec.to_dict(), option=orjson.OPT_APPEND_NEWLINE))
 
     def close(self) -> None:
         self._f.close()
@@ -73,8 +73,8 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 
 def iter_records(path: Path) -> Iterator[dict[str, Any]]:
-    with path.open(encoding="utf-8") as f:
+    with path.open("rb") as f:
         for line in f:
-            if not line.endswith("\n"):
+            if not line.endswith(b"\n"):
                 return  # torn write at the very end
-            yield json.loads(line)
+            yield orjson.loads(line)
