@@ -206,7 +206,7 @@ def summary_table(summaries: list[dict[str, Any]]) -> Table:
 
 
 def _report(summaries: list[dict[str, Any]], results: ResultsDir) -> None:
-    out = Console()
+    out = Console(width=None if sys.stdout.isatty() else 200)  # a log file gets the whole table
     out.print(summary_table(summaries))
     for s in summaries:
         for w in s["client"]["warnings"]:
