@@ -313,14 +313,15 @@ class GateReport:
         return d
 
 
-def _values(trials: list[dict[str, Any]], path: tuple[str, ...]) -> list[float]:
-    out = []
+def _values(trials: list[dict[str, Any]], path: tuple[str, ...]) -> dict[int, float]:
+    """Trial index -> the metric's value, for the trials that have a finite value."""
+    out = {}
     for pt in trials:
         v: Any = pt
         for key in path:
             v = v.get(key) if isinstance(v, dict) else None
         if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-            out.append(float(v))
+            out[_trial_index(pt)] = float(v)
     return out
 
 
@@ -350,9 +351,6 @@ def check_metric(
         c.reason = (
             f"needs >= {min_trials} trials per side (bench run --repeat N), has {len(base)}/{len(cand)}"
         )
-        return c
-    if paired and len(base) != len(cand):
-        c.reason = f"paired A/B needs as many baseline as candidate trials, has {len(base)}/{len(cand)}"
         return c
     b, k = np.asarray(base), np.asarray(cand)
     if (b <= 0).any() or (paired and (k <= 0).any()) or b.mean() <= 0:
@@ -419,7 +417,12 @@ def compare(
             if not base and not cand:
                 rep.errors.append(f"{pid}: metric {rule.metric} ({'.'.join(path)}) is in neither result")
                 continue
-            rep.checks.append(check_metric(pid, rule, base, cand, paired, confidence, min_trials))
+            if paired:  # pair trial k with trial k; a trial without a value on either side drops its pair
+                keys = sorted(base.keys() & cand.keys())
+                b, c = [base[k] for k in keys], [cand[k] for k in keys]
+            else:
+                b, c = list(base.values()), list(cand.values())
+            rep.checks.append(check_metric(pid, rule, b, c, paired, confidence, min_trials))
     if rep.errors:
         return rep
     verdicts = {c.verdict for c in rep.checks}

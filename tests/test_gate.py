@@ -291,3 +291,15 @@ def test_bench_baseline_save_then_gate(tmp_path):
     assert r.exit_code == 0, r.output
     r = _bench("baseline", "save", str(tmp_path / "nope"), "-o", str(out))
     assert r.exit_code == 2
+
+
+def test_paired_trials_pair_by_index_and_drop_incomplete_pairs(tmp_path):
+    a = write_result(tmp_path / "a", np.array([100.0, 200, 100, 200, 100, 200]), paired=True)
+    b = write_result(tmp_path / "b", np.array([80.0, 160, 80, 160, 80, 160]), paired=True)
+    doc = json.loads((b / "summary.json").read_text())
+    doc["points"][2]["throughput"]["steady"]["output_tok_per_s"] = None  # trial 2 failed on one side
+    (b / "summary.json").write_text(json.dumps(doc))
+    check = compare(load(a), load(b), RULES[:1]).checks[0]
+    assert check.n_baseline == check.n_candidate == 5
+    assert check.ratio == pytest.approx(0.8) and check.ci == pytest.approx((0.8, 0.8))
+    assert check.verdict == "regression"
