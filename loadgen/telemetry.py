@@ -130,14 +130,6 @@ def _host_gpus() -> tuple[list[GpuProbe], str]:
     return open_gpus()
 
 
-def gpu_environment() -> dict[str, Any]:
-    """GPU names and driver for environment fingerprints (empty lists without NVML)."""
-    probes, _ = open_gpus()
-    if not probes:
-        return {"gpus": [], "gpu_driver": None}
-    return {"gpus": [p.name for p in probes], "gpu_driver": str(pynvml.nvmlSystemGetDriverVersion())}
-
-
 class HostProbe:
     """Host CPU per core and memory, this (client) process's CPU, and the server process when known."""
 
