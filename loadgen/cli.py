@@ -359,6 +359,7 @@ def _go(
     failed = [s for s in summaries if "failed" in s]
     summaries = [s for s in summaries if "counts" in s]
     _report(summaries, results)
+    Console().print(auto_report(results.path))
     for s in failed:
         console.print(f"[red]failed[/] {s['point_id']}: {s['failed']['message']}")
     if failed or any(s["counts"]["ok"] == 0 for s in summaries):
@@ -495,3 +496,6 @@ app.add_typer(baseline_app, name="baseline")
 from workloads.cli import app as workloads_app  # noqa: E402, I001
 
 app.add_typer(workloads_app, name="workloads")
+from loadgen.report.cli import auto_report, report_command  # noqa: E402, I001
+
+app.command("report")(report_command)

@@ -128,12 +128,13 @@ def knee_index(x: list[float], y: list[float]) -> int | None:
 
 
 def gantt_sample(req: Requests, max_rows: int) -> np.ndarray:
-    """Indices of the requests to draw, by send order: all when few, else every k-th plus every error."""
+    """Indices of the requests to draw, by send order: all when few, else every k-th plus the errors
+    (at most half of ``max_rows``, the first ones)."""
     order = np.argsort(np.where(np.isfinite(req.sent), req.sent, np.inf), kind="stable")
     if len(order) <= max_rows:
         return order
     err = np.array([e is not None for e in req.error], dtype=bool)
-    err_idx = order[err[order]][: max_rows // 4]
+    err_idx = order[err[order]][: max_rows // 2]
     step = math.ceil(len(order) / (max_rows - len(err_idx)))
     picked = np.union1d(order[::step], err_idx)
     return picked[np.argsort(req.sent[picked], kind="stable")]

@@ -1,0 +1,45 @@
+"""``bench report RESULTS_DIR... [-o report.html]`` and the report written after every run/sweep."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from loadgen.report.builder import write_report
+from loadgen.report.load import ReportInputError
+
+console = Console(stderr=True)
+
+
+def default_output(result_dirs: list[Path]) -> Path:
+    """``<dir>/report.html`` for one run, ``./report.html`` for a comparison."""
+    return result_dirs[0] / "report.html" if len(result_dirs) == 1 else Path("report.html")
+
+
+def report_command(
+    results_dirs: Annotated[
+        list[Path], typer.Argument(help="results/<run_id> directories; several are compared in one report.")
+    ],
+    output: Annotated[
+        Path | None,
+        typer.Option("-o", "--output", help="HTML file (default: <dir>/report.html, ./report.html for several)."),
+    ] = None,
+) -> None:
+    """Write one self-contained HTML report (timelines, distributions, sweep curves; works offline)."""
+    try:
+        out = write_report(results_dirs, output or default_output(results_dirs))
+    except ReportInputError as exc:
+        console.print(f"[red]error[/]: {exc}")
+        raise typer.Exit(2) from None
+    print(f"report: {out} ({out.stat().st_size / 1e6:.1f} MB)")
+
+
+def auto_report(run_dir: Path) -> str:
+    """The report of a run that just finished, as a line to print; a failure here never fails the run."""
+    try:
+        return f"report: {write_report([run_dir], run_dir / 'report.html')}"
+    except Exception as exc:  # the results are already safe on disk: say why and go on
+        return f"[yellow]warning[/]: no report ({type(exc).__name__}: {exc}); retry with `bench report {run_dir}`"
