@@ -1,0 +1,129 @@
+"""Paged KV-cache bookkeeping: fixed-size blocks, ref counts, prefix caching by chained block hashes.
+
+A block with ref count 0 is *free* even when it still holds a cached prefix: it sits in an LRU list
+and is either re-used by a prefix hit (ref count goes back to 1) or evicted when a new block is
+needed (oldest first). Hence ``num_free + num_used == num_blocks`` always holds."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from reference_server.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+def chain_hash(prev: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((prev, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # chained hash -> block id
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of which found
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """Blocks to add so that ``seq`` can hold ``num_tokens`` tokens."""
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+
+    # -- prefix cache ---------------------------------------------------------------------------------
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks covering a prefix of ``seq`` (never its last token, which must be computed)."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        hits: list[int] = []
+        prev: int | None = None
+        for i in range((seq.num_tokens - 1) // bs):
+            toks = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = chain_hash(prev, toks)
+            bid = self.cached.get(h)
+            if bid is None or self.blocks[bid].token_ids != toks:
+                break
+            hits.append(bid)
+            prev = h
+        return hits
+
+    def can_admit(self, seq: Sequence, hits: list[int], num_tokens: int) -> bool:
+        """Whether ``seq`` can start with ``hits`` and room for ``num_tokens`` tokens in total."""
+        reused_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        new = max(0, -(-num_tokens // self.block_size) - len(hits))
+        return new + reused_free <= len(self.free)
+
+    def admit(self, seq: Sequence, hits: list[int]) -> None:
+        """Take the prefix-hit blocks; sets ``num_computed_tokens`` to the cached length."""
+        assert not seq.block_table
+        for bid in hits:
+            block = self.blocks[bid]
+            if block.ref_count == 0:
+                del self.free[bid]
+            block.ref_count += 1
+            seq.block_table.append(bid)
+            assert block.hash is not None
+            seq.block_hashes.append(block.hash)
+        cached = len(hits) * self.block_size
+        if self.enable_prefix_caching:
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += cached
+        seq.num_computed_tokens = cached
+        seq.num_cached_tokens = cached
+
+    # -- allocation -----------------------------------------------------------------------------------
+    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_tokens) <= len(self.free)
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Give ``seq`` enough blocks to hold ``num_tokens`` tokens (LRU-evicting cached free blocks)."""
+        for _ in range(self.blocks_needed(seq, num_tokens)):
+            bid, _ = self.free.popitem(last=False)
+            block = self.blocks[bid]
+            if block.hash is not None and self.cached.get(block.hash) == bid:
+                del self.cached[block.hash]
+            block.hash, block.token_ids, block.ref_count = None, (), 1
+            seq.block_table.append(bid)
+
+    def commit(self, seq: Sequence) -> None:
+        """Publish blocks that became full of computed tokens to the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        while len(seq.block_hashes) < seq.num_computed_tokens // bs:
+            i = len(seq.block_hashes)
+            toks = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, toks)
+            seq.block_hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None:
+                block.hash, block.token_ids = h, toks
+                self.cached.setdefault(h, block.block_id)
+
+    def release(self, seq: Sequence) -> None:
+        """Drop ``seq``'s references; blocks reaching 0 become free (tail blocks are evicted first)."""
+        for bid in reversed(seq.block_table):
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[bid] = None
+        seq.block_table = []
+        seq.block_hashes = []

@@ -1,0 +1,211 @@
+"""The step loop: admit/abort, schedule, run the model, detokenize, hand outputs to the caller.
+
+``Engine.step`` is synchronous (tests drive it directly); ``Engine.start`` runs it in a background
+thread that sleeps while idle. Outputs go to one sink callback per step (the server bridges them onto
+its asyncio loop in a single thread-safe call)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from reference_server.block_manager import BlockManager
+from reference_server.config import EngineConfig
+from reference_server.model_runner import ModelRunner
+from reference_server.scheduler import Policy, ScheduledBatch, Scheduler
+from reference_server.sequence import SamplingParams, SeqStatus, Sequence
+from reference_server.text import Detokenizer, TextCodec
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    seq_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class IterationRecord:
+    """One engine step, exactly: wall-clock (unix) start/end, who was in the batch, what it computed."""
+
+    i: int
+    start: float
+    end: float
+    seq_ids: list[str]
+    prefill_tokens: int
+    decode_tokens: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_running: int
+    num_waiting: int
+    preempted: list[str]
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+OutputSink = Callable[[list[RequestOutput]], None]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None, codec: TextCodec | None = None,
+                 policy: Policy | None = None) -> None:
+        self.config = config
+        self.runner = runner or ModelRunner(config)
+        self.codec = codec or TextCodec(config.model)
+        spec_len = self.runner.spec.context_length
+        self.max_model_len = min(config.max_model_len or spec_len, spec_len, config.num_kv_blocks * config.block_size)
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
+                                   self.max_model_len, config.enable_chunked_prefill, policy)
+        self.iterations: deque[IterationRecord] = deque(maxlen=config.iteration_log_size)
+        self.num_iterations = 0
+        self.on_iteration: list[Callable[[IterationRecord], None]] = []
+        self._seqs: dict[str, Sequence] = {}
+        self._detok: dict[str, Detokenizer] = {}
+        self._stop_ids: dict[str, set[int]] = {}
+        self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._running = False
+        self._sink: OutputSink | None = None
+
+    # -- requests (thread-safe) ---------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, seq_id: str | None = None) -> Sequence:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_model_len}")
+        seq = Sequence(prompt_ids, params, seq_id)
+        self._commands.put(("add", seq))
+        self._wake.set()
+        return seq
+
+    def abort(self, seq_id: str) -> None:
+        self._commands.put(("abort", seq_id))
+        self._wake.set()
+
+    def num_pending(self) -> int:
+        """Requests submitted and not finished (waiting + running + not yet admitted)."""
+        return len(self._seqs) + self._commands.qsize()
+
+    # -- the loop --------------------------------------------------------------------------------------
+    def _drain(self) -> None:
+        while True:
+            try:
+                cmd, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd == "add":
+                assert isinstance(arg, Sequence)
+                self._seqs[arg.seq_id] = arg
+                self._detok[arg.seq_id] = Detokenizer(self.codec.tokenizer, list(arg.params.stop))
+                stops = set(arg.params.stop_token_ids)
+                if not arg.params.ignore_eos:
+                    stops |= self.codec.stop_ids
+                self._stop_ids[arg.seq_id] = stops
+                self.scheduler.add(arg)
+            else:
+                seq = self._seqs.get(str(arg))
+                if seq is not None and seq.status is not SeqStatus.FINISHED:
+                    self.scheduler.finish(seq, "abort")
+                    self._forget(seq)
+
+    def _forget(self, seq: Sequence) -> None:
+        self._seqs.pop(seq.seq_id, None)
+        self._detok.pop(seq.seq_id, None)
+        self._stop_ids.pop(seq.seq_id, None)
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration. Returns the outputs of the requests that produced a token."""
+        self._drain()
+        if not self.scheduler.has_work():
+            return []
+        start = time.time()
+        batch = self.scheduler.schedule()
+        results = self.runner.step(batch)
+        self.scheduler.advance(batch)
+        outputs = [self._emit(seq, tok) for seq, tok in results]
+        self._record(batch, start)
+        if self.config.step_sleep_ms > 0:
+            time.sleep(self.config.step_sleep_ms / 1000)
+        return outputs
+
+    def _emit(self, seq: Sequence, tok: int) -> RequestOutput:
+        seq.token_ids.append(tok)
+        detok = self._detok[seq.seq_id]
+        reason = None
+        text = ""
+        if tok in self._stop_ids[seq.seq_id]:
+            reason = "stop"
+        else:
+            text = detok.add(tok)
+            if detok.stopped:
+                reason = "stop"
+            elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = "length"
+        if reason is not None:
+            text += detok.flush()
+            self.scheduler.finish(seq, reason)
+            self._forget(seq)
+        return RequestOutput(seq.seq_id, text, [tok], reason is not None, reason, seq.num_prompt_tokens,
+                             seq.num_output_tokens, seq.num_cached_tokens)
+
+    def _record(self, batch: ScheduledBatch, start: float) -> None:
+        decode = sum(1 for s, n in batch.items if n == 1 and s.num_computed_tokens > s.num_prompt_tokens)
+        rec = IterationRecord(
+            i=self.num_iterations, start=start, end=time.time(), seq_ids=[s.seq_id for s, _ in batch.items],
+            prefill_tokens=batch.num_tokens - decode, decode_tokens=decode,
+            kv_blocks_used=self.block_manager.num_used, kv_blocks_total=self.block_manager.num_blocks,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            preempted=[s.seq_id for s in batch.preempted],
+        )
+        self.num_iterations += 1
+        self.iterations.append(rec)
+        for hook in self.on_iteration:
+            hook(rec)
+
+    def iterations_since(self, since: int) -> list[IterationRecord]:
+        return [r for r in list(self.iterations) if r.i >= since]
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Run prompts to completion synchronously (tests, offline use); returns output token ids."""
+        seqs = [self.add_request(p, params) for p in prompts]
+        while any(s.status is not SeqStatus.FINISHED for s in seqs):
+            self.step()
+        return [s.output_token_ids for s in seqs]
+
+    # -- background thread -------------------------------------------------------------------------------
+    def start(self, sink: OutputSink) -> None:
+        self._sink = sink
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._running = False
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        assert self._sink is not None
+        while self._running:
+            if not self.scheduler.has_work() and self._commands.empty():
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            outputs = self.step()
+            if outputs:
+                self._sink(outputs)

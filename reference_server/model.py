@@ -1,0 +1,155 @@
+"""Llama forward over a flattened, variable-length batch with a paged KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from reference_server.gguf_loader import ModelSpec
+
+
+@dataclass
+class PrefillGroup:
+    """One sequence computing ``rows`` new tokens whose keys live at ``key_index`` (gathered cache slots)."""
+
+    rows: slice
+    key_index: torch.Tensor  # [ctx] flat slot ids of all keys this chunk attends to
+    mask: torch.Tensor | None  # [n, ctx] bool, None when the chunk is the whole context (pure causal)
+
+
+@dataclass
+class AttnBatch:
+    """Per-step attention metadata, built once per step and shared by all layers."""
+
+    slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
+    decode_rows: torch.Tensor | None  # rows with exactly one new token
+    decode_key_index: torch.Tensor | None  # [B, maxctx] flat slot ids (padded)
+    decode_mask: torch.Tensor | None  # [B, 1, 1, maxctx] bool, True = attend
+    prefills: list[PrefillGroup]
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Layer(torch.nn.Module):
+    """One decoder block; Q/K/V and gate/up are fused into single matmuls."""
+
+    def __init__(self, spec: ModelSpec, w: dict[str, torch.Tensor], i: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        p = f"blk.{i}."
+        self.spec = spec
+        self.attn_norm = RMSNorm(w[p + "attn_norm.weight"].to(dtype), spec.rms_eps)
+        self.ffn_norm = RMSNorm(w[p + "ffn_norm.weight"].to(dtype), spec.rms_eps)
+        qkv = torch.cat([w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]])
+        self.qkv = torch.nn.Parameter(qkv.to(dtype), requires_grad=False)
+        self.o = torch.nn.Parameter(w[p + "attn_output.weight"].to(dtype), requires_grad=False)
+        gate_up = torch.cat([w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]])
+        self.gate_up = torch.nn.Parameter(gate_up.to(dtype), requires_grad=False)
+        self.down = torch.nn.Parameter(w[p + "ffn_down.weight"].to(dtype), requires_grad=False)
+        self.q_size = spec.n_heads * spec.head_dim
+        self.kv_size = spec.n_kv_heads * spec.head_dim
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: AttnBatch,
+    ) -> torch.Tensor:
+        s = self.spec
+        t = x.shape[0]
+        qkv = F.linear(self.attn_norm(x), self.qkv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = _rope(q.view(t, s.n_heads, s.head_dim), cos, sin)
+        k = _rope(k.view(t, s.n_kv_heads, s.head_dim), cos, sin)
+        v = v.view(t, s.n_kv_heads, s.head_dim)
+        k_flat = k_cache.view(-1, s.n_kv_heads, s.head_dim)
+        v_flat = v_cache.view(-1, s.n_kv_heads, s.head_dim)
+        k_flat.index_copy_(0, batch.slot_mapping, k)
+        v_flat.index_copy_(0, batch.slot_mapping, v)
+        attn = _attention(q, k_flat, v_flat, batch)
+        x = x + F.linear(attn.view(t, self.q_size), self.o)
+        gate, up = F.linear(self.ffn_norm(x), self.gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE; ``cos``/``sin`` are [T, 1, head_dim]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def _attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, batch: AttnBatch) -> torch.Tensor:
+    """Gather each sequence's keys/values from the paged cache and run SDPA (GQA).
+
+    All single-token (decode) rows run as one padded SDPA call; each prefill chunk runs as its own call
+    (causal within the chunk, full view of its cached prefix)."""
+    out = torch.empty_like(q)
+    if batch.decode_rows is not None:
+        assert batch.decode_key_index is not None
+        qd = q.index_select(0, batch.decode_rows).unsqueeze(2)  # [B, H, 1, D]
+        kd = k_flat[batch.decode_key_index].transpose(1, 2)  # [B, KVH, ctx, D]
+        vd = v_flat[batch.decode_key_index].transpose(1, 2)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask, enable_gqa=True)
+        out.index_copy_(0, batch.decode_rows, o.squeeze(2))
+    for g in batch.prefills:
+        qp = q[g.rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        kp = k_flat[g.key_index].transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
+        vp = v_flat[g.key_index].transpose(0, 1).unsqueeze(0)
+        if g.mask is None:
+            o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
+        else:
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=g.mask, enable_gqa=True)
+        out[g.rows] = o.squeeze(0).transpose(0, 1)
+    return out
+
+
+class LlamaModel(torch.nn.Module):
+    """Llama with tied (or separate) output head; weights converted once to ``dtype``."""
+
+    def __init__(self, spec: ModelSpec, w: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.spec = spec
+        self.dtype = dtype
+        self.embed = torch.nn.Parameter(w["token_embd.weight"].to(dtype), requires_grad=False)
+        head = w.get("output.weight")
+        self.lm_head = self.embed if head is None else torch.nn.Parameter(head.to(dtype), requires_grad=False)
+        self.layers = torch.nn.ModuleList(Layer(spec, w, i, dtype) for i in range(spec.n_layers))
+        self.norm = RMSNorm(w["output_norm.weight"].to(dtype), spec.rms_eps)
+        inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float64) / spec.head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        batch: AttnBatch,
+        logits_rows: torch.Tensor,
+        num_layers: int | None = None,
+    ) -> torch.Tensor:
+        """Run all new tokens; return float32 logits only for ``logits_rows``.
+
+        ``num_layers`` runs only the first layers (then norm + head): a self-draft for speculation."""
+        cos, sin = self.rope_tables(positions)
+        x = F.embedding(input_ids, self.embed)
+        for layer, (kc, vc) in zip(self.layers[:num_layers], kv_caches, strict=False):
+            x = layer(x, cos, sin, kc, vc, batch)
+        x = self.norm(x.index_select(0, logits_rows))
+        return F.linear(x, self.lm_head).float()

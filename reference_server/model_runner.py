@@ -1,0 +1,124 @@
+"""Turns a scheduled batch into one flattened forward pass over the paged KV cache, then samples."""
+
+from __future__ import annotations
+
+import torch
+
+from reference_server.config import EngineConfig
+from reference_server.gguf_loader import ModelSpec, load_gguf
+from reference_server.model import AttnBatch, LlamaModel, PrefillGroup
+from reference_server.sampler import sample
+from reference_server.scheduler import ScheduledBatch
+from reference_server.sequence import Sequence
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if _cpu_has_bf16() else torch.float32
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    if name not in dtypes:
+        raise ValueError(f"unknown dtype {name!r}; use auto, bf16, fp16 or fp32")
+    return dtypes[name]
+
+
+def _cpu_has_bf16() -> bool:
+    """AVX512-BF16 makes bf16 matmuls native on CPU; without it bf16 is emulated and slower than fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "avx512_bf16" in f.read()
+    except OSError:
+        return False
+
+
+class ModelRunner:
+    """Owns the weights and the per-layer KV cache tensors ``[num_blocks, block_size, kv_heads, head_dim]``."""
+
+    def __init__(self, config: EngineConfig, spec: ModelSpec | None = None,
+                 weights: dict[str, torch.Tensor] | None = None) -> None:
+        if spec is None or weights is None:
+            spec, weights = load_gguf(config.model)
+        self.spec = spec
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        if self.device.type == "cpu" and config.threads:
+            torch.set_num_threads(config.threads)
+        self.block_size = config.block_size
+        with torch.device(self.device):
+            self.model = LlamaModel(spec, weights, self.dtype).eval()
+        shape = (config.num_kv_blocks, config.block_size, spec.n_kv_heads, spec.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(spec.n_layers)
+        ]
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        bs, table = self.block_size, seq.block_table
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttnBatch, list[int]]:
+        """Flatten the batch; returns input ids, positions, attention metadata and the rows to sample."""
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        logit_rows: list[int] = []
+        dec_rows: list[int] = []
+        dec_keys: list[list[int]] = []
+        prefill_specs: list[tuple[int, int, int, list[int]]] = []
+        for seq, n in batch.items:
+            start, row = seq.num_computed_tokens, len(ids)
+            end = start + n
+            ids.extend(seq.token_ids[start:end])
+            pos.extend(range(start, end))
+            new_slots = self._slots(seq, start, end)
+            slots.extend(new_slots)
+            if end == seq.num_tokens:
+                logit_rows.append(row + n - 1)
+            keys = self._slots(seq, 0, start) + new_slots
+            if n == 1:
+                dec_rows.append(row)
+                dec_keys.append(keys)
+            else:
+                prefill_specs.append((row, n, start, keys))
+        dev = self.device
+        attn = AttnBatch(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            decode_rows=None, decode_key_index=None, decode_mask=None, prefills=[],
+        )
+        if dec_rows:
+            width = max(len(k) for k in dec_keys)
+            lens = torch.tensor([len(k) for k in dec_keys])
+            attn.decode_rows = torch.tensor(dec_rows, dtype=torch.long, device=dev)
+            attn.decode_key_index = torch.tensor([k + [0] * (width - len(k)) for k in dec_keys], device=dev)
+            attn.decode_mask = (torch.arange(width)[None, :] < lens[:, None]).view(len(dec_rows), 1, 1, width).to(dev)
+        for row, n, start, keys in prefill_specs:
+            mask = None
+            if start > 0:  # query i (position start+i) sees keys 0..start+i
+                mask = (torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]).to(dev)
+            attn.prefills.append(PrefillGroup(slice(row, row + n), torch.tensor(keys, device=dev), mask))
+        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
+                attn, logit_rows)
+
+    @torch.inference_mode()
+    def forward(self, batch: ScheduledBatch, num_layers: int | None = None) -> torch.Tensor:
+        """Float32 logits for every sequence of ``batch`` that reaches its last token this step."""
+        ids, pos, attn, rows = self.prepare(batch)
+        rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return self.model(ids, pos, self.kv_caches, attn, rows_t, num_layers).cpu()
+
+    @torch.inference_mode()
+    def step(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
+        """Run ``batch``; return ``(seq, next_token)`` for the sequences that completed their gap."""
+        done = [seq for seq, n in batch.items if seq.num_computed_tokens + n == seq.num_tokens]
+        if not batch.items:
+            return []
+        logits = self.forward(batch)
+        return list(zip(done, sample(logits, done), strict=False))

@@ -1,0 +1,35 @@
+"""Token sampling: greedy, temperature, top-k, top-p, with an optional per-request seed."""
+
+from __future__ import annotations
+
+import torch
+
+from reference_server.sequence import SamplingParams, Sequence
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a request samples from, for one row of logits [V]: one-hot argmax when greedy,
+    else softmax(logits / temperature) restricted to the top-k and then the top-p nucleus."""
+    if params.greedy:
+        return torch.zeros_like(logits, dtype=torch.float32).scatter_(0, logits.argmax().view(1), 1.0)
+    row = logits.float() / params.temperature
+    if 0 < params.top_k < row.shape[0]:
+        kth = torch.topk(row, params.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, idx = probs.sort(descending=True)
+        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        sorted_probs[sorted_probs.cumsum(0) - sorted_probs >= params.top_p] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, idx, sorted_probs / sorted_probs.sum())
+    return probs
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """Pick one token per row of ``logits`` [B, V] for the matching sequence."""
+    out = logits.argmax(dim=-1).tolist()
+    for i, seq in enumerate(seqs):
+        if not seq.params.greedy:
+            probs = target_probs(logits[i], seq.params)
+            out[i] = int(torch.multinomial(probs, 1, generator=seq.generator).item())
+    return out

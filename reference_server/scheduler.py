@@ -1,0 +1,146 @@
+"""One scheduling rule (vLLM v1): every request's ``num_computed_tokens`` chases its ``num_tokens``.
+
+Each step hands out at most ``max_num_batched_tokens`` new tokens over at most ``max_num_seqs``
+requests, running requests first, then waiting ones in policy order. A decode is a gap of 1, a prompt
+is a gap of its length (cut into chunks by the budget), a prefix hit shrinks the gap before the first
+step. When the KV pool runs dry the policy's victim is preempted (blocks freed, recomputed later).
+
+Policies are pluggable: ``Policy.waiting_key`` orders admission, ``Policy.victim`` picks whom to preempt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from reference_server.block_manager import BlockManager
+from reference_server.sequence import SeqStatus, Sequence
+
+
+class Policy(Protocol):
+    def waiting_key(self, seq: Sequence) -> tuple[float, ...]: ...
+
+    def victim(self, running: list[Sequence]) -> Sequence: ...
+
+
+class FifoPolicy:
+    """First come, first served; preempt the latest arrival."""
+
+    def waiting_key(self, seq: Sequence) -> tuple[float, ...]:
+        return (seq.order,)
+
+    def victim(self, running: list[Sequence]) -> Sequence:
+        return max(running, key=lambda s: s.order)
+
+
+@dataclass
+class ScheduledBatch:
+    """What one step computes: ``(seq, num_new_tokens)`` pairs, in row order."""
+
+    items: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.items)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+        policy: Policy | None = None,
+    ) -> None:
+        self.bm = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.policy: Policy = policy or FifoPolicy()
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End ``seq`` (finished or aborted) and free its blocks at once."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.bm.release(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.release(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(seq)
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        return min(seq.num_tokens - seq.num_computed_tokens, budget)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        scheduled: set[str] = set()
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = self._chunk(seq, budget)
+            while not self.bm.can_grow(seq, seq.num_computed_tokens + n):
+                victim = self.policy.victim([s for s in self.running if s.seq_id not in scheduled] or [seq])
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            self.bm.grow(seq, seq.num_computed_tokens + n)
+            batch.items.append((seq, n))
+            scheduled.add(seq.seq_id)
+            budget -= n
+        if batch.preempted:  # pool is full: admit nobody this step
+            return batch
+        self.waiting.sort(key=self.policy.waiting_key)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            hits = self.bm.match_prefix(seq)
+            remaining = seq.num_tokens - len(hits) * self.bm.block_size
+            n = min(remaining, budget)
+            if n < remaining and not self.enable_chunked_prefill and budget < self.max_num_batched_tokens:
+                break  # without chunking a prompt runs whole; a too-long one only runs alone
+            if not self.enable_chunked_prefill:
+                n = remaining
+            if not self.bm.can_admit(seq, hits, seq.num_tokens - remaining + n):
+                break
+            self.waiting.pop(0)
+            self.bm.admit(seq, hits)
+            self.bm.grow(seq, seq.num_computed_tokens + n)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            batch.items.append((seq, n))
+            budget -= n
+        return batch
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """Record the step's KV as computed (and publish full blocks to the prefix cache)."""
+        for seq, n in batch.items:
+            seq.num_computed_tokens += n
+            self.bm.commit(seq)

@@ -1,0 +1,72 @@
+"""A request inside the engine: its tokens, how many have KV computed, and its block table."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+
+class SeqStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 -> greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 -> off
+    seed: int | None = None
+    max_tokens: int = 16
+    ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+
+_counter = itertools.count()
+
+
+class Sequence:
+    """One request. ``num_computed_tokens`` chases ``num_tokens``: that gap is all the scheduler looks at."""
+
+    def __init__(self, token_ids: list[int], params: SamplingParams, seq_id: str | None = None) -> None:
+        self.seq_id = seq_id if seq_id is not None else f"seq-{next(_counter)}"
+        self.order = next(_counter)  # arrival order (FIFO key)
+        self.arrival = time.monotonic()
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at (last) admission
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of this sequence's full, computed blocks
+        self.status = SeqStatus.WAITING
+        self.params = params
+        self.finish_reason: str | None = None
+        self.num_preemptions = 0
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens})"
