@@ -278,3 +278,20 @@ def test_torn_last_record_is_dropped(run_dir, tmp_path):
         f.write('{"id": "torn", "cls": "sh')
     assert len(read_jsonl(path)) == n
     assert write_report([d], d / "report.html").stat().st_size > 0
+
+
+def test_bench_report_cli(run_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from loadgen.cli import app
+    from loadgen.report.cli import auto_report
+
+    out = tmp_path / "sub" / "r.html"
+    res = CliRunner().invoke(app, ["report", str(run_dir), str(run_dir), "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    assert out.is_file() and f"report: {out}" in res.output
+    assert out.read_text().count('<select class="point-select"') == 2
+    res = CliRunner().invoke(app, ["report", str(tmp_path / "missing")])
+    assert res.exit_code == 2 and "is not a directory" in " ".join(res.output.split())
+    assert auto_report(tmp_path / "missing").startswith("[yellow]warning[/]: no report")
+    assert auto_report(run_dir) == f"report: {run_dir / 'report.html'}"

@@ -132,6 +132,31 @@ def diff_table(runs: list[RunData]) -> str:
     return _table(header, rows, "diff")
 
 
+def _point_views(r: int, run: RunData, figs: dict[str, Any]) -> str:
+    """A point selector and, per point, its timeline and CDFs (drawn when the point is shown)."""
+    opts = "".join(
+        f'<option value="{html.escape(p.point_id)}">{html.escape(p.point_id)} ({len(p.requests):,} requests)</option>'
+        for p in run.points
+    )
+    parts = [f'<p>Point: <select class="point-select" data-run="{r}">{opts}</select></p>']
+    for p_i, point in enumerate(run.points):
+        divs = []
+        missing = figures.missing_series(run, point)
+        if missing:
+            divs.append('<p class="note">Not recorded for this point: ' + ", ".join(missing) + ".</p>")
+        for kind, fig in (("timeline", figures.timeline(run, point)), ("cdf", figures.distributions(point))):
+            if fig is None:
+                divs.append(f'<p class="note">{kind}: no data (no successful request).</p>')
+                continue
+            key = f"r{r}/p{p_i}/{kind}"
+            figs[key] = fig
+            divs.append(f'<div class="chart" data-fig="{key}"></div>')
+        parts.append(
+            f'<div class="point" data-run="{r}" data-point="{html.escape(point.point_id)}" hidden>{"".join(divs)}</div>'
+        )
+    return "".join(parts)
+
+
 def build_html(runs: list[RunData]) -> str:
     figs: dict[str, Any] = {}
     body: list[str] = []
@@ -150,44 +175,11 @@ def build_html(runs: list[RunData]) -> str:
 
     for r, run in enumerate(runs):
         body.append(f"<h2>Run {html.escape(run.run_id)}</h2>")
-        body.append("<h3>Summary (summary.json)</h3>" + summary_tables(run) + _meta_table(run))
-        if not run.points:
+        if run.points:
+            body.append(_point_views(r, run, figs))
+        else:
             body.append('<p class="note">No point has a requests.jsonl: nothing to draw.</p>')
-            continue
-        opts = "".join(
-            f'<option value="{html.escape(p.point_id)}">{html.escape(p.point_id)} '
-            f"({len(p.requests):,} requests)</option>"
-            for p in run.points
-        )
-        body.append(f'<p>Point: <select class="point-select" data-run="{r}">{opts}</select></p>')
-        for p_i, point in enumerate(run.points):
-            divs = []
-            for kind, fig in (
-                ("timeline", figures.timeline(run, point)),
-                ("cdf", figures.distributions(point)),
-            ):
-                if fig is None:
-                    divs.append(f'<p class="note">{kind}: no data (no successful request).</p>')
-                    continue
-                key = f"r{r}/p{p_i}/{kind}"
-                figs[key] = fig
-                divs.append(f'<div class="chart" data-fig="{key}"></div>')
-            absent = [
-                name
-                for name, rows in (
-                    ("server state (/metrics)", point.server_state),
-                    ("per-iteration record", point.iterations),
-                    ("telemetry", point.telemetry),
-                )
-                if not rows
-            ]
-            if absent:
-                divs.insert(0, '<p class="note">Not recorded for this point: ' + ", ".join(absent) + ".</p>")
-            body.append(
-                f'<div class="point" data-run="{r}" data-point="{html.escape(point.point_id)}" hidden>'
-                + "".join(divs)
-                + "</div>"
-            )
+        body.append("<h3>Summary (summary.json)</h3>" + summary_tables(run) + _meta_table(run))
     data = json.dumps({"figs": _jsonable(figs)}, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
     template = resources.files("loadgen.report").joinpath("assets/report.html").read_text(encoding="utf-8")
     return (

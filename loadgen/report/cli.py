@@ -25,7 +25,9 @@ def report_command(
     ],
     output: Annotated[
         Path | None,
-        typer.Option("-o", "--output", help="HTML file (default: <dir>/report.html, ./report.html for several)."),
+        typer.Option(
+            "-o", "--output", help="HTML file (default: <dir>/report.html, ./report.html for several)."
+        ),
     ] = None,
 ) -> None:
     """Write one self-contained HTML report (timelines, distributions, sweep curves; works offline)."""

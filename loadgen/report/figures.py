@@ -135,6 +135,16 @@ def _telemetry_series(point: PointData) -> dict[str, tuple[np.ndarray, np.ndarra
     return {label: _pairs(pts) for label, pts in found.items()}
 
 
+def missing_series(run: RunData, point: PointData) -> list[str]:
+    """The optional series this point has no usable samples of (said on the page, not drawn empty)."""
+    checks = (
+        ("server state (/metrics)", bool(_server_series(point))),
+        ("per-iteration record", _iteration_arrays(point, run.run.get("t0_unix")) is not None),
+        ("telemetry", bool(_telemetry_series(point))),
+    )
+    return [name for name, present in checks if not present]
+
+
 def timeline(run: RunData, point: PointData) -> Fig | None:
     """One figure, one shared x axis (linked zoom): a row per available series, Gantt at the bottom."""
     req = point.requests
