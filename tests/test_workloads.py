@@ -145,9 +145,13 @@ def test_multiturn_carries_history_and_ends(tmp_path, tok):
     assert req2.request_id == "r0.1"
 
 
-def test_code_edit_prompt_contains_the_code_and_creative_is_open_ended():
+def test_code_edit_prompt_contains_the_code_and_creative_is_open_ended(tok):
     req = next(iter(load_workload("code-edit").sessions(0))).first()
-    assert "```python\n" in req.prompt and "renamed to" in req.prompt and req.max_tokens > 200
+    assert "renamed to" in req.prompt and req.prompt.endswith("<|im_start|>assistant\n```python\n")
+    code = req.prompt.split("```python\n")[1].split("```")[0]
+    assert req.max_tokens == n_tokens(tok, code) + 8 and n_tokens(tok, req.prompt) == req.prompt_tokens
+    chat = next(iter(load_workload("code-edit", api="chat").sessions(0))).first()
+    assert chat.api == "chat" and chat.prompt[-1]["content"].startswith("Rewrite the following Python code")
     req = next(iter(load_workload("creative").sessions(0))).first()
     assert req.temperature > 0 and req.seed is not None
 

@@ -75,6 +75,8 @@ def apply_overrides(spec: WorkloadSpec, **overrides: Any) -> WorkloadSpec:
         spec.arrival, **{k: given[k] for k in ("process", "rate", "concurrency", "burstiness") if k in given}
     )
     spec = replace(spec, arrival=arrival, **{k: given[k] for k in ("tokenizer", "api", "name") if k in given})
+    if given.get("api") == "chat":  # the server applies its own chat template
+        spec = replace(spec, classes=tuple(replace(c, template="none") for c in spec.classes))
     if "limit" in given:
         if spec.trace is None:
             raise WorkloadError(spec.source, "limit", "only applies to trace workloads")

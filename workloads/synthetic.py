@@ -52,8 +52,8 @@ _RESERVED = {"self", "return", "import", "from", "class", "while", "with", "else
              "keys", "values", "join", "split", "strip", "format", "open", "super", "init"}  # fmt: skip
 
 
-def code_edit_request(rng: random.Random) -> tuple[str, int]:
-    """A rename instruction + code: (user text, tokens-ish budget hint = len of the code in chars / 3)."""
+def code_edit_request(rng: random.Random) -> tuple[str, str, str]:
+    """A rename request on a shipped code file: (user text, the code, how the answer starts)."""
     name, code = rng.choice(_code_snippets())
     counts: dict[str, int] = {}
     for ident in _IDENT.findall(code):
@@ -66,7 +66,7 @@ def code_edit_request(rng: random.Random) -> tuple[str, int]:
         f"Rewrite the following Python code ({name}) with the identifier `{old}` renamed to `{new}`. "
         f"Change nothing else and output only the complete code.\n\n```python\n{code}```\n"
     )
-    return text, len(code)
+    return text, code, f"\nThe same code with `{old}` renamed to `{new}`:\n\n```python\n"
 
 
 class _Classes:
@@ -99,14 +99,16 @@ class _Classes:
             return None
         return rng.choice(self.prefixes[cls.name])
 
-    def user_text(self, cls: ClassSpec, rng: random.Random) -> tuple[str | None, int]:
-        """Fixed user text (code-edit, creative) or None for corpus text; and the default max_tokens."""
+    def user_text(self, cls: ClassSpec, rng: random.Random) -> tuple[str | None, int, str]:
+        """Fixed user text (code-edit, creative) or None for corpus text; the default max_tokens; and the
+        start of the answer that a completions prompt ends with (code-edit: the opening code fence, so the
+        answer is the code itself, nearly a copy of the prompt's)."""
         if cls.content == "code-edit":
-            text, chars = code_edit_request(rng)
-            return text, chars // 3 + 16  # the rewritten code: about the code's own length
+            text, code, answer = code_edit_request(rng)
+            return text, self.builder.count(code) + 8, "```python\n" if cls.template == "chatml" else answer
         if cls.content == "creative":
-            return rng.choice(_creative_prompts()), 256
-        return None, 128
+            return rng.choice(_creative_prompts()), 256, ""
+        return None, 128, ""
 
 
 class Conversation(Session):
@@ -136,7 +138,7 @@ class Conversation(Session):
 
     def _request(self) -> GenRequest:
         cls, b, rng = self.spec_cls, self.c.builder, self.rng
-        fixed, default_out = self.c.user_text(cls, rng)
+        fixed, default_out, answer_start = self.c.user_text(cls, rng)
         target = cls.prompt.sample_int(rng) if fixed is None else 0
         max_tokens = cls.output.sample_int(rng) if cls.output is not None else default_out
         sampling_seed = rng.randrange(2**31) if cls.temperature > 0 else None
@@ -158,7 +160,7 @@ class Conversation(Session):
                 text = b.fill(max(1, target), rng, head + open_, close)
                 content = text[len(head + open_) : len(text) - len(close)]
             self.history.append({"role": "user", "content": content})
-            prompt = self._transcript()
+            prompt = self._transcript() + answer_start
             prompt_tokens = b.count(prompt)
         return GenRequest(
             request_id=rid, prompt=prompt, max_tokens=max_tokens, workload_class=cls.name, api=self.c.spec.api,
