@@ -83,6 +83,23 @@ def _family_sum(values: dict[str, float], name: str) -> float:
     return sum(v for k, v in values.items() if k.split("{", 1)[0] == name)
 
 
+_SPEC_SUFFIXES = ("spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total")
+
+
+def _spec_names(profile: ServerProfile, counters: dict[str, float]) -> tuple[str, str] | None:
+    """The profile's drafted/accepted counter names, else any ``<prefix>:spec_decode_num_draft_tokens_total``
+    pair the server exposes (the vLLM naming, which other servers follow)."""
+    if profile.spec_drafted and profile.spec_accepted:
+        return profile.spec_drafted, profile.spec_accepted
+    names = {k.split("{", 1)[0] for k in counters}
+    for name in sorted(names):
+        if name.endswith(_SPEC_SUFFIXES[0]):
+            accepted = name[: -len(_SPEC_SUFFIXES[0])] + _SPEC_SUFFIXES[1]
+            if accepted in names:
+                return name, accepted
+    return None
+
+
 def _at(samples: list[dict[str, Any]], t: float, before: bool) -> dict[str, Any]:
     """The last sample at or before ``t`` (``before``), else the first at or after it."""
     if before:
@@ -121,8 +138,9 @@ def reconcile(
         }
         res: dict[str, Any] = {"t0": first["t"], "t1": last["t"], "counters": d}
         res["rates"] = {k: v / dt for k, v in d.items()} if dt > 0 else {}
-        if profile.spec_drafted and profile.spec_accepted:
-            drafted, accepted = _family_sum(d, profile.spec_drafted), _family_sum(d, profile.spec_accepted)
+        spec = _spec_names(profile, d)
+        if spec:
+            drafted, accepted = _family_sum(d, spec[0]), _family_sum(d, spec[1])
             res["spec_decode"] = {
                 "drafted": drafted,
                 "accepted": accepted,

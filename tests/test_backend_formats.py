@@ -263,6 +263,16 @@ def test_vllm_spec_decode_acceptance_across_labels():
     assert s["point"]["spec_decode"] == {"drafted": 200, "accepted": 150, "acceptance_rate": 0.75}
 
 
+def test_spec_decode_counters_found_by_name_on_a_generic_server():
+    pages = [VLLM_METRICS.format(r=0, d=10, a=5).replace("vllm:", "ref:"),
+             VLLM_METRICS.format(r=0, d=20, a=13).replace("vllm:", "ref:")]
+    samples, counters = samples_of(pages, [0.0, 1.0])
+    s = reconcile(samples, counters, ServerProfile(), None)
+    assert s["point"]["spec_decode"] == {"drafted": 10, "accepted": 8, "acceptance_rate": 0.8}
+    no_spec = reconcile(*samples_of([TGI_METRICS.format(b=0, q=0, n=1, gen=1)] * 2, [0.0, 1.0]), ServerProfile(), None)
+    assert "spec_decode" not in no_spec["point"]
+
+
 def test_reconcile_counts_scrape_errors():
     samples, counters = samples_of([VLLM_METRICS.format(r=0, d=0, a=0)] * 2, [0.0, 1.0])
     samples.insert(1, {"t": 0.5, "latency_s": 2.0, "error": "ConnectError: refused"})

@@ -9,7 +9,9 @@ import os
 import subprocess
 from pathlib import Path
 
+import pandas as pd
 import pytest
+from typer.testing import CliRunner
 
 from backends.base import GenRequest
 from backends.launcher import (
@@ -21,7 +23,7 @@ from backends.launcher import (
     sweep_servers,
 )
 from backends.llamacpp import LlamaCppBackend, LlamaCppNativeBackend
-from backends.poller import ServerStatePoller, profile_of
+from loadgen.cli import app
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, run_async, run_point
 from loadgen.records import read_records
@@ -97,49 +99,65 @@ def test_openai_stream_exact_counts(server, tmp_path, api):
         assert r["prompt_tokens"] == r["extra"]["timings"]["prompt_n"] + r["extra"]["timings"]["cache_n"]
 
 
-def test_bench_numbers_match_server_timings(server, tmp_path):
-    """Client TTFT vs server prompt_ms, client TPOT vs predicted_ms/(predicted_n-1): within 5 %.
+LONG_PROMPTS = """
+[[classes]]
+name = "long"
+prompt = { dist = "fixed", value = 1200 }
+output = { dist = "fixed", value = 48 }
+"""
 
-    Long prompts keep TTFT dominated by prompt processing (HTTP and tokenization are ~1 ms)."""
-    summary, recs = run(LlamaCppNativeBackend(server.base_url), Prompts(400, 48), tmp_path, n=4)
-    assert summary["counts"]["ok"] == 4
-    server_ttft = sum(r["extra"]["timings"]["prompt_ms"] for r in recs) / 4 / 1e3
-    server_tpot = sum(r["extra"]["timings"]["predicted_ms"] / (r["extra"]["timings"]["predicted_n"] - 1)
-                      for r in recs) / 4 / 1e3
-    ttft, tpot = summary["latency"]["ttft"]["mean"], summary["latency"]["tpot"]["mean"]
+
+def test_bench_run_matches_server_timings(server, tmp_path):
+    """`bench run` TTFT vs the server's prompt_ms, TPOT vs predicted_ms/(predicted_n-1), output tokens vs
+    predicted_n: within 5 %. Long prompts keep TTFT dominated by prompt processing, as the server
+    measures it (HTTP and tokenization add ~1 ms)."""
+    (tmp_path / "long.toml").write_text(LONG_PROMPTS)
+    res = CliRunner().invoke(app, [
+        "run", "--url", server.base_url, "--backend", "llamacpp-native", "--workload", str(tmp_path / "long.toml"),
+        "--concurrency", "1", "--num-requests", "4", "--output-dir", str(tmp_path), "--run-id", "agree",
+    ])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    (point,) = json.loads((tmp_path / "agree" / "summary.json").read_text())["points"]
+    recs = read_records(tmp_path / "agree" / "points" / point["point_id"] / "requests.jsonl")
+    timings = [r["extra"]["timings"] for r in recs]
+    assert len(timings) == 4 and all(t["prompt_n"] + t["cache_n"] >= 1000 for t in timings)
+    server_ttft = sum(t["prompt_ms"] for t in timings) / 4 / 1e3
+    server_tpot = sum(t["predicted_ms"] / (t["predicted_n"] - 1) for t in timings) / 4 / 1e3
+    ttft, tpot = point["latency"]["ttft"]["mean"], point["latency"]["tpot"]["mean"]
     report = {"ttft_client": ttft, "ttft_server": server_ttft, "tpot_client": tpot, "tpot_server": server_tpot}
-    (tmp_path / "agreement.json").write_text(json.dumps(report))
     assert abs(ttft - server_ttft) / server_ttft < 0.05, report
     assert abs(tpot - server_tpot) / server_tpot < 0.05, report
-    assert summary["counts"]["output_tokens"] == sum(r["extra"]["timings"]["predicted_n"] for r in recs)
+    assert point["counts"]["output_tokens"] == sum(t["predicted_n"] for t in timings) == 4 * 48
 
 
 def test_server_sweep_two_np_values(tmp_path):
-    points = server_grid(SERVER, ["np=1,4"])
-    seen_ports = []
-
-    def inner(base_url, gp, so_far):
-        seen_ports.append(base_url)
-        backend = LlamaCppNativeBackend(base_url)
-        poller = ServerStatePoller(base_url, profile_of(backend), hz=10)
-        out = tmp_path / "points" / gp.label / "c004"
-        summary, _ = run(backend, Prompts(30, 32), out, n=8, concurrency=4, sidecars=[poller])
-        return [summary]
-
-    results = sweep_servers(SERVER, points, tmp_path, inner, health_timeout_s=60)
-    assert [r["server_launch"]["params"] for r in results] == [{"np": "1"}, {"np": "4"}]
-    assert len(set(seen_ports)) == 2
-    for r, label in zip(results, ["np1", "np4"], strict=True):
-        assert "failed" not in r and r["counts"]["ok"] == 8
-        assert (tmp_path / "points" / label / "server.log").stat().st_size > 0
-        lines = (tmp_path / "points" / label / "c004" / "server_state.jsonl").read_text().splitlines()
-        assert len(lines) >= 5 and all("metrics" in json.loads(x) for x in lines)
-        srv = r["server"]
+    """`bench sweep --server ... --grid np=1,4`: one server per grid point, each point with its
+    server-state time series, reconciled against what the client counted."""
+    res = CliRunner().invoke(app, [
+        "sweep", "--server", SERVER, "--grid", "np=1,4", "--backend", "llamacpp-native", "--workload", "chat-short",
+        "--concurrency", "4", "--num-requests", "8", "--warmup", "0", "--output-dir", str(tmp_path),
+        "--run-id", "grid", "--server-timeout", "60",
+    ])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    run_dir = tmp_path / "grid"
+    points = json.loads((run_dir / "summary.json").read_text())["points"]
+    assert [p["point_id"] for p in points] == ["np1/c004", "np4/c004"]
+    assert json.loads((run_dir / "run.json").read_text())["points"] == ["np1/c004", "np4/c004"]
+    assert list(pd.read_csv(run_dir / "sweep.csv")["np"]) == [1, 4]
+    for p, np_ in zip(points, (1, 4), strict=True):
+        assert p["labels"] == {"np": str(np_)} and p["server_launch"]["params"] == {"np": str(np_)}
+        assert p["counts"]["ok"] == 8
+        assert (run_dir / "points" / f"np{np_}" / "server.log").stat().st_size > 0
+        lines = (run_dir / "points" / f"np{np_}" / "c004" / "server_state.jsonl").read_text().splitlines()
+        samples = [json.loads(x) for x in lines]
+        assert len(samples) >= 5 and all("metrics" in s and "slots" in s for s in samples)
+        srv = p["server"]
         # the server's own counter, reconciled over the point, equals what the client counted
-        assert srv["point"]["counters"]["llamacpp:tokens_predicted_total"] == r["counts"]["output_tokens"] == 256
-        busy = max(sum(s["busy"] for s in json.loads(x)["slots"]) for x in lines)
-        assert busy == (1 if label == "np1" else 4)
-        assert srv["gauges"]["llamacpp:requests_deferred"]["max"] >= (1 if label == "np1" else 0)
+        assert srv["point"]["counters"]["llamacpp:tokens_predicted_total"] == p["counts"]["output_tokens"]
+        assert max(sum(sl["busy"] for sl in s["slots"]) for s in samples) == np_
+        assert len(samples[0]["slots"]) == np_
+        if np_ == 1:  # three of the four in-flight requests wait for the one slot
+            assert srv["gauges"]["llamacpp:requests_deferred"]["max"] >= 1
 
 
 def test_sweep_records_a_server_that_never_starts(tmp_path):
