@@ -40,8 +40,8 @@ class IterationRecord:
     """One engine step, exactly: wall-clock (unix) start/end, who was in the batch, what it computed."""
 
     i: int
-    start: float
-    end: float
+    t_unix: float  # step start
+    t_end_unix: float
     seq_ids: list[str]
     prefill_tokens: int
     decode_tokens: int
@@ -96,9 +96,9 @@ class Engine:
         self._commands.put(("abort", seq_id))
         self._wake.set()
 
-    def num_pending(self) -> int:
-        """Requests submitted and not finished (waiting + running + not yet admitted)."""
-        return len(self._seqs) + self._commands.qsize()
+    def num_waiting(self) -> int:
+        """Requests not yet admitted to the running batch (including ones not yet seen by the loop)."""
+        return len(self.scheduler.waiting) + self._commands.qsize()
 
     # -- the loop --------------------------------------------------------------------------------------
     def _drain(self) -> None:
@@ -165,7 +165,7 @@ class Engine:
     def _record(self, batch: ScheduledBatch, start: float) -> None:
         decode = sum(1 for s, n in batch.items if n == 1 and s.num_computed_tokens > s.num_prompt_tokens)
         rec = IterationRecord(
-            i=self.num_iterations, start=start, end=time.time(), seq_ids=[s.seq_id for s, _ in batch.items],
+            i=self.num_iterations, t_unix=start, t_end_unix=time.time(), seq_ids=[s.seq_id for s, _ in batch.items],
             prefill_tokens=batch.num_tokens - decode, decode_tokens=decode,
             kv_blocks_used=self.block_manager.num_used, kv_blocks_total=self.block_manager.num_blocks,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
@@ -176,8 +176,15 @@ class Engine:
         for hook in self.on_iteration:
             hook(rec)
 
-    def iterations_since(self, since: int) -> list[IterationRecord]:
-        return [r for r in list(self.iterations) if r.i >= since]
+    def iterations_since(self, since: int, limit: int = 1000) -> list[IterationRecord]:
+        """Records with index >= ``since`` still in the ring buffer (oldest first, at most ``limit``)."""
+        out = []
+        for r in list(self.iterations):
+            if r.i >= since:
+                out.append(r)
+                if len(out) == limit:
+                    break
+        return out
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Run prompts to completion synchronously (tests, offline use); returns output token ids."""

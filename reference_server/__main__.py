@@ -1,0 +1,5 @@
+"""``python -m reference_server --port N [--model PATH] ...``"""
+
+from reference_server.server import serve
+
+serve()

@@ -1,0 +1,399 @@
+"""OpenAI-compatible HTTP front end (FastAPI + uvicorn) over the engine thread.
+
+Endpoints: ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming with ``[DONE]``), ``/v1/models``,
+``/health``, ``/metrics`` (Prometheus) and ``GET /v1/iterations?since=N`` (exact per-step records)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Literal
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from reference_server.config import EngineConfig
+from reference_server.engine import Engine, IterationRecord, RequestOutput
+from reference_server.sequence import SamplingParams
+
+
+# -- request bodies --------------------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)
+    seed: int | None = None
+    n: int = Field(default=1, ge=1, le=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: str
+    content: str | list[TextPart]
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def response(self) -> JSONResponse:
+        kind = {429: "rate_limit_error", 404: "not_found_error"}.get(self.status, "invalid_request_error")
+        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+# -- metrics ---------------------------------------------------------------------------------------------
+class Metrics:
+    """Prometheus series in a registry of their own (one per app)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.registry = r = CollectorRegistry()
+        self.running = Gauge("servelab_requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("servelab_requests_waiting", "Requests waiting for admission", registry=r)
+        self.kv_used = Gauge("servelab_kv_blocks_used", "KV-cache blocks referenced by requests", registry=r)
+        self.kv_total = Gauge("servelab_kv_blocks_total", "KV-cache blocks in the pool", registry=r)
+        self.preemptions = Counter("servelab_preemptions", "Requests preempted (recomputed later)", registry=r)
+        self.prefix_queries = Counter("servelab_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r)
+        self.prefix_hits = Counter("servelab_prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
+        self.iterations = Counter("servelab_iterations", "Engine steps", registry=r)
+        self.prompt_tokens = Counter("servelab_prompt_tokens", "Prompt tokens computed (prefill)", registry=r)
+        self.generation_tokens = Counter("servelab_generation_tokens", "Tokens generated", registry=r)
+        self.requests = Counter("servelab_requests_finished", "Finished requests", ["finish_reason"], registry=r)
+        buckets = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+        self.tokens_per_iter = Histogram("servelab_tokens_per_iteration", "Tokens computed per engine step",
+                                         buckets=buckets, registry=r)
+        lat = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80)
+        self.ttft = Histogram("servelab_time_to_first_token_seconds", "Time to first token", buckets=lat, registry=r)
+        self.itl = Histogram("servelab_inter_token_latency_seconds", "Time between output tokens", buckets=lat, registry=r)
+        self.kv_total.set(engine.block_manager.num_blocks)
+        self._engine = engine
+        self._seen = (0, 0, 0)
+
+    def on_iteration(self, rec: IterationRecord) -> None:
+        """Engine-thread hook: gauges, per-step histogram and counter deltas."""
+        bm, sch = self._engine.block_manager, self._engine.scheduler
+        self.running.set(rec.num_running)
+        self.waiting.set(rec.num_waiting)
+        self.kv_used.set(rec.kv_blocks_used)
+        self.iterations.inc()
+        self.prompt_tokens.inc(rec.prefill_tokens)
+        self.generation_tokens.inc(rec.decode_tokens)
+        self.tokens_per_iter.observe(rec.prefill_tokens + rec.decode_tokens)
+        now = (sch.num_preemptions, bm.prefix_queries, bm.prefix_hits)
+        for counter, new, old in zip((self.preemptions, self.prefix_queries, self.prefix_hits), now, self._seen, strict=True):
+            if new > old:
+                counter.inc(new - old)
+        self._seen = now
+
+
+# -- the app ---------------------------------------------------------------------------------------------
+class _Stream:
+    """One request's side of the engine: its output queue and timing for TTFT/ITL."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.start = time.perf_counter()
+        self.last: float | None = None
+
+
+class Server:
+    def __init__(self, engine: Engine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = Metrics(engine)
+        engine.on_iteration.append(self.metrics.on_iteration)
+        self.streams: dict[str, _Stream] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def sink(self, outputs: list[RequestOutput]) -> None:
+        """Engine thread -> event loop, one hop per step."""
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.perf_counter()
+        for out in outputs:
+            st = self.streams.get(out.seq_id)
+            if st is None:
+                continue
+            (self.metrics.ttft.observe(now - st.start) if st.last is None else self.metrics.itl.observe(now - st.last))
+            st.last = now
+            st.queue.put_nowait(out)
+            if out.finished:
+                self.metrics.requests.labels(out.finish_reason or "stop").inc()
+
+    # -- request handling ---------------------------------------------------------------------------------
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in (self.model_name, ""):
+            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.model_name!r} (GET /v1/models)",
+                           "model", "model_not_found")
+
+    def _params(self, req: _Common, max_tokens: int | None) -> SamplingParams:
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if any(not s for s in stop):
+            raise ApiError(400, "stop strings must not be empty", "stop")
+        return SamplingParams(
+            temperature=req.temperature, top_p=req.top_p, top_k=max(0, req.top_k), seed=req.seed,
+            max_tokens=max_tokens or 0, ignore_eos=req.ignore_eos, stop=stop,
+            stop_token_ids=list(req.stop_token_ids or []),
+        )
+
+    def _submit(self, prompt_ids: list[int], params: SamplingParams) -> tuple[str, _Stream]:
+        limit = self.engine.max_model_len
+        if not prompt_ids:
+            raise ApiError(400, "the prompt is empty", "prompt")
+        if len(prompt_ids) >= limit:
+            raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens but the context holds {limit}; "
+                                "shorten the prompt", "prompt", "context_length_exceeded")
+        room = limit - len(prompt_ids)
+        params.max_tokens = min(params.max_tokens, room) if params.max_tokens else room
+        if self.engine.num_waiting() >= self.engine.config.max_waiting:
+            raise ApiError(429, f"too many requests waiting (--max-waiting {self.engine.config.max_waiting}); "
+                                "retry later", None, "queue_full")
+        seq_id = uuid.uuid4().hex
+        stream = _Stream()
+        self.streams[seq_id] = stream
+        self.engine.add_request(prompt_ids, params, seq_id)
+        return seq_id, stream
+
+    async def _outputs(self, seq_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        """This request's outputs until it finishes; aborts it in the engine if the caller goes away."""
+        finished = False
+        try:
+            while not finished:
+                out = await stream.queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            self.streams.pop(seq_id, None)
+            if not finished:
+                self.engine.abort(seq_id)
+
+    async def handle(self, request: Request, chat: bool) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        try:
+            req: _Common = (ChatRequest if chat else CompletionRequest).model_validate(body)
+        except ValidationError as e:
+            err = e.errors()[0]
+            param = ".".join(str(p) for p in err["loc"])
+            raise ApiError(400, f"invalid field {param!r}: {err['msg']}", param) from None
+        self._check_model(req.model)
+        codec = self.engine.codec
+        if isinstance(req, ChatRequest):
+            messages = [{"role": m.role, "content": m.content if isinstance(m.content, str)
+                         else "".join(p.text for p in m.content)} for m in req.messages]
+            prompt_ids = codec.encode(codec.apply_chat_template(messages))
+            max_tokens = req.max_completion_tokens or req.max_tokens
+        else:
+            assert isinstance(req, CompletionRequest)
+            p = req.prompt
+            if isinstance(p, list) and p and isinstance(p[0], str):
+                if len(p) != 1:
+                    raise ApiError(400, "only one prompt per request is supported", "prompt")
+                p = p[0]
+            if isinstance(p, list):
+                if any(t < 0 or t >= self.engine.runner.spec.vocab for t in p):  # type: ignore[operator]
+                    raise ApiError(400, "prompt token ids out of the vocabulary range", "prompt")
+                prompt_ids = [int(t) for t in p]
+            else:
+                prompt_ids = codec.encode(p)
+            max_tokens = req.max_tokens or 16
+        seq_id, stream = self._submit(prompt_ids, self._params(req, max_tokens))
+        rid = ("chatcmpl-" if chat else "cmpl-") + seq_id
+        if req.stream:
+            opts = req.stream_options or StreamOptions()
+            return StreamingResponse(self._sse(rid, seq_id, stream, chat, opts), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        text, last = [], None
+        async for out in self._outputs(seq_id, stream):
+            text.append(out.text)
+            last = out
+        assert last is not None
+        return JSONResponse(self._final(rid, chat, "".join(text), last))
+
+    def _usage(self, out: RequestOutput) -> dict[str, Any]:
+        return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+                "total_tokens": out.prompt_tokens + out.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+
+    def _final(self, rid: str, chat: bool, text: str, out: RequestOutput) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": out.finish_reason, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": self.model_name, "choices": [choice], "usage": self._usage(out)}
+
+    async def _sse(self, rid: str, seq_id: str, stream: _Stream, chat: bool, opts: StreamOptions) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> bytes:
+            data: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": self.model_name,
+                                    "choices": choices}
+            if usage is not None:
+                data["usage"] = usage
+            return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+        first = True
+        last: RequestOutput | None = None
+        async for out in self._outputs(seq_id, stream):
+            last = out
+            if not out.text and not out.finished:
+                continue
+            if chat:
+                delta: dict[str, Any] = {"content": out.text}
+                if first:
+                    delta["role"] = "assistant"
+                choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": out.finish_reason}
+            else:
+                choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
+            first = False
+            yield chunk([choice], self._usage(out) if opts.include_usage and opts.continuous_usage_stats else None)
+        if opts.include_usage and last is not None:
+            yield chunk([], self._usage(last))
+        yield b"data: [DONE]\n\n"
+
+
+def create_app(engine: Engine, model_name: str) -> FastAPI:
+    """The FastAPI app; starts the engine thread on startup and stops it on shutdown."""
+    server = Server(engine, model_name)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        server.loop = asyncio.get_running_loop()
+        engine.start(server.sink)
+        yield
+        engine.stop()
+
+    app = FastAPI(title="servelab reference server", lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await server.handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await server.handle(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "servelab",
+                                             "max_model_len": engine.max_model_len}]}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/iterations")
+    async def iterations(since: int = 0, limit: int = 1000) -> dict[str, Any]:
+        recs = engine.iterations_since(since, max(1, min(limit, 10000)))
+        nxt = recs[-1].i + 1 if recs else engine.num_iterations
+        return {"iterations": [r.to_dict() for r in recs], "next": nxt}
+
+    return app
+
+
+# -- command line ---------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m reference_server", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", type=Path, default=None, help="Llama GGUF file (default: bundled SmolLM2-135M)")
+    p.add_argument("--served-model-name", default=None, help="model id in the API (default: the file's stem)")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    defaults = EngineConfig(model=Path("."))
+    for f in fields(EngineConfig):
+        if f.name in ("model", "step_sleep_ms"):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        if isinstance(default, bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        else:
+            kind = {"threads": int, "max_model_len": int}.get(f.name, type(default))
+            p.add_argument(flag, type=kind, default=default)
+    return p
+
+
+def serve(argv: list[str] | None = None) -> None:
+    """Parse ``argv``, load the model, then serve until interrupted (``python -m reference_server``)."""
+    from reference_server.tokenizer import default_model_path
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model = args.model or default_model_path()
+    if not model.is_file():
+        raise SystemExit(f"error: model file {model} does not exist")
+    config = EngineConfig(model=model, **{f.name: getattr(args, f.name) for f in fields(EngineConfig)
+                                           if f.name not in ("model", "step_sleep_ms")})
+    t0 = time.perf_counter()
+    engine = Engine(config)
+    print(f"loaded {model.name} on {engine.runner.device} ({engine.runner.dtype}) in {time.perf_counter() - t0:.1f} s; "
+          f"KV pool {config.num_kv_blocks} x {config.block_size} tokens; serving on http://{args.host}:{args.port}",
+          flush=True)
+    uvicorn.run(create_app(engine, args.served_model_name or model.stem), host=args.host, port=args.port,
+                log_level=args.log_level, access_log=False)
