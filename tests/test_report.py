@@ -177,17 +177,41 @@ def test_timeline_rows_share_one_x_axis_and_follow_the_data(run_dir):
     ):
         assert any(expected in t for t in titles), expected
     names = {t["name"] for t in fig["data"]}
-    assert {"server running", "server waiting", "error", "decode", "prefill / TTFT"} <= names
+    assert {
+        "running (/metrics)",
+        "waiting (/metrics)",
+        "running (engine steps, mean)",
+        "error",
+        "decode",
+        "prefill / TTFT",
+        "host CPU % (mean of cores)",
+        "KV cache % (/metrics)",
+    } <= names
     # client-side output token rate integrates back to the tokens that were streamed
     rate = next(t for t in fig["data"] if t["name"] == "output tok/s")
     width = rate["x"][1] - rate["x"][0]
     assert np.isclose(np.sum(rate["y"]) * width, series.event_tokens(run.points[1].requests).sum())
-    # the per-step server record is drawn on the run clock, inside the point's time span
-    steps = [t for t in fig["data"] if "tokens/step" in t["name"]]
-    req = run.points[1].requests
-    for t in steps:
-        x = np.asarray(t["x"], dtype=float)
-        assert np.nanmin(x) >= np.nanmin(req.sent) - 1 and np.nanmax(x) <= np.nanmax(req.end) + 1
+    # engine steps (unix times in iterations.jsonl) land on the run clock: each step's end is followed
+    # within a millisecond by the token events it produced
+    it = figures._iteration_arrays(run.points[1], run.run["t0_unix"])
+    ev = np.sort(run.points[1].requests.event_t)
+    after = ev[np.minimum(np.searchsorted(ev, it["t"]), len(ev) - 1)] - it["t"]
+    assert np.all((after >= 0) & (after < 1e-3))
+
+
+def test_preemptions_are_marked(run_dir, tmp_path):
+    d = tmp_path / "run"
+    shutil.copytree(run_dir, d)
+    path = d / "points" / "c004" / "iterations.jsonl"
+    rows = read_jsonl(path)
+    rows[10]["preempted"] = ["a", "b"]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = load_run(d)
+    fig = figures.timeline(run, run.points[1])
+    pre = next(t for t in fig["data"] if t["name"] == "preemption")
+    assert pre["text"].tolist() == [2.0] and pre["x"][0] == pytest.approx(
+        rows[10]["end"] - run.run["t0_unix"]
+    )
 
 
 def test_optional_series_are_optional(tmp_path):

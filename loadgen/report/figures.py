@@ -90,18 +90,22 @@ _ITER_FIELDS = {
     "decode": ("decode_tokens", "num_decode_tokens"),
     "kv_used": ("kv_blocks_used", "blocks_used", "num_used_blocks"),
     "kv_total": ("kv_blocks_total", "blocks_total", "num_blocks"),
+    "running": ("num_running",),
+    "waiting": ("num_waiting",),
 }
 
 
 def _iteration_arrays(point: PointData, t0_unix: float | None) -> dict[str, np.ndarray] | None:
-    """Per-step arrays on the run clock (``t``, else ``t_unix`` - run.json's ``t0_unix``)."""
+    """Per-step arrays on the run clock: the record's ``t`` when the poller set it, else its unix step
+    end (``end`` or ``t_unix``) minus run.json's ``t0_unix``."""
     rows = point.iterations
     if not rows:
         return None
     if "t" in rows[0]:
         t = np.array([r.get("t", np.nan) for r in rows], dtype=float)
-    elif t0_unix is not None:
-        t = np.array([r.get("t_unix", np.nan) for r in rows], dtype=float) - t0_unix
+    elif t0_unix is not None and ("end" in rows[0] or "t_unix" in rows[0]):
+        key = "end" if "end" in rows[0] else "t_unix"
+        t = np.array([r.get(key, np.nan) for r in rows], dtype=float) - t0_unix
     else:
         return None
 
@@ -112,8 +116,9 @@ def _iteration_arrays(point: PointData, t0_unix: float | None) -> dict[str, np.n
         )
 
     out = {"t": t, **{role: get(names) for role, names in _ITER_FIELDS.items()}}
-    ids = next((k for k in ("request_ids", "seq_ids", "requests") if k in rows[0]), None)
+    ids = next((k for k in ("seq_ids", "request_ids", "requests") if k in rows[0]), None)
     out["seqs"] = np.array([len(r.get(ids) or []) if ids else np.nan for r in rows], dtype=float)
+    out["preempted"] = np.array([len(r.get("preempted") or []) for r in rows], dtype=float)
     return out
 
 
@@ -191,52 +196,46 @@ def timeline(run: RunData, point: PointData) -> Fig | None:
     )
 
     srv = _server_series(point)
-    if "running" in srv or "waiting" in srv:
-        traces = [
-            _line(*srv[role], f"server {role}", c, "", line={"shape": "hv"})
-            for role, c in (("running", PALETTE[2]), ("waiting", PALETTE[1]))
-            if role in srv
-        ]
-        rows.append(("server batch (/metrics)", traces, 1.0))
-
     it = _iteration_arrays(point, run.run.get("t0_unix"))
-    if it is not None and np.isfinite(it["t"]).any():
-        if len(it["t"]) <= MAX_STEPS_EXACT:
-            traces = [
-                {
-                    "type": "bar",
-                    "x": it["t"],
-                    "y": it[k],
-                    "name": f"{k} tokens/step",
-                    "xaxis": "x",
-                    "yaxis": "",
-                    "marker": {"color": c, "line": {"width": 0}},
-                }
-                for k, c in (("decode", PALETTE[0]), ("prefill", PALETTE[3]))
-            ]
-            title = "tokens per engine step"
-        else:
-            traces = [
-                _line(
-                    x,
-                    series.binned_mean(it["t"], it[k], edges),
-                    f"{k} tokens/step (mean)",
-                    c,
-                    "",
-                    stackgroup="steps",
-                )
-                for k, c in (("decode", PALETTE[0]), ("prefill", PALETTE[3]))
-            ]
-            title = f"tokens per engine step (mean per {edges[1] - edges[0]:g} s bin, {len(it['t']):,} steps)"
-        traces.append(
-            _line(
-                x,
-                series.binned_mean(it["t"], it["seqs"], edges),
-                "sequences in batch",
-                PALETTE[4],
-                "",
-                line={"dash": "dot"},
-            )
+    if it is not None and not np.isfinite(it["t"]).any():
+        it = None
+    batch = [
+        _line(*srv[role], f"{role} (/metrics)", c, "", line={"shape": "hv"})
+        for role, c in (("running", PALETTE[2]), ("waiting", PALETTE[1]))
+        if role in srv
+    ]
+    if it is not None:
+        batch += [
+            _line(x, series.binned_mean(it["t"], it[role], edges), f"{role} (engine steps, mean)", c, "",
+                  line={"dash": "dot"})
+            for role, c in (("running", PALETTE[2]), ("waiting", PALETTE[1]))
+            if np.isfinite(it[role]).any()
+        ]  # fmt: skip
+    if batch:
+        rows.append(("server batch: requests running / waiting", batch, 1.0))
+
+    if it is not None:
+        exact = len(it["t"]) <= MAX_STEPS_EXACT
+        traces = [
+            {"type": "bar", "x": it["t"], "y": it[k], "name": f"{k} tokens/step", "xaxis": "x", "yaxis": "",
+             "marker": {"color": c, "line": {"width": 0}}}
+            if exact
+            else _line(x, series.binned_mean(it["t"], it[k], edges), f"{k} tokens/step (mean)", c, "",
+                       stackgroup="steps")
+            for k, c in (("decode", PALETTE[0]), ("prefill", PALETTE[3]))
+        ]  # fmt: skip
+        traces.append(_line(x, series.binned_mean(it["t"], it["seqs"], edges), "sequences in batch", PALETTE[4], "",
+                            line={"dash": "dot"}))  # fmt: skip
+        pre = it["preempted"] > 0
+        if pre.any():
+            traces.append({"type": "scatter", "mode": "markers", "x": it["t"][pre], "y": (it["prefill"] + it["decode"])[pre],
+                           "name": "preemption", "xaxis": "x", "yaxis": "", "text": it["preempted"][pre],
+                           "hovertemplate": "%{text} preempted<extra></extra>",
+                           "marker": {"symbol": "triangle-down", "color": "#000", "size": 8}})  # fmt: skip
+        title = (
+            "tokens per engine step (exact)"
+            if exact
+            else f"tokens per engine step (mean per {edges[1] - edges[0]:g} s bin, {len(it['t']):,} steps)"
         )
         rows.append((title, traces, 1.0))
 

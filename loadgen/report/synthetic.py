@@ -154,6 +154,7 @@ def _simulate_point(
         kv_used = sum(math.ceil((s.prompt + s.generated + 1) / cfg.block_size) for s in batch)
         iters.append(
             {
+                "t0": t,
                 "t": t_end,
                 "request_ids": [s.rid for s in batch],
                 "prefill_tokens": prefill,
@@ -205,14 +206,22 @@ def write_synthetic_results(root: Path, run_id: str = "synthetic", cfg: SimConfi
         sim = _simulate_point(cfg, conc, t, rng, pid)
         _dump_jsonl(pdir / "requests.jsonl", sim["records"])
         its = sim["iterations"]
-        if cfg.iterations:  # as the poller writes GET /v1/iterations: unix time plus the run clock
+        if cfg.iterations:  # reference_server.engine.IterationRecord, unix times, as GET /v1/iterations
             rows = [
                 {
-                    "t_unix": round(t0_unix + it["t"], 6),
-                    "t": round(it["t"], 6),
-                    **{k: v for k, v in it.items() if k not in ("t", "waiting")},
+                    "i": n,
+                    "start": round(t0_unix + it["t0"], 6),
+                    "end": round(t0_unix + it["t"], 6),
+                    "seq_ids": it["request_ids"],
+                    "prefill_tokens": it["prefill_tokens"],
+                    "decode_tokens": it["decode_tokens"],
+                    "kv_blocks_used": it["kv_blocks_used"],
+                    "kv_blocks_total": it["kv_blocks_total"],
+                    "num_running": len(it["request_ids"]),
+                    "num_waiting": it["waiting"],
+                    "preempted": [],
                 }
-                for it in its
+                for n, it in enumerate(its)
             ]
             _dump_jsonl(pdir / "iterations.jsonl", rows)
         step_t = np.array([it["t"] for it in its])
