@@ -167,16 +167,6 @@ class Dist:
     def sample_int(self, rng: random.Random, minimum: int = 1) -> int:
         return max(minimum, round(self.sample(rng)))
 
-    def upper(self) -> float | None:
-        """The largest value it can draw, when bounded."""
-        if self.kind == "fixed":
-            return self.value
-        if self.kind == "uniform":
-            return self.high
-        if self.kind == "empirical":
-            return max(self.values)
-        return self.clip_max
-
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"dist": self.kind}
         fields_by_kind = {"fixed": ("value",), "uniform": ("low", "high"), "normal": ("mean", "std"),
