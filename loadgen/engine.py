@@ -29,12 +29,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx
-
 from backends.base import Backend, GenRequest
 from loadgen import metrics, telemetry
 from loadgen.arrivals import arrival_times
-from loadgen.client import execute, make_client
+from loadgen.client import HttpClient, execute, make_client
 from loadgen.clock import RunClock, Sidecar
 from loadgen.records import RecordWriter, RequestRecord, read_records
 from workloads.base import Session, Workload
@@ -100,7 +98,7 @@ class Progress:
 
 class _Dispatch:
     def __init__(
-        self, backend: Backend, workload: Workload, load: LoadSpec, clock: RunClock, client: httpx.AsyncClient,
+        self, backend: Backend, workload: Workload, load: LoadSpec, clock: RunClock, client: HttpClient,
         writer: RecordWriter, progress: Progress,
     ) -> None:
         self.backend, self.load, self.clock, self.client = backend, load, clock, client
@@ -213,7 +211,7 @@ async def _sleep_until(clock: RunClock, t: float) -> None:
 async def run_point(
     backend: Backend, workload: Workload, load: LoadSpec, out_dir: Path, clock: RunClock,
     sidecars: Sequence[Sidecar] = (), *, point_id: str | None = None, labels: dict[str, Any] | None = None,
-    slo: dict[str, float] | None = None, client: httpx.AsyncClient | None = None, client_kind: str = "aiohttp",
+    slo: dict[str, float] | None = None, client: HttpClient | None = None, client_kind: str = "aiohttp",
     progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Run one load point into ``out_dir``; returns its PointSummary (also written to summary.json)."""
