@@ -21,11 +21,12 @@ MAX_STEPS_EXACT = 3000
 
 # Server metric names per server, by role (first present wins). Ratios (0..1) are scaled to percent.
 RUNNING = ("vllm:num_requests_running", "llamacpp:requests_processing", "tgi_batch_current_size",
-           "sglang:num_running_reqs", "servelab:num_requests_running")  # fmt: skip
+           "sglang:num_running_reqs", "servelab_requests_running")  # fmt: skip
 WAITING = ("vllm:num_requests_waiting", "llamacpp:requests_deferred", "tgi_queue_size",
-           "sglang:num_queue_reqs", "servelab:num_requests_waiting")  # fmt: skip
+           "sglang:num_queue_reqs", "servelab_requests_waiting")  # fmt: skip
 KV_RATIO = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "llamacpp:kv_cache_usage_ratio",
-            "sglang:token_usage", "servelab:kv_cache_usage_perc")  # fmt: skip
+            "sglang:token_usage")  # fmt: skip
+KV_BLOCKS = ("servelab_kv_blocks_used", "servelab_kv_blocks_total")  # the reference server: used / total
 # Any other server (e.g. the bundled reference server): names that end like these.
 GENERIC = {"running": r"(requests_running|running_reqs|requests_processing)$",
            "waiting": r"(requests_waiting|queue_reqs|queue_size|requests_deferred)$",
@@ -77,6 +78,11 @@ def _server_series(point: PointData) -> dict[str, tuple[np.ndarray, np.ndarray]]
                 t, v = _pairs(pts)
                 out[role] = (t, v * 100 if role == "kv" and np.nanmax(v) <= 1.0 else v)
                 break
+    if "kv" not in out:
+        pts = [(r["t"], 100 * u / tot) for r in with_metrics
+               if (u := _family(r["metrics"], KV_BLOCKS[0])) is not None and (tot := _family(r["metrics"], KV_BLOCKS[1]))]  # fmt: skip
+        if pts:
+            out["kv"] = _pairs(pts)
     if "running" not in out:
         slots = [(r["t"], float(sum(1 for s in r["slots"] if s.get("busy")))) for r in rows if r.get("slots")]
         if slots:
