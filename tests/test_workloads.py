@@ -263,3 +263,31 @@ def test_shipped_text_avoids_the_known_pre_tokenizer_divergence():
         text = f.read_text()
         assert re.search(r"\s\s\d", text) is None, f
         assert not any(unicodedata.category(ch).startswith("N") and not ch.isascii() for ch in text), f
+
+
+def test_trace_table_in_a_workload_file(tmp_path):
+    from workloads.text import DATA
+
+    p = write(tmp_path, f'name = "replay"\n[trace]\npath = "{DATA / "sample_mooncake.jsonl"}"\nlimit = 5\n')
+    wl = load_workload(str(p))
+    assert wl.name == "replay" and wl.arrival.process == "trace" and len(wl.rows) == 5
+    rel = write(tmp_path, '[trace]\npath = "t.csv"\n')
+    (tmp_path / "t.csv").write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0,12,3\n0.5,20,4\n")
+    sessions = list(load_workload(str(rel)).sessions(0))
+    assert [s.at for s in sessions] == [0.0, 0.5] and [s.first().prompt_tokens for s in sessions] == [12, 20]
+    bad = write(tmp_path, '[trace]\npath = "t.csv"\n[[classes]]\nname = "x"\n', "bad.toml")
+    with pytest.raises(WorkloadError, match="key 'classes': not allowed together with"):
+        load_workload(str(bad))
+
+
+def test_bench_run_rejects_a_malformed_workload_file(tmp_path):
+    from loadgen.cli import app as bench
+
+    p = write(
+        tmp_path, '[[classes]]\nname = "x"\nprompt = { dist = "lognormal", median = 100, sigma = "wide" }\n'
+    )
+    res = CliRunner().invoke(bench, ["run", "--url", "http://127.0.0.1:9", "--workload", str(p)])
+    assert res.exit_code != 0
+    assert (
+        str(p) in res.output and "classes[0].prompt.sigma" in res.output and "expected a number" in res.output
+    )

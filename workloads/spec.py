@@ -377,6 +377,9 @@ def parse_spec(data: dict[str, Any], source: str, base_dir: Path | None = None) 
         raise t.error("classes", "is required: at least one [[classes]] table (or a [trace] table)")
     if trace is not None and classes:
         raise t.error("classes", "not allowed together with [trace] (a trace brings its own requests)")
+    if trace is not None and arrival.process is None:
+        arrival = ArrivalSpec(process="trace", rate=arrival.rate, concurrency=arrival.concurrency,
+                              burstiness=arrival.burstiness)  # fmt: skip
     names = [c.name for c in classes]
     for i, n in enumerate(names):
         if names.index(n) != i:
