@@ -38,7 +38,16 @@ class SSEParser:
             buf = buf[:-1].replace(b"\r", b"\n") + b"\r" if held else buf.replace(b"\r", b"\n")
         blocks = buf.split(b"\n\n")
         self._buf = blocks.pop()
-        return [ev for ev in map(_parse_block, blocks) if ev is not None]
+        out: list[SSEEvent] = []
+        for block in blocks:
+            if block[:6] == b"data: " and b"\n" not in block:  # the common case, inline
+                try:
+                    out.append(SSEEvent(block[6:].decode()))
+                except UnicodeDecodeError:
+                    out.append(_parse_block(block))  # raises the SSEError
+            elif (ev := _parse_block(block)) is not None:
+                out.append(ev)
+        return out
 
     def close(self) -> list[SSEEvent]:
         """End of stream: a last event without its blank line is accepted, a cut-off line is not."""
@@ -52,8 +61,6 @@ class SSEParser:
 
 
 def _parse_block(block: bytes) -> SSEEvent | None:
-    if block.startswith(b"data: ") and b"\n" not in block:  # the common case, fast
-        return SSEEvent(_decode(block[6:]))
     data: list[bytes] = []
     event: str | None = None
     for line in block.split(b"\n"):
