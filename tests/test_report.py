@@ -191,7 +191,7 @@ def test_timeline_rows_share_one_x_axis_and_follow_the_data(run_dir):
     rate = next(t for t in fig["data"] if t["name"] == "output tok/s")
     width = rate["x"][1] - rate["x"][0]
     assert np.isclose(np.sum(rate["y"]) * width, series.event_tokens(run.points[1].requests).sum())
-    # engine steps (unix times in iterations.jsonl) land on the run clock: each step's end is followed
+    # engine steps (unix step ends in iterations.jsonl) land on the run clock: each step's end is followed
     # within a millisecond by the token events it produced
     it = figures._iteration_arrays(run.points[1], run.run["t0_unix"])
     ev = np.sort(run.points[1].requests.event_t)
@@ -210,7 +210,7 @@ def test_preemptions_are_marked(run_dir, tmp_path):
     fig = figures.timeline(run, run.points[1])
     pre = next(t for t in fig["data"] if t["name"] == "preemption")
     assert pre["text"].tolist() == [2.0] and pre["x"][0] == pytest.approx(
-        rows[10]["end"] - run.run["t0_unix"]
+        rows[10]["t_end_unix"] - run.run["t0_unix"]
     )
 
 

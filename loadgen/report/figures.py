@@ -102,16 +102,16 @@ _ITER_FIELDS = {
 
 
 def _iteration_arrays(point: PointData, t0_unix: float | None) -> dict[str, np.ndarray] | None:
-    """Per-step arrays on the run clock: the record's ``t`` when the poller set it, else its unix step
-    end (``end`` or ``t_unix``) minus run.json's ``t0_unix``."""
+    """Per-step arrays on the run clock, at the step's end (when its tokens come out): the unix step end
+    (``t_end_unix``) minus run.json's ``t0_unix``; without those, the run-clock ``t`` the poller adds."""
     rows = point.iterations
     if not rows:
         return None
-    if "t" in rows[0]:
+    end_key = next((k for k in ("t_end_unix", "end") if k in rows[0]), None)
+    if end_key is not None and t0_unix is not None:
+        t = np.array([r.get(end_key, np.nan) for r in rows], dtype=float) - t0_unix
+    elif "t" in rows[0]:
         t = np.array([r.get("t", np.nan) for r in rows], dtype=float)
-    elif t0_unix is not None and ("end" in rows[0] or "t_unix" in rows[0]):
-        key = "end" if "end" in rows[0] else "t_unix"
-        t = np.array([r.get(key, np.nan) for r in rows], dtype=float) - t0_unix
     else:
         return None
 

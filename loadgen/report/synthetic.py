@@ -206,12 +206,14 @@ def write_synthetic_results(root: Path, run_id: str = "synthetic", cfg: SimConfi
         sim = _simulate_point(cfg, conc, t, rng, pid)
         _dump_jsonl(pdir / "requests.jsonl", sim["records"])
         its = sim["iterations"]
-        if cfg.iterations:  # reference_server.engine.IterationRecord, unix times, as GET /v1/iterations
+        if (
+            cfg.iterations
+        ):  # GET /v1/iterations records as the poller stores them (``t``: step start, run clock)
             rows = [
                 {
                     "i": n,
-                    "start": round(t0_unix + it["t0"], 6),
-                    "end": round(t0_unix + it["t"], 6),
+                    "t_unix": round(t0_unix + it["t0"], 6),
+                    "t_end_unix": round(t0_unix + it["t"], 6),
                     "seq_ids": it["request_ids"],
                     "prefill_tokens": it["prefill_tokens"],
                     "decode_tokens": it["decode_tokens"],
@@ -220,6 +222,7 @@ def write_synthetic_results(root: Path, run_id: str = "synthetic", cfg: SimConfi
                     "num_running": len(it["request_ids"]),
                     "num_waiting": it["waiting"],
                     "preempted": [],
+                    "t": round(it["t0"], 6),
                 }
                 for n, it in enumerate(its)
             ]
