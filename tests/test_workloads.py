@@ -291,3 +291,10 @@ def test_bench_run_rejects_a_malformed_workload_file(tmp_path):
     assert (
         str(p) in res.output and "classes[0].prompt.sigma" in res.output and "expected a number" in res.output
     )
+
+
+def test_describe_is_checkout_independent_and_changes_with_the_traffic():
+    a = load_workload("rag").describe()
+    assert a["source"] == "builtin:rag" and "/" not in json.dumps(a["spec"])
+    assert load_workload("rag", rate=3.0).describe() != a
+    json.dumps(a)  # plain data

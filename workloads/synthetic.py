@@ -210,7 +210,10 @@ class SyntheticWorkload(Workload):
             index += 1
 
     def describe(self) -> dict[str, object]:
-        return {"name": self.name, "source": self.spec.source, "spec": spec_dict(self.spec),
+        src = Path(self.spec.source)
+        # a built-in is named, not located, so fingerprints match across checkouts
+        source = f"builtin:{src.stem}" if src.parent == DATA.parent / "builtin" else self.spec.source
+        return {"name": self.name, "source": source, "spec": spec_dict(self.spec),
                 "corpus_sha256": _sha256(DATA / "corpus.txt")}  # fmt: skip
 
 
@@ -228,7 +231,7 @@ def spec_dict(spec: WorkloadSpec) -> dict[str, Any]:
             return [plain(v) for v in value]
         return value
 
-    out = {k: getattr(spec, k) for k in spec.__dataclass_fields__}
+    out = {k: getattr(spec, k) for k in spec.__dataclass_fields__ if k != "source"}
     out["arrival"] = asdict(spec.arrival)
     out["classes"] = [{k: getattr(c, k) for k in c.__dataclass_fields__} for c in spec.classes]
     for c in out["classes"]:
