@@ -58,7 +58,7 @@ class RecordWriter:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._f: IO[bytes] = path.open("ab", buffering=0)  # one write() per record, no user-space buffer
+        self._f: IO[bytes] = path.open("wb", buffering=0)  # one write() per record, no user-space buffer
 
     def write(self, rec: RequestRecord) -> None:
         self._f.write(orjson.dumps(rec.to_dict(), option=orjson.OPT_APPEND_NEWLINE))
