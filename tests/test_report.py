@@ -319,3 +319,19 @@ def test_bench_report_cli(run_dir, tmp_path):
     assert res.exit_code == 2 and "is not a directory" in " ".join(res.output.split())
     assert auto_report(tmp_path / "missing").startswith("[yellow]warning[/]: no report")
     assert auto_report(run_dir) == f"report: {run_dir / 'report.html'}"
+
+
+def test_sweep_draws_only_panels_with_data(run_dir, tmp_path):
+    d = tmp_path / "run"
+    shutil.copytree(run_dir, d)
+    summary = json.loads((d / "summary.json").read_text())
+    for p in summary["points"]:
+        del p["goodput"]  # a run without --slo
+    (d / "summary.json").write_text(json.dumps(summary))
+    fig = figures.sweep([load_run(d)])
+    assert {t["xaxis"] for t in fig["data"]} == {"x", "x2"}
+    assert "xaxis3" not in fig["layout"] and fig["layout"]["xaxis2"]["domain"][1] > 0.9
+    assert [a["text"] for a in fig["layout"]["annotations"]] == [
+        "<b>throughput vs load</b>",
+        "<b>latency vs throughput</b>",
+    ]

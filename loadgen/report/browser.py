@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -139,7 +140,9 @@ async def inspect_report(
     full_page: bool = True,
 ) -> PageReport:
     """Load ``path`` in a fresh headless Chromium profile and report on it (see module docstring)."""
-    with tempfile.TemporaryDirectory(prefix="servelab-chromium-") as profile:
+    # Chromium's helper processes may still write to the profile as they exit: its own session (process
+    # group) is ended as a whole, and the profile removal tolerates late files.
+    with tempfile.TemporaryDirectory(prefix="servelab-chromium-", ignore_cleanup_errors=True) as profile:
         proc = subprocess.Popen(
             [
                 find_chromium(),
@@ -150,18 +153,37 @@ async def inspect_report(
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
+            start_new_session=True,
         )
         try:
             return await asyncio.wait_for(
                 _inspect(proc, Path(path), screenshot, width, height, timeout, full_page), timeout
             )
         finally:
-            proc.terminate()
+            _end_session(proc)
+
+
+def _end_session(proc: subprocess.Popen[bytes]) -> None:
+    """Terminate the browser and every process of its session (it is their session leader)."""
+    try:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
-                proc.wait(10)
+                os.killpg(proc.pid, sig)
+                proc.wait(10.0)
+            except ProcessLookupError:
+                return
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                continue
+            deadline = time.monotonic() + 2.0  # helpers of the group may outlive the leader briefly
+            while time.monotonic() < deadline:
+                try:
+                    os.killpg(proc.pid, 0)
+                except ProcessLookupError:
+                    return
+                time.sleep(0.05)
+    finally:
+        if proc.stderr is not None:
+            proc.stderr.close()
 
 
 async def _inspect(

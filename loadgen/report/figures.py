@@ -608,10 +608,12 @@ def sweep(runs: list[RunData]) -> Fig | None:
         "margin": {"l": 60, "r": 20, "t": 70, "b": 60},
         "hovermode": "closest",
     }
-    for i, (xa, ya, xt, yt, title) in enumerate(axes):
-        sx = "" if i == 0 else str(i + 1)
+    used = [a for a in axes if any(t["xaxis"] == a[0] for t in data)]  # no empty panel (e.g. no --slo)
+    step = 1.0 / len(used)
+    for j, (xa, ya, xt, yt, title) in enumerate(used):
+        sx = xa[1:]
         layout[f"xaxis{sx}"] = {
-            "domain": [i * 0.35, i * 0.35 + 0.3],
+            "domain": [j * step, j * step + step * 0.82],
             "anchor": ya,
             "title": {"text": xt or ""},
             "rangemode": "tozero",
@@ -627,7 +629,7 @@ def sweep(runs: list[RunData]) -> Fig | None:
                 "text": f"<b>{title}</b>",
                 "xref": "paper",
                 "yref": "paper",
-                "x": i * 0.35,
+                "x": j * step,
                 "y": 0.93,
                 "xanchor": "left",
                 "showarrow": False,
