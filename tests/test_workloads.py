@@ -298,3 +298,29 @@ def test_describe_is_checkout_independent_and_changes_with_the_traffic():
     assert a["source"] == "builtin:rag" and "/" not in json.dumps(a["spec"])
     assert load_workload("rag", rate=3.0).describe() != a
     json.dumps(a)  # plain data
+
+
+def test_length_distributions_follow_their_parameters():
+    from statistics import mean, median
+
+    from workloads.spec import parse_dist
+
+    rng = random.Random(0)
+
+    def draw(table, n=4000, integer=True):
+        d = parse_dist(table, "t.toml", "k", integer=integer)
+        return [d.sample_int(rng) if integer else d.sample(rng) for _ in range(n)]
+
+    assert set(draw(7, 50)) == {7}
+    u = draw({"dist": "uniform", "low": 10, "high": 20})
+    assert min(u) == 10 and max(u) == 20 and 14.5 < mean(u) < 15.5
+    nrm = draw({"dist": "normal", "mean": 300, "std": 50})
+    assert 295 < mean(nrm) < 305
+    ln = draw({"dist": "lognormal", "median": 1000, "sigma": 0.5})
+    assert 950 < median(ln) < 1050 and mean(ln) > median(ln)
+    emp = draw({"dist": "empirical", "values": [5, 50], "weights": [3, 1]})
+    assert set(emp) == {5, 50} and 0.7 < emp.count(5) / len(emp) < 0.8
+    clipped = draw({"dist": "normal", "mean": 100, "std": 80, "min": 60, "max": 120})
+    assert min(clipped) == 60 and max(clipped) == 120
+    think = draw({"dist": "normal", "mean": 0.5, "std": 1.0, "min": 0}, integer=False)
+    assert min(think) == 0.0 and isinstance(think[0], float)

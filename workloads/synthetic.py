@@ -134,7 +134,7 @@ class Conversation(Session):
             return None
         self.history.append({"role": "assistant", "content": response_text})
         self.turn += 1
-        return self.spec_cls.turns.think_time.sample(self.rng), self._request()
+        return max(0.0, self.spec_cls.turns.think_time.sample(self.rng)), self._request()
 
     def _request(self) -> GenRequest:
         cls, b, rng = self.spec_cls, self.c.builder, self.rng
