@@ -77,7 +77,7 @@ def test_tokenizer_json_path_is_used(tmp_path, tok):
     req = next(iter(wl.sessions(0))).first()
     assert n_tokens(tok, req.prompt) == req.prompt_tokens == 123
     with pytest.raises(FileNotFoundError, match="tokenizer"):
-        next(iter(load_workload("chat-short", tokenizer=str(tmp_path / "missing.json")).sessions(0)))
+        load_workload("chat-short", tokenizer=str(tmp_path / "missing.json"))
 
 
 def _stream(name: str, seed: int, n: int = 40) -> str:

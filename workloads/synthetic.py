@@ -189,10 +189,11 @@ class SyntheticWorkload(Workload):
         self.spec = spec
         self.name = spec.name
         self.arrival = spec.arrival
+        self.builder = builder_for(spec.tokenizer)  # now: a missing tokenizer fails before any run starts
 
     def sessions(self, seed: int) -> Iterator[Session]:
-        """Loads the tokenizer and builds the shared prefixes now, then yields sessions lazily."""
-        classes = _Classes(self.spec, builder_for(self.spec.tokenizer), seed)
+        """Builds the shared prefixes now, then yields sessions lazily."""
+        classes = _Classes(self.spec, self.builder, seed)
         return self._stream(classes, seed)
 
     def _stream(self, classes: _Classes, seed: int) -> Iterator[Session]:

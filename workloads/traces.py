@@ -181,9 +181,10 @@ class TraceWorkload(Workload):
         self.arrival = spec.arrival
         read = read_azure if spec.trace.format == "azure" else read_mooncake
         self.rows = read(spec.trace.path, spec.trace.limit)
+        self.builder = builder_for(spec.tokenizer)
 
     def sessions(self, seed: int) -> Iterator[Session]:
-        builder = builder_for(self.spec.tokenizer)
+        builder = self.builder
         blocks = _Blocks(builder, seed)
         out: list[Session] = []
         for i, row in enumerate(self.rows):
