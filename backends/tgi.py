@@ -14,14 +14,15 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from backends.base import Backend, Delta, GenRequest, HttpCall, ParseState, loads_json
+from backends.base import Delta, GenRequest, HttpCall, ParseState, loads_json
+from backends.native import NativeBackend
 from backends.openai import OpenAIBackend
 from backends.poller import ServerProfile
 
 TGI_PROFILE = ServerProfile(iterations_path=None)
 
 
-class TGINativeBackend(Backend):
+class TGINativeBackend(NativeBackend):
     """``POST /generate_stream`` with ``details: true``: exactly one token per event."""
 
     name: ClassVar[str] = "tgi-native"
@@ -37,7 +38,7 @@ class TGINativeBackend(Backend):
             params.update(do_sample=True, temperature=req.temperature)
         if req.seed is not None:
             params["seed"] = req.seed
-        params.update(req.extra_body)
+        params.update(self.body_extras(req.extra_body))
         return HttpCall(
             path="/generate_stream",
             body={"inputs": req.prompt, "parameters": params},

@@ -92,6 +92,23 @@ def test_llamacpp_openai_timings_on_usage_chunk():
     assert deltas[-1].done
 
 
+def test_llamacpp_openai_completions_final_chunk_usage_is_a_total():
+    # server-task.cpp to_json_oaicompat (stream): /v1/completions puts usage and timings on the chunk
+    # that carries finish_reason; that usage is the request's total, not per-chunk usage.
+    b = LlamaCppBackend("http://127.0.0.1:1")
+    tok = {"choices": [{"text": "I", "index": 0, "logprobs": None, "finish_reason": None}],
+           "object": "text_completion"}
+    final = {"choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": "length"}],
+             "object": "text_completion", "usage": {"completion_tokens": 3, "prompt_tokens": 1, "total_tokens": 4},
+             "timings": {"prompt_n": 1, "predicted_n": 3}}
+    deltas = run(b, [tok, tok, tok, final, "[DONE]"])
+    assert [d.tokens for d in deltas if d.text or d.tokens] == [None, None, None]  # counted from usage
+    total = [d for d in deltas if d.completion_tokens is not None]
+    assert len(total) == 1 and total[0].tokens_source == "usage" and total[0].completion_tokens == 3
+    assert total[0].extra["timings"]["predicted_n"] == 3
+    assert any(d.finish_reason == "length" for d in deltas)
+
+
 def test_vllm_continuous_usage_and_token_ids():
     # vllm/entrypoints/openai/protocol.py: StreamOptions.continuous_usage_stats -> usage on every chunk;
     # CompletionResponseStreamChoice.token_ids when return_token_ids is set. One CPU chunk may hold 2 tokens.
@@ -279,3 +296,13 @@ def test_reconcile_counts_scrape_errors():
     s = reconcile(samples, counters, ServerProfile(), None)
     assert s["samples"] == 3 and s["scrape_errors"] == 1
     assert s["point"]["counters"]["vllm:spec_decode_num_draft_tokens_total{engine=0,model_name=smol}"] == 0
+
+
+@pytest.mark.parametrize("cls", [LlamaCppNativeBackend, TGINativeBackend, SGLangNativeBackend])
+def test_native_backends_take_the_cli_options(cls):
+    b = cls("http://127.0.0.1:1", model="m", api="completions", extra_body={"top_k": 1})
+    body = b.build(GenRequest("r", "Hi", 2, extra_body={"top_p": 0.5})).body
+    flat = {**body, **body.get("parameters", {})}
+    assert flat["top_k"] == 1 and flat["top_p"] == 0.5
+    with pytest.raises(ValueError, match="plain-text"):
+        cls("http://127.0.0.1:1", api="chat")

@@ -30,8 +30,11 @@ from loadgen.records import read_records
 from workloads.base import SingleShot, Workload
 
 pytestmark = pytest.mark.llamaserver
+# -t 1: with -t 2 llama.cpp's two threads meet at a barrier every op; when the 2 cores are shared with
+# the test client (or anything else) a descheduled thread stalls the other (measured here under load:
+# 0.6 tok/s with -t 2 vs 15 tok/s with -t 1).
 ROOT = Path(__file__).resolve().parents[1]
-SERVER = "llama-server -m {model} -t 2 -c 8192 -np {np} --metrics --host 127.0.0.1 --port {port}"
+SERVER = "llama-server -m {model} -t 1 -c 8192 -np {np} --metrics --host 127.0.0.1 --port {port}"
 
 
 @pytest.fixture(scope="module", autouse=True)
