@@ -137,10 +137,12 @@ class ResultsDir:
 
     def write_run(self, config: dict[str, Any], t0_unix: float, point_ids: list[str],
                   extra: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
-        config = scrub(config)
+        config, extra = scrub(config), scrub(extra or {})
         run = {
             "run_id": self.run_id, "config": config, "environment": environment(),
-            "fingerprint": fingerprint(config), "t0_unix": t0_unix, "points": point_ids, **(extra or {}),
+            # what makes runs comparable: the config plus what it resolved to (workload specs, backend)
+            "fingerprint": fingerprint({"config": config, **extra}), "t0_unix": t0_unix, "points": point_ids,
+            **extra,
         }  # fmt: skip
         _write_json(self.path / "run.json", run)
         return run
