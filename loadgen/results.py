@@ -140,8 +140,10 @@ class ResultsDir:
         config, extra = scrub(config), scrub(extra or {})
         run = {
             "run_id": self.run_id, "config": config, "environment": environment(),
-            # what makes runs comparable: the config plus what it resolved to (workload specs, backend)
-            "fingerprint": fingerprint({"config": config, **extra}), "t0_unix": t0_unix, "points": point_ids,
+            # what makes runs comparable: the config plus the workload specs it resolved to (not the
+            # embedded server's random port)
+            "fingerprint": fingerprint({"config": config, "workloads": extra.get("workloads")}),
+            "t0_unix": t0_unix, "points": point_ids,
             **extra,
         }  # fmt: skip
         _write_json(self.path / "run.json", run)

@@ -50,7 +50,7 @@ def test_results_dir_writes_run_summary_and_sweep(tmp_path):
     run = rd.write_run({"url": "u", "api_key": "sk-secret", "nested": {"Authorization": "Bearer x"}}, 123.0, ["c001"])
     text = (tmp_path / "run1" / "run.json").read_text()
     assert "sk-secret" not in text and "Bearer x" not in text
-    assert run["t0_unix"] == 123.0 and run["fingerprint"] == fingerprint({"config": scrub(run["config"])})
+    assert run["t0_unix"] == 123.0 and run["fingerprint"] == fingerprint({"config": scrub(run["config"]), "workloads": None})
     point = {"point_id": "c001", "load": {"process": "closed", "concurrency": 1}, "workload": {"name": "w"},
              "counts": {"requests": 2, "ok": 2}, "latency": {"ttft": {"p50": 0.1}},
              "throughput": {"steady": {"req_per_s": 3.0}}, "errors": {"rate": 0.0, "by_kind": {"stall": 1}},
