@@ -13,11 +13,13 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
 
 from loadgen.report import write_report
 from loadgen.report.browser import inspect_report_sync
+from loadgen.report.builder import plotly_js
 from loadgen.report.load import read_jsonl
 from loadgen.report.synthetic import SimConfig, write_synthetic_results
 
@@ -26,7 +28,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=10_000, help="requests per point")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
-    ap.add_argument("--loads", type=int, default=3, help="page loads to time")
+    ap.add_argument("--loads", type=int, default=5, help="page loads to time")
     ap.add_argument("--out", type=Path, default=Path("results/bench_report"))
     args = ap.parse_args()
 
@@ -40,6 +42,13 @@ def main() -> None:
         inspect_report_sync(html, args.out / "bench_report.png" if i == 0 else None)
         for i in range(args.loads)
     ]
+    # the floor on this machine at this moment: a page holding nothing but plotly.js and one tiny chart
+    floor_html = args.out / "plotly_only.html"
+    floor_html.write_text(
+        f"<!DOCTYPE html><html><body><div id=a></div><script>{plotly_js()}</script>"
+        "<script>Plotly.newPlot('a', [{x: [1, 2], y: [1, 2]}])</script></body></html>"
+    )
+    floor = [inspect_report_sync(floor_html).load_s for _ in range(args.loads)]
     first = loads[0]
     result = {
         "command": "python scripts/bench_report.py " + " ".join(f"{k}={v}" for k, v in vars(args).items()),
@@ -51,6 +60,8 @@ def main() -> None:
         "build_s": round(build_s, 2),
         "load_event_s": [round(r.load_s, 3) for r in loads],
         "load_event_s_max": round(max(r.load_s for r in loads), 3),
+        "load_event_s_median": round(statistics.median(r.load_s for r in loads), 3),
+        "plotly_only_page_load_s": [round(x, 3) for x in floor],
         "page_marks_ms": [{k: round(v) for k, v in r.marks.items()} for r in loads],
         "console_errors": first.console_errors,
         "network_requests": first.network_requests,

@@ -18,7 +18,7 @@ from loadgen.report.load import RunData, load_run
 SIG_DIGITS = 6  # chart data only; tables show summary.json's numbers verbatim
 
 
-def _plotly_js() -> str:
+def plotly_js() -> str:
     from plotly.offline import get_plotlyjs
 
     return get_plotlyjs()
@@ -186,7 +186,7 @@ def build_html(runs: list[RunData]) -> str:
         template.replace("__TITLE__", html.escape(title))
         .replace("__BODY__", "\n".join(body))
         .replace("__DATA__", data)
-        .replace("__PLOTLY__", _plotly_js().replace("</script", "<\\/script"))
+        .replace("__PLOTLY__", plotly_js().replace("</script", "<\\/script"))
     )
 
 

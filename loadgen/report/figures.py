@@ -16,7 +16,7 @@ from loadgen.report.load import PointData, RunData
 
 Fig = dict[str, Any]
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f"]
-GANTT_MAX_ROWS = 600  # denser than the panel's pixel rows already; SVG cost grows with it
+GANTT_MAX_ROWS = 500  # denser than the panel's pixel rows already; SVG cost grows with it
 MAX_STEPS_EXACT = 3000
 
 # Server metric names per server, by role (first present wins). Ratios (0..1) are scaled to percent.
@@ -320,19 +320,20 @@ def _gantt(req: Any) -> tuple[str, list[dict[str, Any]], float]:
         )
     err = np.array([req.error[i] is not None for i in idx], dtype=bool)
     if err.any():
+        # one tick per error as segments of a single path: one SVG element, not one per marker
+        end, ye = req.end[idx][err], y[err]
+        labels = [f"{req.ids[i]}: {req.error[i]}" for i in idx[err]]
         traces.append(
-            {
-                "type": "scatter",
-                "mode": "markers",
-                "x": req.end[idx][err],
-                "y": y[err],
-                "xaxis": "x",
-                "yaxis": "",
-                "name": "error",
-                "text": [f"{req.ids[i]}: {req.error[i]}" for i in idx[err]],
-                "hoverinfo": "text+x",
-                "marker": {"symbol": "x", "color": "#000", "size": 7},
-            }
+            _line(
+                np.column_stack([end, end, np.full(len(end), np.nan)]).ravel(),
+                np.column_stack([ye - 0.5, ye + 0.5, np.full(len(end), np.nan)]).ravel(),
+                "error",
+                "#000",
+                "",
+                line={"width": 2.5},
+                text=[t for label in labels for t in (label, label, "")],
+                hoverinfo="text+x",
+            )
         )
     n_err = sum(e is not None for e in req.error)
     title = (
