@@ -9,6 +9,7 @@ gate pairs trial k of one side with trial k of the other.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -47,12 +48,15 @@ def run_ab(
     directories. ``templates`` maps side -> server command template (``{port}``, ``{model}``)."""
     dirs = {side: ResultsDir(out_root / f"{run_id}-{side}") for side in SIDES}
     servers = {}
+    for side in SIDES:
+        port = free_port()
+        servers[side] = ServerProcess(
+            render_command(templates[side], {}, port), port, dirs[side].path / "server.log"
+        )
     try:
-        for side in SIDES:
-            port = free_port()
-            argv = render_command(templates[side], {}, port)
-            servers[side] = ServerProcess(argv, port, dirs[side].path / "server.log")
-            servers[side].start()
+        with ThreadPoolExecutor(len(SIDES)) as pool:  # both load their models at the same time
+            for started in [pool.submit(srv.start) for srv in servers.values()]:
+                started.result()
         backends = {side: make_backend(servers[side].base_url) for side in SIDES}
         clock = RunClock()
         ids = [f"{load.point_id()}/t{k}" for k in range(trials)]
