@@ -476,7 +476,7 @@ def calibrate(
         rt = f"{r['achieved_rate']:.1f}/{r['requested_rate']:g}" if r["requested_rate"] else "-"
         t.add_row(name, f"{r['req_per_s']:,.0f}", f"{r['events_per_s']:,.0f}", conc, rt,
                   f"{r['lag_p50_ms']:.2f}", f"{r['lag_p99_ms']:.2f}", f"{r['client_cpu']:.0%}")  # fmt: skip
-    Console().print(Group(t, Text(f"results: {out_dir}")))
+    Console(width=None if sys.stdout.isatty() else 200).print(Group(t, Text(f"results: {out_dir}")))
 
 
 def main() -> None:

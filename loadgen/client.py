@@ -254,7 +254,9 @@ def _classify(exc: BaseException, got_headers: bool) -> str:
     cause = exc.__cause__ or exc
     if isinstance(cause, aiohttp.ServerDisconnectedError | httpx.RemoteProtocolError | aiohttp.ClientPayloadError):
         return "disconnect"
-    if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+    if isinstance(exc, httpx.ConnectTimeout | httpx.ConnectError) and not got_headers:
+        return "connect"  # (httpx-aiohttp maps any pre-response connection failure to ConnectTimeout)
+    if isinstance(exc, httpx.TimeoutException):
         return "stall" if got_headers else "timeout"
     if isinstance(cause, asyncio.TimeoutError | TimeoutError):
         return "stall" if got_headers else "timeout"
