@@ -5,6 +5,7 @@ import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlparse
 
 import pytest
 
@@ -86,6 +87,7 @@ class _FakeLlama(BaseHTTPRequestHandler):
     """Serves a llama.cpp-shaped /metrics whose counter grows by 5 per scrape, and /slots."""
 
     scrapes = 0
+    iterations: list[dict] | None = None
 
     def do_GET(self):  # noqa: N802
         if self.path == "/metrics":
@@ -96,6 +98,13 @@ class _FakeLlama(BaseHTTPRequestHandler):
         elif self.path == "/slots":
             body = json.dumps([{"id": 0, "is_processing": True, "id_task": 7, "n_prompt_tokens": 9,
                                 "next_token": [{"n_decoded": 3}]}]).encode()
+        elif self.path.startswith("/v1/iterations") and type(self).iterations is not None:
+            # the reference server's format: records with index >= since, at most `limit`, and `next`
+            q = parse_qs(urlparse(self.path).query)
+            since, limit = int(q["since"][0]), int(q.get("limit", ["1000"])[0])
+            recs = [r for r in type(self).iterations if r["i"] >= since][: min(limit, 2)]  # pages of 2
+            nxt = recs[-1]["i"] + 1 if recs else len(type(self).iterations)
+            body = json.dumps({"iterations": recs, "next": nxt}).encode()
         else:
             self.send_response(404)
             self.end_headers()
@@ -180,3 +189,23 @@ def test_cli_rejects_bad_server_sweeps(tmp_path):
         res = runner.invoke(app, ["sweep", "--output-dir", str(tmp_path), *args])
         assert res.exit_code == 2, (args, res.output)
         assert message in " ".join(res.output.split()), (args, res.output)
+
+
+def test_poller_fetches_the_points_iterations(tmp_path):
+    """Only iterations after the point started are fetched (in pages), with times on the run clock."""
+    clock = RunClock()
+    _FakeLlama.iterations = [{"i": i, "t_unix": clock.t0_unix + i, "decode_tokens": i} for i in range(3)]
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _FakeLlama)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        poller = ServerStatePoller(f"http://127.0.0.1:{httpd.server_port}", hz=20)
+        poller.start(clock, tmp_path)
+        _FakeLlama.iterations += [{"i": i, "t_unix": clock.t0_unix + i, "decode_tokens": i} for i in range(3, 8)]
+        summary = poller.stop(None)
+    finally:
+        httpd.shutdown()
+        _FakeLlama.iterations = None
+    recs = [json.loads(x) for x in (tmp_path / "iterations.jsonl").read_text().splitlines()]
+    assert summary["iterations"] == {"count": 5}
+    assert [r["i"] for r in recs] == [3, 4, 5, 6, 7]
+    assert [round(r["t"], 6) for r in recs] == [3.0, 4.0, 5.0, 6.0, 7.0]

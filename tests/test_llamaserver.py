@@ -105,8 +105,8 @@ def test_openai_stream_exact_counts(server, tmp_path, api):
 LONG_PROMPTS = """
 [[classes]]
 name = "long"
-prompt = { dist = "fixed", value = 1200 }
-output = { dist = "fixed", value = 48 }
+prompt = { dist = "fixed", value = 600 }
+output = { dist = "fixed", value = 32 }
 """
 
 
@@ -117,20 +117,20 @@ def test_bench_run_matches_server_timings(server, tmp_path):
     (tmp_path / "long.toml").write_text(LONG_PROMPTS)
     res = CliRunner().invoke(app, [
         "run", "--url", server.base_url, "--backend", "llamacpp-native", "--workload", str(tmp_path / "long.toml"),
-        "--concurrency", "1", "--num-requests", "4", "--output-dir", str(tmp_path), "--run-id", "agree",
+        "--concurrency", "1", "--num-requests", "3", "--output-dir", str(tmp_path), "--run-id", "agree",
     ])  # fmt: skip
     assert res.exit_code == 0, res.output
     (point,) = json.loads((tmp_path / "agree" / "summary.json").read_text())["points"]
     recs = read_records(tmp_path / "agree" / "points" / point["point_id"] / "requests.jsonl")
     timings = [r["extra"]["timings"] for r in recs]
-    assert len(timings) == 4 and all(t["prompt_n"] + t["cache_n"] >= 1000 for t in timings)
-    server_ttft = sum(t["prompt_ms"] for t in timings) / 4 / 1e3
-    server_tpot = sum(t["predicted_ms"] / (t["predicted_n"] - 1) for t in timings) / 4 / 1e3
+    assert len(timings) == 3 and all(t["prompt_n"] + t["cache_n"] == 600 for t in timings)
+    server_ttft = sum(t["prompt_ms"] for t in timings) / 3 / 1e3
+    server_tpot = sum(t["predicted_ms"] / (t["predicted_n"] - 1) for t in timings) / 3 / 1e3
     ttft, tpot = point["latency"]["ttft"]["mean"], point["latency"]["tpot"]["mean"]
     report = {"ttft_client": ttft, "ttft_server": server_ttft, "tpot_client": tpot, "tpot_server": server_tpot}
     assert abs(ttft - server_ttft) / server_ttft < 0.05, report
     assert abs(tpot - server_tpot) / server_tpot < 0.05, report
-    assert point["counts"]["output_tokens"] == sum(t["predicted_n"] for t in timings) == 4 * 48
+    assert point["counts"]["output_tokens"] == sum(t["predicted_n"] for t in timings) == 3 * 32
 
 
 def test_server_sweep_two_np_values(tmp_path):
