@@ -225,13 +225,16 @@ async def run_point(
     d = _Dispatch(backend, workload, load, clock, client, writer, progress)
     for sc in sidecars:
         sc.start(clock, out_dir)
-    cpu0, wall0 = time.process_time(), time.perf_counter()
+    cpu0, wait0, wall0 = time.process_time(), _cpu_wait(), time.perf_counter()
     d.t_start = progress.t_start = clock.now()
     main = asyncio.ensure_future(d.closed() if load.process == "closed" else d.open())
     try:
         await _bounded(main, d, load)
     finally:
-        cpu = (time.process_time() - cpu0) / max(time.perf_counter() - wall0, 1e-9)
+        wall = max(time.perf_counter() - wall0, 1e-9)
+        cpu = (time.process_time() - cpu0) / wall
+        wait1 = _cpu_wait()
+        wait = (wait1 - wait0) / wall if wait0 is not None and wait1 is not None else None
         writer.close()
         if own_client:
             await client.aclose()
@@ -240,7 +243,7 @@ async def run_point(
         "point_id": point_id or load.point_id(), "load": load.describe(), "workload": workload.describe(),
         "labels": labels or {}, "t_start": d.t_start, "t_end": clock.now(),
     }  # fmt: skip
-    summary.update(metrics.summarize(records, load.describe(), slo, client_cpu=cpu))
+    summary.update(metrics.summarize(records, load.describe(), slo, client_cpu=cpu, client_wait=wait))
     window = (summary["window"][0], summary["window"][1])
     for sc in sidecars:
         try:
@@ -275,6 +278,14 @@ async def _cancel(main: asyncio.Future[None], d: _Dispatch) -> None:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _cpu_wait() -> float | None:
+    """Seconds the event-loop thread has spent runnable but waiting for a CPU (Linux schedstat)."""
+    try:
+        return int(Path("/proc/thread-self/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def run_async(coro: Coroutine[Any, Any, T]) -> T:

@@ -95,13 +95,13 @@ def steady_window(records: Sequence[Record]) -> tuple[float, float]:
 
 def summarize(
     records: Sequence[Record], load: dict[str, Any] | None = None, slo: dict[str, float] | None = None,
-    client_cpu: float | None = None,
+    client_cpu: float | None = None, client_wait: float | None = None,
 ) -> dict[str, Any]:
     """Metrics of one load point; ``load`` (requested rate/concurrency) feeds the client-health part."""
     window = steady_window(records)
     out = _core(records, window, slo)
     out["window"] = list(window)
-    out["client"] = client_health(records, window, load or {}, client_cpu)
+    out["client"] = client_health(records, window, load or {}, client_cpu, client_wait)
     classes = sorted({r["cls"] for r in records if not r["warmup"]})
     out["per_class"] = {c: _core([r for r in records if r["cls"] == c], window, slo) for c in classes}
     return out
@@ -164,6 +164,7 @@ def _rates(requests: int, out_tokens: int, in_tokens: int, seconds: float) -> di
 
 def client_health(
     records: Sequence[Record], window: tuple[float, float], load: dict[str, Any], client_cpu: float | None = None,
+    client_wait: float | None = None,
 ) -> dict[str, Any]:
     """Is the client keeping its schedule? Schedule lag, achieved vs requested load, warnings."""
     measured = sorted((r for r in records if not r["warmup"]), key=lambda r: r["sent"])
@@ -176,7 +177,7 @@ def client_health(
         "achieved_concurrency": inflight / wlen if wlen > 0 else None,
         "requested_concurrency": load.get("concurrency") if load.get("process") == "closed" else None,
         "achieved_rate": None, "scheduled_rate": None, "requested_rate": load.get("rate"),
-        "cpu": client_cpu, "limited": False, "warnings": [],
+        "cpu": client_cpu, "cpu_wait": client_wait, "limited": False, "warnings": [],
     }  # fmt: skip
     if len(measured) > 1:
         sent_span = measured[-1]["sent"] - measured[0]["sent"]
@@ -197,5 +198,7 @@ def client_health(
         warnings.append(f"achieved concurrency {got_c:.1f} of {req_c} requested")
     if client_cpu is not None and client_cpu > 0.9:
         warnings.append(f"client process used {client_cpu:.0%} of a CPU core")
+    if client_wait is not None and client_wait > 0.2:
+        warnings.append(f"client waited for a free CPU {client_wait:.0%} of the time: the machine is overloaded")
     out["limited"] = bool(warnings)
     return out
