@@ -73,7 +73,7 @@ def _brief(s: dict[str, Any], events: int) -> dict[str, Any]:
         "achieved_rate": cl["achieved_rate"], "requested_rate": cl["requested_rate"],
         "lag_p50_ms": lag["p50"] * 1e3 if lag["p50"] is not None else None,
         "lag_p99_ms": lag["p99"] * 1e3 if lag["p99"] is not None else None,
-        "client_cpu": cl["cpu"], "warnings": cl["warnings"],
+        "client_cpu": cl["cpu"], "client_cpu_wait": cl["cpu_wait"], "warnings": cl["warnings"],
         # CPU time the client spent per request: its ceiling on a free core is 1 / this
         "cpu_ms_per_request": cl["cpu"] * (s["t_end"] - s["t_start"]) / max(s["counts"]["requests"] + s["counts"]["warmup"], 1) * 1e3,
     }  # fmt: skip
