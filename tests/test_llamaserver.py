@@ -23,6 +23,7 @@ from backends.launcher import (
     sweep_servers,
 )
 from backends.llamacpp import LlamaCppBackend, LlamaCppNativeBackend
+from backends.poller import ServerStatePoller, profile_of
 from loadgen.cli import app
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, run_async, run_point
@@ -167,3 +168,20 @@ def test_sweep_records_a_server_that_never_starts(tmp_path):
     bad = "llama-server -m /nonexistent-{np}.gguf --port {port}"
     results = sweep_servers(bad, server_grid(bad, ["np=2"]), tmp_path, lambda u, gp, so_far: [], health_timeout_s=30)
     assert results[0]["failed"]["kind"] == "launch" and "exited with code" in results[0]["failed"]["message"]
+
+
+def test_spec_decode_acceptance_per_request_and_per_run(tmp_path):
+    """llama-server drafting with a draft model (the same GGUF): per-request draft_n/draft_n_accepted
+    in the records, and the run's acceptance from the server's counters, which must agree exactly."""
+    template = SERVER.replace("-np {np}", "-np 1 -md {model} --spec-type draft-simple")
+    port = free_port()
+    with ServerProcess(render_command(template, {}, port), port, tmp_path / "server.log", health_timeout_s=60) as srv:
+        backend = LlamaCppNativeBackend(srv.base_url)
+        poller = ServerStatePoller(srv.base_url, profile_of(backend), hz=10)
+        summary, recs = run(backend, Prompts(10, 24), tmp_path / "p", n=3, sidecars=[poller])
+    drafted = sum(r["extra"]["spec_drafted"] for r in recs)
+    accepted = sum(r["extra"]["spec_accepted"] for r in recs)
+    spec = summary["server"]["point"]["spec_decode"]
+    assert drafted > 0 and spec["drafted"] == drafted and spec["accepted"] == accepted
+    assert spec["acceptance_rate"] == accepted / drafted > 0.5  # the draft model is the target model
+    assert all(r["output_tokens"] == 24 for r in recs)

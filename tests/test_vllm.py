@@ -34,7 +34,7 @@ def vllm_server(tmp_path_factory):
             "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "4096"]
     os.environ.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="2")
     log = tmp_path_factory.mktemp("vllm") / "server.log"
-    with ServerProcess(argv, port, log, health_timeout_s=420, stop_grace_s=20) as srv:
+    with ServerProcess(argv, port, log, health_timeout_s=900, stop_grace_s=20) as srv:
         yield srv
 
 
