@@ -335,3 +335,33 @@ def test_sweep_draws_only_panels_with_data(run_dir, tmp_path):
         "<b>throughput vs load</b>",
         "<b>latency vs throughput</b>",
     ]
+
+
+def test_sweep_has_a_curve_per_workload_and_load_kind(run_dir, tmp_path):
+    import copy
+
+    d = tmp_path / "run"
+    shutil.copytree(run_dir, d)
+    summary = json.loads((d / "summary.json").read_text())
+    points = []
+    for wl in ("chat", "rag"):
+        for p in summary["points"]:
+            q = copy.deepcopy(p)
+            q["workload"] = {"name": wl}
+            q["point_id"] = f"{wl}/{p['point_id']}"
+            points.append(q)
+    for rate in (5.0, 2.0):
+        q = copy.deepcopy(summary["points"][0])
+        q["workload"] = {"name": "chat"}
+        q["load"].update(process="poisson", concurrency=None, rate=rate)
+        q["point_id"] = f"chat/r{rate:05.1f}"
+        points.append(q)
+    summary["points"] = points
+    (d / "summary.json").write_text(json.dumps(summary))
+    fig = figures.sweep([load_run(d)])
+    lines = {t["name"]: t["x"] for t in fig["data"] if t["xaxis"] == "x"}
+    assert lines == {
+        "full chat concurrency": [1, 4, 16],
+        "full rag concurrency": [1, 4, 16],
+        "full chat rate": [2.0, 5.0],
+    }

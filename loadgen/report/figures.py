@@ -502,24 +502,49 @@ def sweep_rows(run: RunData) -> list[dict[str, Any]]:
         ):
             hit = _find(flat, pats)
             row[name], row[name + "_key"] = (hit[1], hit[0]) if hit else (None, None)
+        # one curve per workload, server grid point, load kind and trial
+        parts = [
+            (p.get("workload") or {}).get("name"),
+            *(f"{k}={v}" for k, v in (p.get("labels") or {}).items()),
+        ]
+        parts += [(row["load_key"] or "").rsplit(".", 1)[-1], f"t{p['trial']}" if p.get("trial") else None]
+        row["curve"] = tuple(str(x) for x in parts if x)
         rows.append(row)
     return rows
+
+
+def _curves(rows: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """Rows split into curves, each named by what distinguishes it from the others ("" when alone)."""
+    groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+    for x in rows:
+        groups.setdefault(x["curve"], []).append(x)
+    keys = list(groups)
+    varying = [
+        i
+        for i in range(max(map(len, keys), default=0))
+        if len({k[i] if i < len(k) else "" for k in keys}) > 1
+    ]
+    return [
+        (" ".join(k[i] for i in varying if i < len(k)), sorted(g, key=lambda x: x["load"]))
+        for k, g in groups.items()
+    ]
 
 
 def sweep(runs: list[RunData]) -> Fig | None:
     """Throughput vs load, p50/p99 latency vs throughput (knee marked), goodput vs load; a line per run."""
     data: list[dict[str, Any]] = []
     labels: dict[str, str] = {}
-    for r, run in enumerate(runs):
-        rows = [x for x in sweep_rows(run) if x["load"] is not None]
-        if len(runs) == 1 and len(rows) < 2:
-            continue
-        rows.sort(key=lambda x: x["load"])
-        color = PALETTE[r % len(PALETTE)]
-        name = run.run_id
+    curves: list[tuple[RunData, str, list[dict[str, Any]]]] = []
+    for run in runs:
+        all_rows = [x for x in sweep_rows(run) if x["load"] is not None]
+        if len(runs) > 1 or len(all_rows) >= 2:
+            curves += [(run, curve, rows) for curve, rows in _curves(all_rows)]
+    labels["load"] = " / ".join(sorted({rows[0]["load_key"] for _, _, rows in curves}))  # mixed kinds share x
+    for n, (run, curve, rows) in enumerate(curves):
+        color = PALETTE[n % len(PALETTE)]
+        name = f"{run.run_id} {curve}".strip()
         load = [x["load"] for x in rows]
         text = [x["point_id"] for x in rows]
-        labels.setdefault("load", (rows[0]["load_key"] or "load") if rows else "load")
         common = {"type": "scatter", "mode": "lines+markers", "legendgroup": name, "text": text}
         if any(x["throughput"] is not None for x in rows):
             labels.setdefault("throughput", rows[0]["throughput_key"] or "throughput")
