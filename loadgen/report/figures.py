@@ -353,8 +353,7 @@ def _stack(rows: list[tuple[str, list[dict[str, Any]], float]], title: str) -> F
         "title": {"text": title, "x": 0.01},
         "height": 170 * total + 120,
         "hovermode": "x",
-        "margin": {"l": 60, "r": 20, "t": 50, "b": 40},
-        "legend": {"orientation": "v"},
+        "margin": {"l": 60, "r": 230, "t": 50, "b": 40},
         "xaxis": {"anchor": f"y{len(rows)}", "title": {"text": "run clock (s)"}},
         "barmode": "stack",
         "bargap": 0,
@@ -384,8 +383,12 @@ def _stack(rows: list[tuple[str, list[dict[str, Any]], float]], title: str) -> F
                 "font": {"size": 11},
             }
         )
+        legend = "legend" if i == 1 else f"legend{i}"  # a legend beside each row, not one long list
+        layout[legend] = {"x": 1.01, "xanchor": "left", "y": top, "yanchor": "top", "font": {"size": 10},
+                          "tracegroupgap": 2}  # fmt: skip
         for t in traces:
             t["yaxis"] = name
+            t["legend"] = legend
             data.append(t)
         top -= height + gap
     last = "yaxis" if len(rows) == 1 else f"yaxis{len(rows)}"
