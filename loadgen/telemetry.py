@@ -131,19 +131,20 @@ def _host_gpus() -> tuple[list[GpuProbe], str]:
 
 
 class HostProbe:
-    """Host CPU per core and memory, this (client) process's CPU, and the server process when known."""
+    """Host CPU per core and memory, this (client) process's CPU, and the server process when known.
+
+    CPU shares are rates since the previous sample, so the first sample has memory only.
+    """
 
     def __init__(self, server_pid: int | None = None) -> None:
         self._client = psutil.Process(os.getpid())
         self._server: psutil.Process | None = None
+        self._first = True
         if server_pid is not None:
             try:
                 self._server = psutil.Process(server_pid)
-                self._server.cpu_percent(None)
             except psutil.Error:
                 self._server = None
-        psutil.cpu_percent(percpu=True)  # the first call only sets the reference point
-        self._client.cpu_percent(None)
 
     def sample(self) -> Record:
         vm = psutil.virtual_memory()
@@ -160,6 +161,10 @@ class HostProbe:
                     rec["server_rss_b"] = int(self._server.memory_info().rss)
             except psutil.Error:  # the server exited: keep sampling the host
                 self._server = None
+        if self._first:  # psutil's first call only sets the reference point for the rates
+            self._first = False
+            for key in ("cpu_pct", "client_cpu_pct", "server_cpu_pct"):
+                rec.pop(key, None)
         return rec
 
 
