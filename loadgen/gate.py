@@ -11,9 +11,10 @@ candidate/baseline of the trial means and decides from the interval alone:
 
 Small samples: the plain percentile bootstrap is too narrow for a handful of trials, so the interval is
 Hesterberg's *expanded percentile* interval (the percentile level widened so that it matches a
-t-interval with the ``sqrt(n/(n-1))`` variance correction). Below 5 trials a bootstrap cannot reach past
-the range of the data at all, so by default fewer trials give ``inconclusive``. Interleaved A/B trials (``--ab``) are paired:
-the bootstrap then resamples the per-pair ratios, which cancels drift of the machine's speed.
+t-interval with the ``sqrt(n/(n-1))`` variance correction). Below 5 trials a bootstrap cannot reach
+past the range of the data at all, so by default fewer trials give ``inconclusive``. Interleaved A/B
+trials (``--ab``) are paired: the bootstrap then resamples the per-pair ratios, which cancels drift of
+the machine's speed.
 
 Exit codes: 0 pass, 1 regression, 2 inconclusive or invalid comparison.
 """
