@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from loadgen.report import series
-from loadgen.report.load import PointData, RunData
+from loadgen.report.load import PointData, Requests, RunData
 
 Fig = dict[str, Any]
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f"]
@@ -33,14 +33,14 @@ GENERIC = {"running": r"(requests_running|running_reqs|requests_processing)$",
            "kv": r"kv_cache_usage(_perc|_ratio)?$"}  # fmt: skip
 
 
-def _line(x: Any, y: Any, name: str, color: str, yaxis: str, **kw: Any) -> dict[str, Any]:
+def _line(x: Any, y: Any, name: str, color: str, **kw: Any) -> dict[str, Any]:
+    """A line trace on the timeline's shared x axis (its row's y axis is set by :func:`_stack`)."""
     return {
         "type": "scatter",
         "mode": "lines",
         "x": x,
         "y": y,
         "name": name,
-        "yaxis": yaxis,
         "xaxis": "x",
         "line": {"color": color, "width": 1.5, **kw.pop("line", {})},
         **kw,
@@ -177,7 +177,6 @@ def timeline(run: RunData, point: PointData) -> Fig | None:
                     series.mean_occupancy(req.sent, first_or_end, edges),
                     "waiting for 1st token",
                     PALETTE[3],
-                    "",
                     stackgroup="client",
                 ),
                 _line(
@@ -185,7 +184,6 @@ def timeline(run: RunData, point: PointData) -> Fig | None:
                     series.mean_occupancy(req.first, req.end, edges),
                     "streaming",
                     PALETTE[0],
-                    "",
                     stackgroup="client",
                 ),
                 _line(
@@ -193,7 +191,6 @@ def timeline(run: RunData, point: PointData) -> Fig | None:
                     series.mean_occupancy(req.intended, req.sent, edges),
                     "due, not yet sent",
                     PALETTE[1],
-                    "",
                     line={"dash": "dot"},
                 ),
             ],
@@ -206,13 +203,13 @@ def timeline(run: RunData, point: PointData) -> Fig | None:
     if it is not None and not np.isfinite(it["t"]).any():
         it = None
     batch = [
-        _line(*srv[role], f"{role} (/metrics)", c, "", line={"shape": "hv"})
+        _line(*srv[role], f"{role} (/metrics)", c, line={"shape": "hv"})
         for role, c in (("running", PALETTE[2]), ("waiting", PALETTE[1]))
         if role in srv
     ]
     if it is not None:
         batch += [
-            _line(x, series.binned_mean(it["t"], it[role], edges), f"{role} (engine steps, mean)", c, "",
+            _line(x, series.binned_mean(it["t"], it[role], edges), f"{role} (engine steps, mean)", c,
                   line={"dash": "dot"})
             for role, c in (("running", PALETTE[2]), ("waiting", PALETTE[1]))
             if np.isfinite(it[role]).any()
@@ -223,19 +220,19 @@ def timeline(run: RunData, point: PointData) -> Fig | None:
     if it is not None:
         exact = len(it["t"]) <= MAX_STEPS_EXACT
         traces = [
-            {"type": "bar", "x": it["t"], "y": it[k], "name": f"{k} tokens/step", "xaxis": "x", "yaxis": "",
+            {"type": "bar", "x": it["t"], "y": it[k], "name": f"{k} tokens/step", "xaxis": "x",
              "marker": {"color": c, "line": {"width": 0}}}
             if exact
-            else _line(x, series.binned_mean(it["t"], it[k], edges), f"{k} tokens/step (mean)", c, "",
+            else _line(x, series.binned_mean(it["t"], it[k], edges), f"{k} tokens/step (mean)", c,
                        stackgroup="steps")
             for k, c in (("decode", PALETTE[0]), ("prefill", PALETTE[3]))
         ]  # fmt: skip
-        traces.append(_line(x, series.binned_mean(it["t"], it["seqs"], edges), "sequences in batch", PALETTE[4], "",
+        traces.append(_line(x, series.binned_mean(it["t"], it["seqs"], edges), "sequences in batch (mean)", PALETTE[4],
                             line={"dash": "dot"}))  # fmt: skip
         pre = it["preempted"] > 0
         if pre.any():
             traces.append({"type": "scatter", "mode": "markers", "x": it["t"][pre], "y": (it["prefill"] + it["decode"])[pre],
-                           "name": "preemption", "xaxis": "x", "yaxis": "", "text": it["preempted"][pre],
+                           "name": "preemption", "xaxis": "x", "text": it["preempted"][pre],
                            "hovertemplate": "%{text} preempted<extra></extra>",
                            "marker": {"symbol": "triangle-down", "color": "#000", "size": 8}})  # fmt: skip
         title = (
@@ -247,7 +244,7 @@ def timeline(run: RunData, point: PointData) -> Fig | None:
 
     kv: list[dict[str, Any]] = []
     if "kv" in srv:
-        kv.append(_line(*srv["kv"], "KV cache % (/metrics)", PALETTE[4], "", line={"shape": "hv"}))
+        kv.append(_line(*srv["kv"], "KV cache % (/metrics)", PALETTE[4], line={"shape": "hv"}))
     if it is not None and np.isfinite(it["kv_total"]).any():
         kv.append(
             _line(
@@ -255,7 +252,6 @@ def timeline(run: RunData, point: PointData) -> Fig | None:
                 series.binned_mean(it["t"], 100 * it["kv_used"] / it["kv_total"], edges),
                 "KV blocks used % (per step)",
                 PALETTE[5],
-                "",
             )
         )
     if kv:
@@ -267,7 +263,7 @@ def timeline(run: RunData, point: PointData) -> Fig | None:
             (
                 "utilisation %",
                 [
-                    _line(t, v, label, PALETTE[(i + 6) % len(PALETTE)], "")
+                    _line(t, v, label, PALETTE[(i + 6) % len(PALETTE)])
                     for i, (label, (t, v)) in enumerate(tel.items())
                 ],
                 0.8,
@@ -283,7 +279,6 @@ def timeline(run: RunData, point: PointData) -> Fig | None:
                     series.binned_rate(req.event_t, series.event_tokens(req), edges),
                     "output tok/s",
                     PALETTE[2],
-                    "",
                     fill="tozeroy",
                 )
             ],
@@ -295,7 +290,7 @@ def timeline(run: RunData, point: PointData) -> Fig | None:
     return _stack(rows, f"{point.point_id}: timeline (run clock, s)")
 
 
-def _gantt(req: Any) -> tuple[str, list[dict[str, Any]], float]:
+def _gantt(req: Requests) -> tuple[str, list[dict[str, Any]], float]:
     idx = series.gantt_sample(req, GANTT_MAX_ROWS)
     n = len(idx)
     y = np.arange(n, dtype=float)
@@ -316,7 +311,7 @@ def _gantt(req: Any) -> tuple[str, list[dict[str, Any]], float]:
     ):
         xs, ys = segments(a, b)
         traces.append(
-            _line(xs, ys, name, color, "", line={"width": width}, connectgaps=False, hoverinfo="x+name")
+            _line(xs, ys, name, color, line={"width": width}, connectgaps=False, hoverinfo="x+name")
         )
     err = np.array([req.error[i] is not None for i in idx], dtype=bool)
     if err.any():
@@ -329,7 +324,6 @@ def _gantt(req: Any) -> tuple[str, list[dict[str, Any]], float]:
                 np.column_stack([ye - 0.5, ye + 0.5, np.full(len(end), np.nan)]).ravel(),
                 "error",
                 "#000",
-                "",
                 line={"width": 2.5},
                 text=[t for label in labels for t in (label, label, "")],
                 hoverinfo="text+x",
