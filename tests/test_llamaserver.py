@@ -134,11 +134,21 @@ def test_bench_run_matches_server_timings(server, tmp_path):
     assert point["counts"]["output_tokens"] == sum(t["predicted_n"] for t in timings) == 3 * 32
 
 
+SHORT_PROMPTS = """
+[[classes]]
+name = "short"
+prompt = { dist = "fixed", value = 48 }
+output = { dist = "fixed", value = 24 }
+"""
+
+
 def test_server_sweep_two_np_values(tmp_path):
     """`bench sweep --server ... --grid np=1,4`: one server per grid point, each point with its
     server-state time series, reconciled against what the client counted."""
+    (tmp_path / "short.toml").write_text(SHORT_PROMPTS)
     res = CliRunner().invoke(app, [
-        "sweep", "--server", SERVER, "--grid", "np=1,4", "--backend", "llamacpp-native", "--workload", "chat-short",
+        "sweep", "--server", SERVER, "--grid", "np=1,4", "--backend", "llamacpp-native",
+        "--workload", str(tmp_path / "short.toml"),
         "--concurrency", "4", "--num-requests", "8", "--warmup", "0", "--output-dir", str(tmp_path),
         "--run-id", "grid", "--server-timeout", "60",
     ])  # fmt: skip
