@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 
 
 class ReportInputError(ValueError):
@@ -73,16 +74,16 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     rows: list[dict[str, Any]] = []
-    lines = path.read_text().splitlines()
+    lines = path.read_bytes().splitlines()
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as exc:
+            rows.append(orjson.loads(line))
+        except orjson.JSONDecodeError as exc:
             if n == len(lines):  # a run killed mid-write leaves at most one torn line, at the end
                 break
-            raise ReportInputError(f"{path}:{n} is not valid JSON ({exc.msg})") from exc
+            raise ReportInputError(f"{path}:{n} is not valid JSON ({exc})") from exc
     return rows
 
 
