@@ -75,12 +75,21 @@ class OpenAIBackend(Backend):
                 err = obj["error"]
                 return [Delta(error=str(err.get("message", err) if isinstance(err, dict) else err))]
             if usage:  # the final usage-only chunk
-                return [Delta(prompt_tokens=usage.get("prompt_tokens"),
-                              completion_tokens=usage.get("completion_tokens"), tokens_source="usage")]
+                return [
+                    Delta(
+                        prompt_tokens=usage.get("prompt_tokens"),
+                        completion_tokens=usage.get("completion_tokens"),
+                        tokens_source="usage",
+                    )
+                ]
             return []
         choice = choices[0]
         delta = choice.get("delta")
-        text = (delta.get("content") or delta.get("reasoning_content") or "") if delta else choice.get("text") or ""
+        text = (
+            (delta.get("content") or delta.get("reasoning_content") or "")
+            if delta
+            else choice.get("text") or ""
+        )
         out = Delta(text=text, finish_reason=choice.get("finish_reason"))
         ids = choice.get("token_ids")
         if ids is not None:

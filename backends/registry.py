@@ -17,7 +17,13 @@ from importlib.metadata import entry_points
 from backends.base import Backend
 
 ENTRY_POINT_GROUP = "servelab.backends"
-_BUILTIN_MODULES = ("backends.openai", "backends.llamacpp", "backends.vllm", "backends.tgi", "backends.sglang")
+_BUILTIN_MODULES = (
+    "backends.openai",
+    "backends.llamacpp",
+    "backends.vllm",
+    "backends.tgi",
+    "backends.sglang",
+)
 _registry: dict[str, type[Backend]] = {}
 _loaded = False
 
@@ -35,7 +41,12 @@ def _load() -> None:
     for mod in _BUILTIN_MODULES:
         module = importlib.import_module(mod)
         for obj in vars(module).values():
-            if isinstance(obj, type) and issubclass(obj, Backend) and obj.__module__ == mod and "name" in vars(obj):
+            if (
+                isinstance(obj, type)
+                and issubclass(obj, Backend)
+                and obj.__module__ == mod
+                and "name" in vars(obj)
+            ):
                 _registry.setdefault(obj.name, obj)
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         cls = ep.load()
