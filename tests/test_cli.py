@@ -1,4 +1,6 @@
-"""`bench` input validation: clear message, non-zero exit, before any traffic."""
+"""`bench`: input validation (clear message, non-zero exit, before any traffic) and a real run."""
+
+import json
 
 import pytest
 from typer.testing import CliRunner
@@ -33,3 +35,19 @@ def test_bad_input_is_a_clear_error(args, message, monkeypatch):
 def test_parse_slo_units():
     assert parse_slo("ttft=500ms,tpot=50,e2e=2s") == pytest.approx({"ttft": 0.5, "tpot": 0.05, "e2e": 2.0})
     assert parse_slo(None) is None
+
+
+def test_bench_run_writes_the_results_layout(null_server, tmp_path):
+    res = runner.invoke(app, ["run", "--url", null_server, "--concurrency", "2", "--num-requests", "6",
+                              "--warmup", "1", "--output-dir", str(tmp_path), "--run-id", "r1", "--poll-hz", "0",
+                              "--telemetry-hz", "0", "--slo", "ttft=1s"])
+    assert res.exit_code == 0, res.output
+    run_dir = tmp_path / "r1"
+    for name in ("run.json", "summary.json", "sweep.csv", "sweep.parquet", "points/c002/requests.jsonl",
+                 "points/c002/summary.json"):
+        assert (run_dir / name).is_file(), name
+    lines = (run_dir / "points/c002/requests.jsonl").read_text().splitlines()
+    assert len(lines) == 7
+    point = json.loads((run_dir / "points/c002/summary.json").read_text())
+    assert point["counts"]["ok"] == 6 and point["goodput"]["good"] == 6 and point["per_class"]
+    assert "c002" in " ".join(res.output.split())
