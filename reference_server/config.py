@@ -24,5 +24,16 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     max_waiting: int = 512  # queue bound; over it the server answers 429
     iteration_log_size: int = 8192  # per-iteration records kept for GET /v1/iterations
+    batching: str = "continuous"  # continuous | dynamic | static (see batching.py)
+    batch_size: int = 16  # static/dynamic: requests per batch
+    batch_max_delay_ms: float = 50.0  # dynamic: start a partial batch after this wait
+    policy: str = "fifo"  # fifo | sjf | priority (see policies.py)
+    aging_s: float = 10.0  # sjf/priority: waiting this long counts as one priority level / 64 tokens
+    spec: str = "off"  # speculative decoding: off | ngram | draft | self
+    spec_k: int = 4  # most draft tokens per step (adapted per request)
+    spec_adaptive: bool = True
+    spec_max_batch: int = 4  # speculate only while at most this many requests decode
+    draft_model: str = ""  # GGUF for --spec draft (same vocabulary as the model)
+    self_draft_layers: int = 20  # --spec self: layers of the model that draft
     step_sleep_ms: float = float(os.environ.get("SERVELAB_ENGINE_SLEEP_MS", "0") or 0)
     """Test-only: extra sleep per engine iteration (env SERVELAB_ENGINE_SLEEP_MS) to slow the engine on purpose."""

@@ -13,11 +13,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from reference_server.batching import BatchGate
 from reference_server.block_manager import BlockManager
 from reference_server.config import EngineConfig
 from reference_server.model_runner import ModelRunner
+from reference_server.policies import make_policy
 from reference_server.scheduler import Policy, ScheduledBatch, Scheduler
 from reference_server.sequence import SamplingParams, SeqStatus, Sequence
+from reference_server.spec_decode import SpecConfig, make_spec_decoder
 from reference_server.text import Detokenizer, TextCodec
 
 
@@ -33,6 +36,8 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    spec_drafted: int = 0  # speculative decoding: draft tokens verified for this request so far
+    spec_accepted: int = 0  # of which accepted
 
 
 @dataclass
@@ -67,8 +72,14 @@ class Engine:
         spec_len = self.runner.spec.context_length
         self.max_model_len = min(config.max_model_len or spec_len, spec_len, config.num_kv_blocks * config.block_size)
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        gate = BatchGate(config.batching, config.batch_size, config.batch_max_delay_ms / 1000)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
-                                   self.max_model_len, config.enable_chunked_prefill, policy)
+                                   self.max_model_len, config.enable_chunked_prefill,
+                                   policy or make_policy(config.policy, config.aging_s), gate)
+        self.spec_config = SpecConfig(method=config.spec, num_draft=config.spec_k, adaptive=config.spec_adaptive,  # type: ignore[arg-type]
+                                      max_batch=config.spec_max_batch, draft_model=config.draft_model or None,
+                                      self_draft_layers=config.self_draft_layers)
+        self.spec = make_spec_decoder(self.spec_config, self.runner, self.block_manager, config)
         self.iterations: deque[IterationRecord] = deque(maxlen=config.iteration_log_size)
         self.num_iterations = 0
         self.on_iteration: list[Callable[[IterationRecord], None]] = []
@@ -82,12 +93,13 @@ class Engine:
         self._sink: OutputSink | None = None
 
     # -- requests (thread-safe) ---------------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, seq_id: str | None = None) -> Sequence:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, seq_id: str | None = None,
+                    priority: int = 0) -> Sequence:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_model_len}")
-        seq = Sequence(prompt_ids, params, seq_id)
+        seq = Sequence(prompt_ids, params, seq_id, priority)
         self._commands.put(("add", seq))
         self._wake.set()
         return seq
@@ -123,6 +135,8 @@ class Engine:
                     self._forget(seq)
 
     def _forget(self, seq: Sequence) -> None:
+        if self.spec is not None:
+            self.spec.release(seq)
         self._seqs.pop(seq.seq_id, None)
         self._detok.pop(seq.seq_id, None)
         self._stop_ids.pop(seq.seq_id, None)
@@ -133,34 +147,42 @@ class Engine:
         if not self.scheduler.has_work():
             return []
         start = time.time()
+        if self.spec is not None:  # drafts first: the scheduler gives each a 1 + k token gap
+            self.spec.propose([s for s in self.scheduler.running if s.num_tokens - s.num_computed_tokens == 1])
         batch = self.scheduler.schedule()
-        results = self.runner.step(batch)
-        self.scheduler.advance(batch)
-        outputs = [self._emit(seq, tok) for seq, tok in results]
+        results = self.runner.step(batch, self.spec)
+        outputs = [self._emit(seq, toks) for seq, toks in results]
+        self.scheduler.advance(batch)  # after the new tokens are appended: full blocks hash their tokens
         self._record(batch, start)
         if self.config.step_sleep_ms > 0:
             time.sleep(self.config.step_sleep_ms / 1000)
         return outputs
 
-    def _emit(self, seq: Sequence, tok: int) -> RequestOutput:
-        seq.token_ids.append(tok)
+    def _emit(self, seq: Sequence, toks: list[int]) -> RequestOutput:
+        """Append this step's tokens (several when a draft was accepted) up to the first stop."""
         detok = self._detok[seq.seq_id]
         reason = None
         text = ""
-        if tok in self._stop_ids[seq.seq_id]:
-            reason = "stop"
-        else:
-            text = detok.add(tok)
-            if detok.stopped:
+        emitted: list[int] = []
+        for tok in toks:
+            seq.token_ids.append(tok)
+            emitted.append(tok)
+            if tok in self._stop_ids[seq.seq_id]:
                 reason = "stop"
-            elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
-                reason = "length"
+            else:
+                text += detok.add(tok)
+                if detok.stopped:
+                    reason = "stop"
+                elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+                    reason = "length"
+            if reason is not None:
+                break
         if reason is not None:
             text += detok.flush()
             self.scheduler.finish(seq, reason)
             self._forget(seq)
-        return RequestOutput(seq.seq_id, text, [tok], reason is not None, reason, seq.num_prompt_tokens,
-                             seq.num_output_tokens, seq.num_cached_tokens)
+        return RequestOutput(seq.seq_id, text, emitted, reason is not None, reason, seq.num_prompt_tokens,
+                             seq.num_output_tokens, seq.num_cached_tokens, seq.spec_drafted, seq.spec_accepted)
 
     def _record(self, batch: ScheduledBatch, start: float) -> None:
         decode = sum(1 for s, n in batch.items if n == 1 and s.num_computed_tokens > s.num_prompt_tokens)

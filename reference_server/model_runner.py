@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from reference_server.config import EngineConfig
@@ -10,6 +12,9 @@ from reference_server.model import AttnBatch, LlamaModel, PrefillGroup
 from reference_server.sampler import sample
 from reference_server.scheduler import ScheduledBatch
 from reference_server.sequence import Sequence
+
+if TYPE_CHECKING:
+    from reference_server.spec_decode import SpecDecoder
 
 
 def pick_device(name: str) -> torch.device:
@@ -76,12 +81,13 @@ class ModelRunner:
         for seq, n in batch.items:
             start, row = seq.num_computed_tokens, len(ids)
             end = start + n
-            ids.extend(seq.token_ids[start:end])
+            tokens = seq.token_ids + seq.spec_token_ids if seq.spec_token_ids else seq.token_ids
+            ids.extend(tokens[start:end])
             pos.extend(range(start, end))
             new_slots = self._slots(seq, start, end)
             slots.extend(new_slots)
-            if end == seq.num_tokens:
-                logit_rows.append(row + n - 1)
+            if end == len(tokens):  # a draft being verified needs the logits of all its positions
+                logit_rows.extend(range(row + n - 1 - len(seq.spec_token_ids), row + n))
             keys = self._slots(seq, 0, start) + new_slots
             if n == 1:
                 dec_rows.append(row)
@@ -115,10 +121,28 @@ class ModelRunner:
         return self.model(ids, pos, self.kv_caches, attn, rows_t, num_layers).cpu()
 
     @torch.inference_mode()
-    def step(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
-        """Run ``batch``; return ``(seq, next_token)`` for the sequences that completed their gap."""
-        done = [seq for seq, n in batch.items if seq.num_computed_tokens + n == seq.num_tokens]
+    def step(self, batch: ScheduledBatch, spec: SpecDecoder | None = None) -> list[tuple[Sequence, list[int]]]:
+        """Run ``batch``; return ``(seq, new_tokens)`` for the sequences that completed their gap: one
+        sampled token each, or the verified draft prefix plus one token for a speculating sequence."""
+        done = [seq for seq, n in batch.items
+                if seq.num_computed_tokens + n == seq.num_tokens + len(seq.spec_token_ids)]  # fmt: skip
         if not batch.items:
             return []
         logits = self.forward(batch)
-        return list(zip(done, sample(logits, done), strict=False))
+        out: list[tuple[Sequence, list[int]]] = []
+        plain: list[tuple[int, int]] = []  # (index in out, logits row) of ordinary samples
+        row = 0
+        for seq in done:
+            k = len(seq.spec_token_ids)
+            if k:
+                assert spec is not None, "draft tokens without a speculative decoder"
+                out.append((seq, spec.verify(seq, logits[row : row + k + 1])))
+            else:
+                plain.append((len(out), row))
+                out.append((seq, []))
+            row += k + 1
+        if plain:
+            seqs = [out[i][0] for i, _ in plain]
+            for (i, _), tok in zip(plain, sample(logits[[r for _, r in plain]], seqs), strict=True):
+                out[i][1].append(tok)
+        return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from reference_server.batching import BatchGate
 from reference_server.block_manager import BlockManager
 from reference_server.sequence import SeqStatus, Sequence
 
@@ -21,6 +22,10 @@ class Policy(Protocol):
     def waiting_key(self, seq: Sequence) -> tuple[float, ...]: ...
 
     def victim(self, running: list[Sequence]) -> Sequence: ...
+
+    def should_preempt(self, incoming: Sequence, running: list[Sequence]) -> Sequence | None:
+        """A running request to evict so that ``incoming`` (which does not fit) can start; None: wait."""
+        ...
 
 
 class FifoPolicy:
@@ -31,6 +36,9 @@ class FifoPolicy:
 
     def victim(self, running: list[Sequence]) -> Sequence:
         return max(running, key=lambda s: s.order)
+
+    def should_preempt(self, incoming: Sequence, running: list[Sequence]) -> Sequence | None:
+        return None
 
 
 @dataclass
@@ -54,6 +62,7 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         policy: Policy | None = None,
+        gate: BatchGate | None = None,
     ) -> None:
         self.bm = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -61,6 +70,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.policy: Policy = policy or FifoPolicy()
+        self.gate = gate or BatchGate()
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -86,13 +96,18 @@ class Scheduler:
         self.running.remove(seq)
         self.bm.release(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.append(seq)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
-        return min(seq.num_tokens - seq.num_computed_tokens, budget)
+        """The gap to close this step; draft tokens count like any other (cut short by the budget)."""
+        gap = seq.num_tokens - seq.num_computed_tokens
+        n = min(gap + len(seq.spec_token_ids), budget)
+        del seq.spec_token_ids[max(0, n - gap) :]
+        return n
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -119,8 +134,9 @@ class Scheduler:
         if batch.preempted:  # pool is full: admit nobody this step
             return batch
         self.waiting.sort(key=self.policy.waiting_key)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        candidates = self.gate.admissible(self.waiting, self.running)
+        while candidates and budget > 0:
+            seq = candidates[0]
             hits = self.bm.match_prefix(seq)
             remaining = seq.num_tokens - len(hits) * self.bm.block_size
             n = min(remaining, budget)
@@ -128,11 +144,21 @@ class Scheduler:
                 break  # without chunking a prompt runs whole; a too-long one only runs alone
             if not self.enable_chunked_prefill:
                 n = remaining
-            if not self.bm.can_admit(seq, hits, seq.num_tokens - remaining + n):
-                break
-            self.waiting.pop(0)
+            hold = max(seq.num_tokens - remaining + n, self.gate.reserve_tokens(seq))
+            if len(self.running) >= self.max_num_seqs or not self.bm.can_admit(seq, hits, hold):
+                victim = self.policy.should_preempt(seq, self.running)
+                if victim is None:
+                    break
+                self._preempt(victim)  # a lower-priority request makes room (recomputed later)
+                batch.preempted.append(victim)
+                batch.items = [(s, k) for s, k in batch.items if s is not victim]
+                budget = self.max_num_batched_tokens - batch.num_tokens
+                continue
+            candidates.pop(0)
+            self.waiting.remove(seq)
+            self.gate.admitted(seq)
             self.bm.admit(seq, hits)
-            self.bm.grow(seq, seq.num_computed_tokens + n)
+            self.bm.grow(seq, max(seq.num_computed_tokens + n, hold))
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             batch.items.append((seq, n))
@@ -142,5 +168,7 @@ class Scheduler:
     def advance(self, batch: ScheduledBatch) -> None:
         """Record the step's KV as computed (and publish full blocks to the prefix cache)."""
         for seq, n in batch.items:
+            if seq.status is SeqStatus.FINISHED:  # ended by this step's output (stop token, length)
+                continue
             seq.num_computed_tokens += n
             self.bm.commit(seq)

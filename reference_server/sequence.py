@@ -38,7 +38,9 @@ _counter = itertools.count()
 class Sequence:
     """One request. ``num_computed_tokens`` chases ``num_tokens``: that gap is all the scheduler looks at."""
 
-    def __init__(self, token_ids: list[int], params: SamplingParams, seq_id: str | None = None) -> None:
+    def __init__(
+        self, token_ids: list[int], params: SamplingParams, seq_id: str | None = None, priority: int = 0
+    ) -> None:
         self.seq_id = seq_id if seq_id is not None else f"seq-{next(_counter)}"
         self.order = next(_counter)  # arrival order (FIFO key)
         self.arrival = time.monotonic()
@@ -52,6 +54,10 @@ class Sequence:
         self.params = params
         self.finish_reason: str | None = None
         self.num_preemptions = 0
+        self.priority = priority  # higher first under the priority policy
+        self.spec_token_ids: list[int] = []  # draft tokens to verify this step (speculative decoding)
+        self.spec_drafted = 0  # draft tokens verified for this request so far
+        self.spec_accepted = 0  # of which accepted
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

@@ -56,6 +56,7 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    priority: int = 0  # --policy priority: higher is served first (and may preempt lower)
 
 
 class CompletionRequest(_Common):
@@ -113,9 +114,12 @@ class Metrics:
         lat = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80)
         self.ttft = Histogram("servelab_time_to_first_token_seconds", "Time to first token", buckets=lat, registry=r)
         self.itl = Histogram("servelab_inter_token_latency_seconds", "Time between output tokens", buckets=lat, registry=r)
+        self.spec_drafted = Counter("servelab_spec_draft_tokens", "Speculative draft tokens verified", registry=r)
+        self.spec_accepted = Counter("servelab_spec_accepted_tokens", "Speculative draft tokens accepted", registry=r)
+        self.spec_steps = Counter("servelab_spec_verify_steps", "Verification passes that carried a draft", registry=r)
         self.kv_total.set(engine.block_manager.num_blocks)
         self._engine = engine
-        self._seen = (0, 0, 0)
+        self._seen = (0, 0, 0, 0, 0, 0)
 
     def on_iteration(self, rec: IterationRecord) -> None:
         """Engine-thread hook: gauges, per-step histogram and counter deltas."""
@@ -127,8 +131,12 @@ class Metrics:
         self.prompt_tokens.inc(rec.prefill_tokens)
         self.generation_tokens.inc(rec.decode_tokens)
         self.tokens_per_iter.observe(rec.prefill_tokens + rec.decode_tokens)
-        now = (sch.num_preemptions, bm.prefix_queries, bm.prefix_hits)
-        for counter, new, old in zip((self.preemptions, self.prefix_queries, self.prefix_hits), now, self._seen, strict=True):
+        spec = self._engine.spec
+        now = (sch.num_preemptions, bm.prefix_queries, bm.prefix_hits,
+               *((spec.num_drafted, spec.num_accepted, spec.num_steps) if spec else (0, 0, 0)))
+        counters = (self.preemptions, self.prefix_queries, self.prefix_hits, self.spec_drafted, self.spec_accepted,
+                    self.spec_steps)
+        for counter, new, old in zip(counters, now, self._seen, strict=True):
             if new > old:
                 counter.inc(new - old)
         self._seen = now
@@ -186,7 +194,7 @@ class Server:
             stop_token_ids=list(req.stop_token_ids or []),
         )
 
-    def _submit(self, prompt_ids: list[int], params: SamplingParams) -> tuple[str, _Stream]:
+    def _submit(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> tuple[str, _Stream]:
         limit = self.engine.max_model_len
         if not prompt_ids:
             raise ApiError(400, "the prompt is empty", "prompt")
@@ -201,7 +209,7 @@ class Server:
         seq_id = uuid.uuid4().hex
         stream = _Stream()
         self.streams[seq_id] = stream
-        self.engine.add_request(prompt_ids, params, seq_id)
+        self.engine.add_request(prompt_ids, params, seq_id, priority)
         return seq_id, stream
 
     async def _outputs(self, seq_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
@@ -251,7 +259,7 @@ class Server:
             else:
                 prompt_ids = codec.encode(p)
             max_tokens = req.max_tokens or 16
-        seq_id, stream = self._submit(prompt_ids, self._params(req, max_tokens))
+        seq_id, stream = self._submit(prompt_ids, self._params(req, max_tokens), req.priority)
         rid = ("chatcmpl-" if chat else "cmpl-") + seq_id
         if req.stream:
             opts = req.stream_options or StreamOptions()
@@ -265,9 +273,12 @@ class Server:
         return JSONResponse(self._final(rid, chat, "".join(text), last))
 
     def _usage(self, out: RequestOutput) -> dict[str, Any]:
-        return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-                "total_tokens": out.prompt_tokens + out.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+        usage: dict[str, Any] = {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+                                 "total_tokens": out.prompt_tokens + out.completion_tokens,
+                                 "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+        if self.engine.spec is not None:
+            usage["spec_decode"] = {"draft_tokens": out.spec_drafted, "accepted_tokens": out.spec_accepted}
+        return usage
 
     def _final(self, rid: str, chat: bool, text: str, out: RequestOutput) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": out.finish_reason, "logprobs": None}
@@ -391,7 +402,10 @@ def serve(argv: list[str] | None = None) -> None:
     config = EngineConfig(model=model, **{f.name: getattr(args, f.name) for f in fields(EngineConfig)
                                            if f.name not in ("model", "step_sleep_ms")})
     t0 = time.perf_counter()
-    engine = Engine(config)
+    try:
+        engine = Engine(config)
+    except ValueError as e:  # bad flag values (batching, policy, speculation) are reported, not raised
+        raise SystemExit(f"error: {e}") from None
     print(f"loaded {model.name} on {engine.runner.device} ({engine.runner.dtype}) in {time.perf_counter() - t0:.1f} s; "
           f"KV pool {config.num_kv_blocks} x {config.block_size} tokens; serving on http://{args.host}:{args.port}",
           flush=True)

@@ -11,11 +11,19 @@ non-speculative decoding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Literal, Protocol
 
 import numpy as np
 import torch
+
+from reference_server.block_manager import BlockManager
+from reference_server.config import EngineConfig
+from reference_server.model_runner import ModelRunner
+from reference_server.sampler import target_probs
+from reference_server.scheduler import ScheduledBatch
+from reference_server.sequence import Sequence
 
 SpecMethod = Literal["off", "ngram", "draft", "self"]
 
@@ -147,3 +155,152 @@ class AdaptiveK:
         if not self.adaptive or drafted == 0:
             return
         self.k = min(self.k_max, self.k + 1) if accepted == drafted else max(1, self.k - 1)
+
+
+class ModelProposer:
+    """Drafts with a Llama model: the target's first layers (self-draft) or a separate small GGUF.
+
+    Self-draft (``separate=False``) runs the first ``num_layers`` layers of the target plus its final
+    norm and head on the target's own KV cache: those layers' keys and values for accepted tokens are
+    exactly what the draft needs, and the draft's writes at draft positions are overwritten by the
+    verification pass. A separate draft model keeps shadow sequences in its own KV pool
+    (``separate=True``, ``blocks`` its own pool), catching up on accepted tokens at the start of each proposal.
+    """
+
+    def __init__(self, runner: ModelRunner, blocks: BlockManager, num_layers: int | None = None,
+                 separate: bool = False) -> None:
+        self.runner, self.blocks, self.num_layers, self.separate = runner, blocks, num_layers, separate
+        self.shadows: dict[str, Sequence] = {}
+
+    def _shadow(self, seq: Sequence) -> Sequence:
+        if not self.separate:  # self-draft: a view sharing the target's block table
+            view = Sequence(list(seq.token_ids), seq.params, seq_id=seq.seq_id)
+            view.block_table = seq.block_table
+            view.num_computed_tokens = seq.num_computed_tokens
+            return view
+        shadow = self.shadows.get(seq.seq_id)
+        if shadow is None:
+            shadow = self.shadows[seq.seq_id] = Sequence(list(seq.token_ids), seq.params, seq_id=seq.seq_id)
+        common = 0  # keep the draft KV of the longest prefix the shadow shares with the target
+        for a, b in zip(shadow.token_ids[: shadow.num_computed_tokens], seq.token_ids, strict=False):
+            if a != b:
+                break
+            common += 1
+        shadow.token_ids = list(seq.token_ids)
+        shadow.num_computed_tokens = common
+        return shadow
+
+    def propose_batch(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        """Up to ``ks[i]`` draft tokens for each decoding sequence, all sequences stepping together."""
+        drafts = [Draft([], None) for _ in seqs]
+        rows: list[list[torch.Tensor]] = [[] for _ in seqs]
+        shadows = [self._shadow(s) for s in seqs]
+        for step in range(max(ks, default=0)):
+            live = [i for i in range(len(seqs)) if step < ks[i] and len(drafts[i]) == step]
+            live = [i for i in live if self.blocks.can_grow(shadows[i], shadows[i].num_tokens)]
+            if not live:
+                break
+            for i in live:  # self-draft: grows the target's table, which verification needs anyway
+                self.blocks.grow(shadows[i], shadows[i].num_tokens)
+            batch = ScheduledBatch([(shadows[i], shadows[i].num_tokens - shadows[i].num_computed_tokens) for i in live])
+            logits = self.runner.forward(batch, num_layers=self.num_layers)
+            for row, i in enumerate(live):
+                sh, seq = shadows[i], seqs[i]
+                if seq.params.greedy:
+                    tok = int(logits[row].argmax())
+                else:
+                    q = target_probs(logits[row], seq.params)
+                    tok = int(torch.multinomial(q, 1, generator=seq.generator))
+                    rows[i].append(q)
+                drafts[i].tokens.append(tok)
+                sh.num_computed_tokens = sh.num_tokens
+                sh.token_ids.append(tok)
+        for i, d in enumerate(drafts):
+            if rows[i]:
+                d.probs = torch.stack(rows[i])
+        return drafts
+
+    def release(self, seq: Sequence) -> None:
+        """Drop a finished request's shadow (separate draft model only)."""
+        shadow = self.shadows.pop(seq.seq_id, None)
+        if shadow is not None:
+            self.blocks.release(shadow)
+
+
+class SpecDecoder:
+    """The engine's speculation hook: propose before scheduling, verify after the forward pass.
+
+    Proposals are stored as ``seq.spec_token_ids``; the scheduler then gives such a decode request
+    ``1 + len(spec_token_ids)`` tokens under the same budget rule as everything else (and may cut the
+    draft short), and the model runner returns logits for all of them.
+    """
+
+    def __init__(self, cfg: SpecConfig, proposer: Proposer | ModelProposer) -> None:
+        self.cfg, self.proposer = cfg, proposer
+        self.ks: dict[str, AdaptiveK] = {}
+        self.drafts: dict[str, Draft] = {}
+        self.num_drafted = 0
+        self.num_accepted = 0
+        self.num_steps = 0  # verification steps that carried a draft
+
+    def propose(self, decoding: list[Sequence]) -> None:
+        """Attach drafts to the requests about to decode (none when the batch is too big to pay)."""
+        if not self.cfg.active(len(decoding)):
+            return
+        ks = [self.ks.setdefault(s.seq_id, AdaptiveK(self.cfg.num_draft, self.cfg.adaptive)).k for s in decoding]
+        ks = [max(0, min(k, s.params.max_tokens - s.num_output_tokens - 1)) for k, s in zip(ks, decoding, strict=True)]
+        if isinstance(self.proposer, ModelProposer):
+            drafts = self.proposer.propose_batch(decoding, ks)
+        else:
+            drafts = [self.proposer.propose(s.token_ids, k) if k else Draft([]) for s, k in zip(decoding, ks, strict=True)]
+        for seq, draft in zip(decoding, drafts, strict=True):
+            if draft.tokens:
+                self.drafts[seq.seq_id] = draft
+                seq.spec_token_ids = list(draft.tokens)
+
+    def verify(self, seq: Sequence, logits: torch.Tensor) -> list[int]:
+        """Tokens to emit for ``seq`` from its ``1 + k`` logit rows (k = draft tokens actually scheduled)."""
+        k = logits.shape[0] - 1
+        draft = self.drafts.pop(seq.seq_id, Draft([]))
+        draft = Draft(draft.tokens[:k], None if draft.probs is None else draft.probs[:k])
+        if seq.params.greedy:
+            out = verify_greedy(draft.tokens, logits.argmax(dim=-1).tolist())
+        else:
+            probs = torch.stack([target_probs(row, seq.params) for row in logits])
+            out = verify_sampled(draft, probs, seq.generator)
+        accepted = len(out) - 1
+        self.num_drafted += k
+        self.num_accepted += accepted
+        self.num_steps += 1
+        seq.spec_drafted += k
+        seq.spec_accepted += accepted
+        seq.spec_token_ids = []
+        seq.num_computed_tokens -= k - accepted  # the step computes 1 + k; KV past the kept tokens is void
+        self.ks[seq.seq_id].update(k, accepted)
+        return out
+
+    def release(self, seq: Sequence) -> None:
+        self.ks.pop(seq.seq_id, None)
+        self.drafts.pop(seq.seq_id, None)
+        seq.spec_token_ids = []
+        if isinstance(self.proposer, ModelProposer):
+            self.proposer.release(seq)
+
+
+def make_spec_decoder(cfg: SpecConfig, runner: ModelRunner, blocks: BlockManager, engine_config: EngineConfig) -> SpecDecoder | None:
+    """The decoder for ``cfg.method`` (None when off). A separate draft model gets its own runner and
+    KV pool (same block size and pool size as the target's)."""
+    if not cfg.enabled:
+        return None
+    if cfg.method == "ngram":
+        return SpecDecoder(cfg, NgramProposer(cfg.ngram_max, cfg.ngram_min))
+    if cfg.method == "self":
+        layers = min(cfg.self_draft_layers, runner.spec.n_layers)
+        return SpecDecoder(cfg, ModelProposer(runner, blocks, num_layers=layers))
+    assert cfg.draft_model
+    draft_cfg = replace(engine_config, model=Path(cfg.draft_model))
+    draft = ModelRunner(draft_cfg)
+    if draft.spec.vocab != runner.spec.vocab:
+        raise ValueError(f"draft model vocabulary ({draft.spec.vocab}) differs from the model's ({runner.spec.vocab})")
+    own = BlockManager(engine_config.num_kv_blocks, engine_config.block_size, enable_prefix_caching=False)
+    return SpecDecoder(cfg, ModelProposer(draft, own, separate=True))

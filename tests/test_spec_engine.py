@@ -1,0 +1,123 @@
+"""Speculation, batching strategies and policies inside the real engine (bundled SmolLM2, fp32)."""
+
+from dataclasses import replace
+
+import pytest
+
+from reference_server.config import EngineConfig
+from reference_server.engine import Engine
+from reference_server.model_runner import ModelRunner
+from reference_server.sequence import SamplingParams, SeqStatus
+from reference_server.tokenizer import default_model_path
+
+CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n"
+PROMPTS = [CODE + "Repeat the code above exactly:\n\n" + CODE[:20], "The capital of France is"]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def base():
+    cfg = EngineConfig(model=default_model_path(), dtype="fp32", num_kv_blocks=256, threads=2)
+    return cfg, ModelRunner(cfg)
+
+
+def engine(base, **kw) -> Engine:
+    cfg, runner = base
+    runner.kv_caches = [(k.zero_(), v.zero_()) for k, v in runner.kv_caches]  # a fresh pool per engine
+    return Engine(replace(cfg, **kw), runner=runner)
+
+
+@pytest.fixture(scope="module")
+def reference(base):
+    eng = engine(base)
+    ids = [eng.codec.encode(p) for p in PROMPTS]
+    return ids, eng.generate(ids, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+
+
+@pytest.mark.parametrize("method", ["ngram", "self", "draft"])
+def test_greedy_speculation_is_bit_identical(base, reference, method):
+    ids, expected = reference
+    kw = {"spec": method, "spec_k": 4}
+    if method == "draft":
+        kw["draft_model"] = str(default_model_path())  # same vocabulary; here the model drafts for itself
+    eng = engine(base, **kw)
+    out = eng.generate(ids, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert out == expected
+    assert eng.spec is not None and eng.spec.num_drafted > 0
+    if method in ("ngram", "draft"):  # copying code / drafting with the model itself gets accepted
+        assert eng.spec.num_accepted > 0
+    if method == "draft":
+        assert eng.spec.num_accepted == eng.spec.num_drafted  # identical draft and target models
+    assert eng.block_manager.num_used == 0  # finished requests returned every block
+
+
+def test_speculation_switches_off_for_large_batches(base, reference):
+    ids, expected = reference
+    eng = engine(base, spec="ngram", spec_max_batch=1)
+    out = eng.generate(ids, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert out == expected
+    assert eng.spec is not None and eng.spec.num_drafted == 0  # two requests decode together: no drafts
+
+
+def test_sampled_speculation_runs_and_counts(base, reference):
+    ids, _ = reference
+    eng = engine(base, spec="ngram")
+    out = eng.generate(ids[:1], SamplingParams(temperature=0.7, max_tokens=MAX_TOKENS, ignore_eos=True, seed=3))
+    assert len(out[0]) == MAX_TOKENS
+    assert eng.spec is not None and eng.spec.num_drafted >= eng.spec.num_accepted
+
+
+@pytest.mark.parametrize("batching", ["static", "dynamic"])
+def test_run_to_completion_batching_same_output_and_no_joins(base, reference, batching):
+    ids, expected = reference
+    eng = engine(base, batching=batching, batch_size=2, batch_max_delay_ms=0)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    seqs = [eng.add_request(i, params) for i in ids]
+    late = eng.add_request(ids[1], replace(params, max_tokens=4))
+    eng.step()
+    assert {s.status for s in seqs} == {SeqStatus.RUNNING} and late.status is SeqStatus.WAITING
+    # the whole span (prompt + max_tokens) is reserved at admission
+    bs = eng.config.block_size
+    assert all(len(s.block_table) == -(-(s.num_prompt_tokens + MAX_TOKENS) // bs) for s in seqs)
+    while any(s.status is not SeqStatus.FINISHED for s in seqs):
+        assert late.status is SeqStatus.WAITING  # nobody joins a running batch
+        eng.step()
+    while late.status is not SeqStatus.FINISHED:
+        eng.step()
+    assert [s.output_token_ids for s in seqs] == expected
+    assert eng.block_manager.num_free + eng.block_manager.num_used == eng.block_manager.num_blocks
+
+
+def test_priority_preempts_lower_priority_when_full(base, reference):
+    ids, _ = reference
+    eng = engine(base, policy="priority", max_num_seqs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    low = eng.add_request(ids[1], params, priority=0)
+    eng.step()
+    assert low.status is SeqStatus.RUNNING
+    high = eng.add_request(ids[1], params, priority=5)
+    eng.step()
+    assert high.status is SeqStatus.RUNNING and low.status is SeqStatus.WAITING and low.num_preemptions == 1
+    while high.status is not SeqStatus.FINISHED:
+        eng.step()
+    while low.status is not SeqStatus.FINISHED:
+        eng.step()
+    assert low.output_token_ids == high.output_token_ids  # recompute after preemption changes nothing
+
+
+def test_sjf_admits_the_shorter_job_first(base, reference):
+    ids, _ = reference
+    eng = engine(base, policy="sjf", max_num_seqs=1)
+    long = eng.add_request(ids[1], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    short = eng.add_request(ids[1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    eng.step()
+    assert short.status is SeqStatus.RUNNING and long.status is SeqStatus.WAITING
+
+
+def test_bad_settings_are_rejected(base):
+    with pytest.raises(ValueError, match="batching"):
+        engine(base, batching="sometimes")
+    with pytest.raises(ValueError, match="policy"):
+        engine(base, policy="random")
+    with pytest.raises(ValueError, match="speculation"):
+        engine(base, spec="magic")
