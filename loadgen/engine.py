@@ -137,8 +137,8 @@ class _Dispatch:
             self.stop.set()  # this is the last one
         return True
 
-    async def session(self, sess: Session, warmup: bool, intended: float) -> None:
-        req: GenRequest = sess.first()
+    async def session(self, sess: Session, warmup: bool, intended: float, req: GenRequest | None = None) -> None:
+        req = req or sess.first()
         sid = f"s{self.n_sessions}"
         turn = 0
         while True:
@@ -193,9 +193,10 @@ class _Dispatch:
             intended = self.t_start + t
             if load.duration is not None and t > load.duration:
                 break
+            first = sess.first()  # built before its send time, so prompt building is not schedule lag
             await _sleep_until(self.clock, intended)
             await limit.acquire()
-            task = asyncio.create_task(self.session(sess, warmup, intended))
+            task = asyncio.create_task(self.session(sess, warmup, intended, first))
             self.tasks.add(task)
             task.add_done_callback(lambda tk: (self.tasks.discard(tk), limit.release()))
         if self.tasks:
