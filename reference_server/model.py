@@ -127,13 +127,16 @@ class LlamaModel(torch.nn.Module):
         self.lm_head = self.embed if head is None else torch.nn.Parameter(head.to(dtype), requires_grad=False)
         self.layers = torch.nn.ModuleList(Layer(spec, w, i, dtype) for i in range(spec.n_layers))
         self.norm = RMSNorm(w["output_norm.weight"].to(dtype), spec.rms_eps)
+        # cos/sin for every position, computed once in float64 (gathered per step, not recomputed)
         inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float64) / spec.head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        freqs = torch.arange(spec.context_length, dtype=torch.float64)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("rope_cos", emb.cos().to(dtype)[:, None, :], persistent=False)
+        self.register_buffer("rope_sin", emb.sin().to(dtype)[:, None, :], persistent=False)
 
     def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
+        """[T, 1, head_dim] cos and sin for ``positions``."""
+        return self.rope_cos.index_select(0, positions), self.rope_sin.index_select(0, positions)
 
     def forward(
         self,

@@ -1,0 +1,56 @@
+"""Engine-only throughput, no HTTP: ``python -m reference_server.bench_engine --concurrency 16``.
+
+Starts ``concurrency`` greedy requests with short prompts and ``--output-tokens`` each (EOS ignored),
+steps the engine to completion and prints output tokens per second (warm-up steps excluded)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+from reference_server.config import EngineConfig
+from reference_server.engine import Engine
+from reference_server.sequence import SamplingParams
+from reference_server.tokenizer import default_model_path
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m reference_server.bench_engine", description=__doc__)
+    p.add_argument("--model", type=Path, default=None)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--profile", action="store_true", help="print the torch profiler's top ops")
+    args = p.parse_args(argv)
+    engine = Engine(EngineConfig(model=args.model or default_model_path(), dtype=args.dtype, threads=args.threads,
+                                 enable_prefix_caching=False))
+    print(f"device {engine.runner.device} dtype {engine.runner.dtype} threads {args.threads}, load {os.getloadavg()}")
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
+    for c in args.concurrency:
+        prompts = [[(7 * i + j) % 4000 + 100 for j in range(args.prompt_tokens)] for i in range(c)]
+        for pr in prompts:
+            engine.add_request(pr, params)
+        engine.step()  # prefill (and first token)
+        steps, tokens, t0 = 0, 0, time.perf_counter()
+        prof = None
+        if args.profile:
+            from torch.profiler import profile
+
+            prof = profile()
+            prof.__enter__()
+        while engine.scheduler.has_work():
+            tokens += len(engine.step())
+            steps += 1
+        dt = time.perf_counter() - t0
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+        print(f"concurrency {c:3d}: {tokens / dt:7.1f} output tok/s, {dt / steps * 1000:6.2f} ms/step ({steps} steps)")
+
+
+if __name__ == "__main__":
+    main()
