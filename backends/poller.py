@@ -84,14 +84,20 @@ def _family_sum(values: dict[str, float], name: str) -> float:
 
 
 _SPEC_SUFFIXES = ("spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total")
+_SERVELAB_SPEC = (
+    "servelab_spec_draft_tokens_total",
+    "servelab_spec_accepted_tokens_total",
+)  # reference server
 
 
 def _spec_names(profile: ServerProfile, counters: dict[str, float]) -> tuple[str, str] | None:
-    """The profile's drafted/accepted counter names, else any ``<prefix>:spec_decode_num_draft_tokens_total``
-    pair the server exposes (the vLLM naming, which other servers follow)."""
+    """The profile's drafted/accepted counter names, else the bundled reference server's, else any
+    ``<prefix>:spec_decode_num_draft_tokens_total`` pair (the vLLM naming, which other servers follow)."""
     if profile.spec_drafted and profile.spec_accepted:
         return profile.spec_drafted, profile.spec_accepted
     names = {k.split("{", 1)[0] for k in counters}
+    if {_SERVELAB_SPEC[0], _SERVELAB_SPEC[1]} <= names:
+        return _SERVELAB_SPEC
     for name in sorted(names):
         if name.endswith(_SPEC_SUFFIXES[0]):
             accepted = name[: -len(_SPEC_SUFFIXES[0])] + _SPEC_SUFFIXES[1]

@@ -286,6 +286,11 @@ def test_spec_decode_counters_found_by_name_on_a_generic_server():
     samples, counters = samples_of(pages, [0.0, 1.0])
     s = reconcile(samples, counters, ServerProfile(), None)
     assert s["point"]["spec_decode"] == {"drafted": 10, "accepted": 8, "acceptance_rate": 0.8}
+    # the bundled reference server (reference_server/server.py): servelab_spec_{draft,accepted}_tokens
+    ref = ["# TYPE servelab_spec_draft_tokens_total counter\nservelab_spec_draft_tokens_total {d}\n"
+           "# TYPE servelab_spec_accepted_tokens_total counter\nservelab_spec_accepted_tokens_total {a}\n"]
+    samples, counters = samples_of([ref[0].format(d=4, a=1), ref[0].format(d=12, a=7)], [0.0, 1.0])
+    assert reconcile(samples, counters, ServerProfile(), None)["point"]["spec_decode"]["acceptance_rate"] == 0.75
     no_spec = reconcile(*samples_of([TGI_METRICS.format(b=0, q=0, n=1, gen=1)] * 2, [0.0, 1.0]), ServerProfile(), None)
     assert "spec_decode" not in no_spec["point"]
 
