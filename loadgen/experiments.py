@@ -96,7 +96,7 @@ def greedy_outputs(base_url: str, prompts: list[str], max_tokens: int) -> list[s
     texts = []
     with httpx.Client(base_url=base_url, timeout=300) as client:
         for prompt in prompts:
-            body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": False}
+            body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": False, "ignore_eos": True}
             resp = client.post("/v1/completions", json=body)
             resp.raise_for_status()
             texts.append(resp.json()["choices"][0]["text"])
@@ -121,7 +121,8 @@ def run_experiment(exp: Experiment, out: Path, quick: bool, model: Path | None, 
         dirs.append(run_dir)
         console.print(f"[bold]{exp.name}[/] / {cfg.label}: {' '.join(argv[3:])}")
         with ServerProcess(argv, port, run_dir / "server.log") as srv:
-            backend = get_backend("openai")(srv.base_url, model=None)
+            served = httpx.get(srv.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
+            backend = get_backend("openai")(srv.base_url, model=served)
             config = {"experiment": exp.name, "configuration": cfg.label, "server_args": argv[3:], "quick": quick}
             t0 = time.monotonic()
             summaries = run_async(run_sweep(backend, exp.traffic(quick), ResultsDir(run_dir), RunClock(), config,
@@ -337,7 +338,7 @@ def batching() -> Experiment:
          Column("ttft p99 s", metric("latency.ttft.p99"), "{:.2f}"),
          Column("short e2e p99 s", metric("per_class.short.latency.e2e.p99"), "{:.2f}")],  # fmt: skip
         verdict,
-        common_args=["--max-num-seqs", "16", "--num-kv-blocks", "160"],
+        common_args=["--max-num-seqs", "16", "--batch-size", "16", "--num-kv-blocks", "192", "--max-model-len", "512"],
     )
 
 
@@ -455,7 +456,7 @@ def _edit_prompt(i: int) -> str:
 
 def speculative() -> Experiment:
     """Speculation off / n-gram / self-draft on a predictable code-edit workload and a creative one."""
-    edit = MixWorkload("code-edit", [RequestClass("code-edit", 192, _edit_prompt)])
+    edit = MixWorkload("code-edit", [RequestClass("code-edit", 128, _edit_prompt)])
     creative = MixWorkload("creative", [RequestClass("creative", 128, lambda i: "Once upon a time, in a land of" + filler(8, i) + ",",
                                                      temperature=0.8)])  # fmt: skip
 
@@ -465,7 +466,7 @@ def speculative() -> Experiment:
         return _plans(edit, load, "code-edit") + _plans(creative, load, "creative")
 
     def probe(base_url: str) -> dict[str, Any]:
-        return {"outputs": greedy_outputs(base_url, [_edit_prompt(0), _edit_prompt(1)], 96)}
+        return {"outputs": greedy_outputs(base_url, [_edit_prompt(0), _edit_prompt(1)], 48)}
 
     def verdict(pc: dict[str, list[Summary]], extras: dict[str, dict[str, Any]]) -> str:
         def tps(label: str, point: str) -> float | None:
@@ -483,7 +484,7 @@ def speculative() -> Experiment:
     return Experiment(
         "speculative", "speculative decoding is a lossless speed-up on predictable text, not on creative text",
         [Config("off", []), Config("ngram", ["--spec", "ngram", "--spec-k", "8"]),
-         Config("self", ["--spec", "self", "--spec-k", "4", "--self-draft-layers", "10"])],  # fmt: skip
+         Config("self", ["--spec", "self", "--spec-k", "4", "--self-draft-layers", "20"])],  # fmt: skip
         traffic,
         [Column("out tok/s", metric(OUT_TPS)), Column("tpot ms", lambda s, _e: _ms(_get(s, "latency.tpot.mean"))),
          Column("acceptance", lambda s, _e: _get(s, "spec.acceptance"), "{:.0%}"),

@@ -6,8 +6,9 @@
 * ``static``: like dynamic but waits for a full batch of ``batch_size`` (with a ``STATIC_TAIL_S``
   timeout, so the last partial batch of a run is still served).
 
-Static and dynamic batches also reserve each member's whole span (prompt + ``max_tokens``) in the KV
-pool at admission, as a padded batch does; continuous batching allocates blocks as tokens arrive.
+Static and dynamic batches also reserve a full context slot (``slot_tokens`` = the max model length)
+per member at admission, as a padded batch with a contiguous per-slot cache does; continuous batching
+allocates paged blocks as tokens arrive. Same pool, so the KV pool limits a padded batch much sooner.
 The model code is the same in all three; only who may be admitted, and how much KV it takes, differ.
 """
 
@@ -22,12 +23,13 @@ STATIC_TAIL_S = 2.0  # static: a partial batch starts only after this long (the 
 
 
 class BatchGate:
-    def __init__(self, mode: str = "continuous", batch_size: int = 16, max_delay_s: float = 0.05) -> None:
+    def __init__(self, mode: str = "continuous", batch_size: int = 16, max_delay_s: float = 0.05,
+                 slot_tokens: int = 0) -> None:
         if mode not in BATCHING:
             raise ValueError(f"unknown batching strategy {mode!r}: choose one of {', '.join(BATCHING)}")
         if batch_size < 1 or max_delay_s < 0:
             raise ValueError("batch size must be >= 1 and the batch delay >= 0")
-        self.mode, self.batch_size = mode, batch_size
+        self.mode, self.batch_size, self.slot_tokens = mode, batch_size, slot_tokens
         self.max_delay_s = STATIC_TAIL_S if mode == "static" else max_delay_s
         self.members: set[str] = set()  # the open batch's requests not yet admitted
 
@@ -50,7 +52,7 @@ class BatchGate:
         self.members.discard(seq.seq_id)
 
     def reserve_tokens(self, seq: Sequence) -> int:
-        """KV tokens to hold at admission beyond the first chunk: the whole span for padded batches."""
+        """KV tokens to hold at admission: a whole slot for padded batches (at least the request's span)."""
         if self.continuous:
             return 0
-        return seq.num_tokens + max(0, seq.params.max_tokens - seq.num_output_tokens)
+        return max(self.slot_tokens, seq.num_tokens + max(0, seq.params.max_tokens - seq.num_output_tokens))

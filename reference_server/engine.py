@@ -72,7 +72,7 @@ class Engine:
         spec_len = self.runner.spec.context_length
         self.max_model_len = min(config.max_model_len or spec_len, spec_len, config.num_kv_blocks * config.block_size)
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        gate = BatchGate(config.batching, config.batch_size, config.batch_max_delay_ms / 1000)
+        gate = BatchGate(config.batching, config.batch_size, config.batch_max_delay_ms / 1000, self.max_model_len)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    self.max_model_len, config.enable_chunked_prefill,
                                    policy or make_policy(config.policy, config.aging_s), gate)
