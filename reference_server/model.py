@@ -26,7 +26,7 @@ class AttnBatch:
     slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
     decode_rows: torch.Tensor | None  # rows with exactly one new token
     decode_key_index: torch.Tensor | None  # [B, maxctx] flat slot ids (padded)
-    decode_mask: torch.Tensor | None  # [B, 1, 1, maxctx] bool, True = attend
+    decode_bias: torch.Tensor | None  # [B, 1, 1, maxctx] float32: 0 = attend, -inf = padding
     prefills: list[PrefillGroup]
 
 
@@ -70,16 +70,16 @@ class Layer(torch.nn.Module):
         s = self.spec
         t = x.shape[0]
         qkv = F.linear(self.attn_norm(x), self.qkv)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = _rope(q.view(t, s.n_heads, s.head_dim), cos, sin)
-        k = _rope(k.view(t, s.n_kv_heads, s.head_dim), cos, sin)
-        v = v.view(t, s.n_kv_heads, s.head_dim)
+        # one RoPE over the Q and K heads together (fewer kernels per layer: dispatch dominates at this size)
+        qk = _rope(qkv[:, : self.q_size + self.kv_size].view(t, s.n_heads + s.n_kv_heads, s.head_dim), cos, sin)
+        q, k = qk.split([s.n_heads, s.n_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, s.n_kv_heads, s.head_dim)
         k_flat = k_cache.view(-1, s.n_kv_heads, s.head_dim)
         v_flat = v_cache.view(-1, s.n_kv_heads, s.head_dim)
         k_flat.index_copy_(0, batch.slot_mapping, k)
         v_flat.index_copy_(0, batch.slot_mapping, v)
         attn = _attention(q, k_flat, v_flat, batch)
-        x = x + F.linear(attn.view(t, self.q_size), self.o)
+        x = x + F.linear(attn.reshape(t, self.q_size), self.o)
         gate, up = F.linear(self.ffn_norm(x), self.gate_up).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, self.down)
 
@@ -95,14 +95,23 @@ def _attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, batc
 
     All single-token (decode) rows run as one padded SDPA call; each prefill chunk runs as its own call
     (causal within the chunk, full view of its cached prefix)."""
-    out = torch.empty_like(q)
+    decode_only = not batch.prefills
+    out = q if decode_only else torch.empty_like(q)
     if batch.decode_rows is not None:
         assert batch.decode_key_index is not None
-        qd = q.index_select(0, batch.decode_rows).unsqueeze(2)  # [B, H, 1, D]
-        kd = k_flat[batch.decode_key_index].transpose(1, 2)  # [B, KVH, ctx, D]
-        vd = v_flat[batch.decode_key_index].transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask, enable_gqa=True)
-        out.index_copy_(0, batch.decode_rows, o.squeeze(2))
+        # decode-only step: rows are already in order, no select/scatter
+        qd = q if decode_only else q.index_select(0, batch.decode_rows)  # [B, H, D]
+        b, h, d = qd.shape
+        kvh = k_flat.shape[1]
+        # one query per sequence: two batched matmuls beat SDPA's flash kernel (built for long queries)
+        kd = k_flat[batch.decode_key_index].permute(0, 2, 3, 1)  # [B, KVH, D, ctx]
+        vd = v_flat[batch.decode_key_index].transpose(1, 2)  # [B, KVH, ctx, D]
+        scores = torch.matmul(qd.view(b, kvh, h // kvh, d), kd).float() * d**-0.5
+        probs = torch.softmax(scores + batch.decode_bias, dim=-1).to(qd.dtype)  # [B, KVH, G, ctx]
+        o = torch.matmul(probs, vd).view(b, h, d)
+        if decode_only:
+            return o
+        out.index_copy_(0, batch.decode_rows, o)
     for g in batch.prefills:
         qp = q[g.rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         kp = k_flat[g.key_index].transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]

@@ -76,7 +76,7 @@ class ModelRunner:
         slots: list[int] = []
         logit_rows: list[int] = []
         dec_rows: list[int] = []
-        dec_keys: list[list[int]] = []
+        dec_seqs: list[tuple[list[int], int]] = []  # (block table, context length) per decode row
         prefill_specs: list[tuple[int, int, int, list[int]]] = []
         for seq, n in batch.items:
             start, row = seq.num_computed_tokens, len(ids)
@@ -88,23 +88,27 @@ class ModelRunner:
             slots.extend(new_slots)
             if end == len(tokens):  # a draft being verified needs the logits of all its positions
                 logit_rows.extend(range(row + n - 1 - len(seq.spec_token_ids), row + n))
-            keys = self._slots(seq, 0, start) + new_slots
             if n == 1:
                 dec_rows.append(row)
-                dec_keys.append(keys)
+                dec_seqs.append((seq.block_table, end))
             else:
-                prefill_specs.append((row, n, start, keys))
+                prefill_specs.append((row, n, start, self._slots(seq, 0, start) + new_slots))
         dev = self.device
         attn = AttnBatch(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            decode_rows=None, decode_key_index=None, decode_mask=None, prefills=[],
+            decode_rows=None, decode_key_index=None, decode_bias=None, prefills=[],
         )
-        if dec_rows:
-            width = max(len(k) for k in dec_keys)
-            lens = torch.tensor([len(k) for k in dec_keys])
+        if dec_rows:  # keys of all decode rows: block tables padded to the longest, expanded to slots
+            bs = self.block_size
+            nblk = max(-(-ctx // bs) for _, ctx in dec_seqs)
+            tables = torch.tensor([t[:nblk] + [0] * (nblk - len(t[:nblk])) for t, _ in dec_seqs])
+            lens = torch.tensor([ctx for _, ctx in dec_seqs])
+            width = nblk * bs
             attn.decode_rows = torch.tensor(dec_rows, dtype=torch.long, device=dev)
-            attn.decode_key_index = torch.tensor([k + [0] * (width - len(k)) for k in dec_keys], device=dev)
-            attn.decode_mask = (torch.arange(width)[None, :] < lens[:, None]).view(len(dec_rows), 1, 1, width).to(dev)
+            attn.decode_key_index = (tables[:, :, None] * bs + torch.arange(bs)).view(len(dec_rows), width).to(dev)
+            pad = torch.arange(width)[None, :] >= lens[:, None]
+            bias = torch.zeros(pad.shape).masked_fill_(pad, float("-inf"))
+            attn.decode_bias = bias.view(len(dec_rows), 1, 1, width).to(dev)
         for row, n, start, keys in prefill_specs:
             mask = None
             if start > 0:  # query i (position start+i) sees keys 0..start+i

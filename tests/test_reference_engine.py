@@ -185,6 +185,7 @@ def test_scheduler_token_budget_and_max_seqs():
     batch = sch.schedule()
     assert [(s.seq_id, n) for s, n in batch.items] == [(seqs[0].seq_id, 7), (seqs[1].seq_id, 3)]  # chunked
     sch.advance(batch)
+    seqs[0].token_ids.append(42)  # the first prompt finished: it sampled a token, a gap of 1 to decode
     batch = sch.schedule()  # the max_num_seqs cap keeps the third waiting
     assert [n for _, n in batch.items] == [1, 4] and len(sch.waiting) == 1
 
