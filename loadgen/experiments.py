@@ -159,6 +159,7 @@ def _comparison(exp: Experiment, per_config: dict[str, list[Summary]], extras: d
         "formats": {c.header: c.fmt for c in exp.columns}, "rows": rows,
         "verdict": exp.verdict(per_config, extras),
         "seconds": {label: e["seconds"] for label, e in extras.items()},
+        "probes": {label: {k: v for k, v in e.items() if k not in ("seconds", "metrics")} for label, e in extras.items()},
     }  # fmt: skip
 
 
@@ -315,11 +316,11 @@ def batching() -> Experiment:
 
     Every configuration has the same KV pool. Static and dynamic batching reserve each request's whole
     span (prompt + max_tokens) up front, as padded batches do, and admit nobody until the batch ends."""
-    mix = MixWorkload("short-long-50-50", [RequestClass("short", 16, _short_prompt),
-                                           RequestClass("long", 256, _short_prompt)])  # fmt: skip
 
     def traffic(quick: bool) -> list[PointPlan]:
-        return _plans(mix, LoadSpec(process="closed", concurrency=16, num_requests=32 if quick else 96, seed=1))
+        mix = MixWorkload("short-long-50-50", [RequestClass("short", 8 if quick else 16, _short_prompt),
+                                               RequestClass("long", 96 if quick else 256, _short_prompt)])  # fmt: skip
+        return _plans(mix, LoadSpec(process="closed", concurrency=16, num_requests=40 if quick else 64, seed=1))
 
     def verdict(pc: dict[str, list[Summary]], _e: dict[str, dict[str, Any]]) -> str:
         speed = _ratio(_first(pc, "continuous", OUT_TPS), _first(pc, "static", OUT_TPS))
@@ -449,9 +450,10 @@ def chunks(items: list[int], size: int) -> list[list[int]]:
 
 
 def _edit_prompt(i: int) -> str:
+    """A code edit whose answer mostly repeats the prompt: the file, then the start of its edited copy."""
     name = ("merge_sorted", "chunks")[i % 2]
-    return (f"Rename the function `{name}` to `{name}_v2` and print the whole file.\n\n```python\n{CODE}```\n\n"
-            f"Here is the whole file with `{name}` renamed:\n\n```python\n")  # fmt: skip
+    return (f"File utils.py:\n\n```python\n{CODE}```\n\nThe same file after renaming `{name}` to `{name}_v2` "
+            f"(everything else unchanged):\n\n```python\n{CODE[:CODE.index(name)]}{name}_v2")  # fmt: skip
 
 
 def speculative() -> Experiment:
@@ -490,6 +492,9 @@ def speculative() -> Experiment:
          Column("acceptance", lambda s, _e: _get(s, "spec.acceptance"), "{:.0%}"),
          Column("drafted", lambda s, _e: _get(s, "spec.drafted"), "{:.0f}")],  # fmt: skip
         verdict,
+        # fp32: bf16 rounding differs between a 1-token decode and a (k+1)-token verification pass, which
+        # can flip a near-tie argmax; in fp32 greedy speculation is token-for-token identical
+        common_args=["--dtype", "fp32"],
         probe=probe,
     )
 
