@@ -91,6 +91,13 @@ class Backend(ABC):
     def parse(self, data: str, state: ParseState) -> list[Delta]:
         """Turn one SSE ``data:`` payload into deltas (empty list for keep-alives)."""
 
+    def plain_texts(self, payloads: list[bytes]) -> list[str]:
+        """Fast path for the hot loop: the texts of the longest leading run of ``payloads`` (raw
+        ``data:`` bytes) that are plain content events, i.e. events whose :meth:`parse` would give
+        exactly one ``Delta(text=...)`` with every other field at its default. The load engine sends the
+        rest through :meth:`parse`. Default: no fast path."""
+        return []
+
     def parse_body(self, body: bytes, state: ParseState) -> list[Delta]:
         """A non-streamed JSON body (used for ``stream=False`` calls); default: one payload."""
         return self.parse(body.decode("utf-8", "replace"), state)

@@ -10,12 +10,39 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import orjson
 
 from backends.base import Api, Backend, Delta, GenRequest, HttpCall, ParseState
 
 PATHS: dict[str, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 _DONE = Delta(done=True)
+
+
+class _ChatDelta(msgspec.Struct):
+    content: str | None = None
+    reasoning_content: str | None = None
+
+
+class _Choice(msgspec.Struct):
+    text: str | None = None
+    delta: _ChatDelta | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+
+
+class _Usage(msgspec.Struct):
+    completion_tokens: None = None  # a chunk that carries a count is not plain: it fails to decode
+
+
+class _PlainChunk(msgspec.Struct):
+    """The fields of a stream chunk that decide whether it is a plain content event (others skipped)."""
+
+    choices: list[_Choice]
+    usage: _Usage | None = None
+
+
+_CHUNK = msgspec.json.Decoder(_PlainChunk)
 
 
 class OpenAIBackend(Backend):
@@ -58,6 +85,31 @@ class OpenAIBackend(Backend):
         body.update(self.extra_body)
         body.update(req.extra_body)
         return HttpCall(PATHS[api], body, self.auth_headers())
+
+    def plain_texts(self, payloads: list[bytes]) -> list[str]:
+        # Only where parse() is this class's: a subclass that reads more (e.g. llama.cpp timings) must
+        # see every event. Each payload is decoded on its own against the schema of a plain chunk; the
+        # first that does not fit (bad JSON, usage counts, token ids, finish reason...) ends the run and
+        # is left to parse(), which reports or reads it.
+        if type(self).parse is not OpenAIBackend.parse:
+            return []
+        out: list[str] = []
+        decode = _CHUNK.decode
+        for raw in payloads:
+            try:
+                choice = decode(raw).choices[0]
+            except (msgspec.DecodeError, IndexError):
+                break
+            if choice.finish_reason is not None or choice.token_ids is not None:
+                break
+            delta = choice.delta
+            if delta is None:
+                out.append(choice.text or "")
+            elif text := delta.content or delta.reasoning_content:
+                out.append(text)
+            else:
+                break  # an empty delta: parse() decides between it and the choice's text
+        return out
 
     def parse(self, data: str, state: ParseState) -> list[Delta]:
         if data == "[DONE]":

@@ -30,7 +30,13 @@ class SSEParser:
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
         """Events completed by ``chunk`` (an event ends at a blank line)."""
-        buf = self._buf + chunk
+        return [SSEEvent(decode_data(f)) if type(f) is bytes else f for f in self.frames(chunk)]  # type: ignore[misc]
+
+    def frames(self, chunk: bytes) -> list[bytes | SSEEvent]:
+        """Like :meth:`feed`, but the common frame, one ``data: ...`` line, comes back as its raw
+        payload bytes, not yet checked as UTF-8: the caller validates it (``orjson`` rejects invalid
+        UTF-8) or decodes it with :func:`decode_data`. Anything else is an :class:`SSEEvent`."""
+        buf = self._buf + chunk if self._buf else chunk
         if b"\r" in buf:
             buf = buf.replace(b"\r\n", b"\n")
             # a CR at the very end may be the first half of a CRLF split across chunks
@@ -38,15 +44,13 @@ class SSEParser:
             buf = buf[:-1].replace(b"\r", b"\n") + b"\r" if held else buf.replace(b"\r", b"\n")
         blocks = buf.split(b"\n\n")
         self._buf = blocks.pop()
-        out: list[SSEEvent] = []
+        out: list[bytes | SSEEvent] = []
+        append = out.append
         for block in blocks:
             if block[:6] == b"data: " and b"\n" not in block:  # the common case, inline
-                try:
-                    out.append(SSEEvent(block[6:].decode()))
-                except UnicodeDecodeError:
-                    out.append(_parse_block(block))  # raises the SSEError
+                append(block[6:])
             elif (ev := _parse_block(block)) is not None:
-                out.append(ev)
+                append(ev)
         return out
 
     def close(self) -> list[SSEEvent]:
@@ -72,15 +76,16 @@ def _parse_block(block: bytes) -> SSEEvent | None:
         if name == b"data":
             data.append(value)
         elif name == b"event":
-            event = _decode(value)
+            event = decode_data(value)
         elif name not in _KNOWN_IGNORED:
             raise SSEError(f"not an SSE line: {line[:120]!r}")
     if not data and event is None:
         return None  # comments / keep-alives only
-    return SSEEvent(_decode(b"\n".join(data)), event)
+    return SSEEvent(decode_data(b"\n".join(data)), event)
 
 
-def _decode(raw: bytes) -> str:
+def decode_data(raw: bytes) -> str:
+    """Field bytes (e.g. a raw payload from :meth:`SSEParser.frames`) as text; SSEError when not UTF-8."""
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
