@@ -19,23 +19,23 @@ PATHS: dict[str, str] = {"completions": "/v1/completions", "chat": "/v1/chat/com
 _DONE = Delta(done=True)
 
 
-class _ChatDelta(msgspec.Struct):
+class _ChatDelta(msgspec.Struct, gc=False):
     content: str | None = None
     reasoning_content: str | None = None
 
 
-class _Choice(msgspec.Struct):
+class _Choice(msgspec.Struct, gc=False):
     text: str | None = None
     delta: _ChatDelta | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = None
 
 
-class _Usage(msgspec.Struct):
+class _Usage(msgspec.Struct, gc=False):
     completion_tokens: None = None  # a chunk that carries a count is not plain: it fails to decode
 
 
-class _PlainChunk(msgspec.Struct):
+class _PlainChunk(msgspec.Struct, gc=False):
     """The fields of a stream chunk that decide whether it is a plain content event (others skipped)."""
 
     choices: list[_Choice]

@@ -22,9 +22,11 @@ previous response. The first ``warmup`` sessions are marked warm-up. Dispatch st
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import time
 from collections.abc import Coroutine, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -230,7 +232,8 @@ async def run_point(
     d.t_start = progress.t_start = clock.now()
     main = asyncio.ensure_future(d.closed() if load.process == "closed" else d.open())
     try:
-        await _bounded(main, d, load)
+        with _run_gc():
+            await _bounded(main, d, load)
     finally:
         wall = max(time.perf_counter() - wall0, 1e-9)
         cpu = (time.process_time() - cpu0) / wall
@@ -279,6 +282,26 @@ async def _cancel(main: asyncio.Future[None], d: _Dispatch) -> None:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@contextmanager
+def _run_gc() -> Iterator[None]:
+    """Fewer cyclic-GC passes while requests run.
+
+    Each stream event allocates a few small containers; at the default gen-0 threshold (700) the
+    collector ran every few hundred events and its full passes walked every live object, a sizeable
+    share of the client's CPU at 1,000 req/s. What exists before the run is frozen (never scanned) and
+    young objects are collected 100x less often. Per-request objects are acyclic and freed by reference
+    counting as each request ends, so memory does not grow; the old settings come back after the run.
+    """
+    old = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(70_000, old[1], old[2])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
+        gc.unfreeze()
 
 
 def _cpu_wait() -> float | None:
