@@ -499,3 +499,11 @@ app.add_typer(workloads_app, name="workloads")
 from loadgen.report.cli import auto_report, report_command  # noqa: E402, I001
 
 app.command("report")(report_command)
+
+
+@app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
+def serve_command(ctx: typer.Context) -> None:
+    """Start the bundled reference server; all flags go to it (bench serve --help lists them)."""
+    from reference_server.server import serve  # torch loads only for this command
+
+    serve(ctx.args)
