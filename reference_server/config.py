@@ -37,3 +37,10 @@ class EngineConfig:
     self_draft_layers: int = 20  # --spec self: layers of the model that draft
     step_sleep_ms: float = float(os.environ.get("SERVELAB_ENGINE_SLEEP_MS", "0") or 0)
     """Test-only: extra sleep per engine iteration (env SERVELAB_ENGINE_SLEEP_MS) to slow the engine on purpose."""
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "iteration_log_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_waiting < 0 or (self.threads is not None and self.threads < 1):
+            raise ValueError("max_waiting must be >= 0 and threads >= 1")

@@ -399,10 +399,10 @@ def serve(argv: list[str] | None = None) -> None:
     model = args.model or default_model_path()
     if not model.is_file():
         raise SystemExit(f"error: model file {model} does not exist")
-    config = EngineConfig(model=model, **{f.name: getattr(args, f.name) for f in fields(EngineConfig)
-                                           if f.name not in ("model", "step_sleep_ms")})
     t0 = time.perf_counter()
     try:
+        config = EngineConfig(model=model, **{f.name: getattr(args, f.name) for f in fields(EngineConfig)
+                                               if f.name not in ("model", "step_sleep_ms")})
         engine = Engine(config)
     except ValueError as e:  # bad flag values (batching, policy, speculation) are reported, not raised
         raise SystemExit(f"error: {e}") from None
