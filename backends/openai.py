@@ -98,7 +98,7 @@ class OpenAIBackend(Backend):
         for raw in payloads:
             try:
                 choice = decode(raw).choices[0]
-            except (msgspec.DecodeError, IndexError):
+            except (msgspec.DecodeError, UnicodeDecodeError, IndexError):
                 break
             if choice.finish_reason is not None or choice.token_ids is not None:
                 break

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 import aiohttp
@@ -157,7 +157,7 @@ class _StreamReader:
                                 events.append([t, None])
                                 keep(text)
                         frames = frames[len(texts):]
-            return self._events([SSEEvent(decode_data(f)) if type(f) is bytes else f for f in frames], t)  # type: ignore[misc]
+            return self._events(frames, t)
         except (SSEError, ValueError) as exc:
             self.rec.set_error("protocol", str(exc))
             return True
@@ -172,15 +172,21 @@ class _StreamReader:
         if not self.done:
             self.rec.set_error("truncated", "stream ended without its end marker ([DONE])")
 
-    def _events(self, events: list[SSEEvent], t: float) -> bool:
+    def _events(self, frames: Sequence[bytes | SSEEvent], t: float) -> bool:
+        """The general path: each event through ``backend.parse`` (raw frames decoded one by one, so
+        the events before a bad one are kept)."""
         rec, parse, state = self.rec, self.backend.parse, self.state
-        for ev in events:
-            if ev.event == "error":
-                rec.set_error("stream_error", ev.data or "error event")
+        for ev in frames:
+            if type(ev) is bytes:
+                data, name = decode_data(ev), None
+            else:
+                data, name = ev.data, ev.event  # type: ignore[union-attr]
+            if name == "error":
+                rec.set_error("stream_error", data or "error event")
                 return True
             if self.done:
                 continue  # anything after the end marker is ignored
-            for d in parse(ev.data, state):
+            for d in parse(data, state):
                 if d.error is not None:
                     rec.set_error("stream_error", d.error)
                     return True

@@ -1,0 +1,93 @@
+"""The client's hot path (raw SSE frames + ``Backend.plain_texts``) records exactly what the general
+path (``SSEParser.feed`` + ``Backend.parse`` per event) records, for plain and unusual streams."""
+
+import json
+
+import pytest
+
+from backends.base import GenRequest, ParseState
+from backends.openai import OpenAIBackend
+from loadgen.client import _StreamReader
+from loadgen.clock import RunClock
+from loadgen.records import RequestRecord
+
+
+class GeneralOnly(OpenAIBackend):
+    """Same protocol, but overriding ``parse`` turns the fast path off: every event goes through it."""
+
+    def parse(self, data: str, state: ParseState):
+        return super().parse(data, state)
+
+
+def data(obj) -> bytes:
+    return b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
+
+
+def cmpl(text, finish=None, **extra) -> bytes:
+    return data({"id": "c", "choices": [{"index": 0, "text": text, "finish_reason": finish}], **extra})
+
+
+def chat(delta, finish=None) -> bytes:
+    return data({"id": "c", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+
+
+USAGE = data({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 4}})
+DONE = b"data: [DONE]\n\n"
+
+STREAMS = {
+    "plain": cmpl("a") + cmpl(" b") + cmpl("") + cmpl(" c") + cmpl(" d", "length") + USAGE + DONE,
+    "chat": chat({"role": "assistant", "content": ""}) + chat({"reasoning_content": "hm"}) + chat({"content": "x"})
+    + chat({"content": None}) + chat({}, "stop") + USAGE + DONE,
+    "continuous_usage": b"".join(
+        cmpl("ab", usage={"prompt_tokens": 5, "completion_tokens": 2 * i}) for i in range(1, 4)
+    ) + DONE,
+    "token_ids": cmpl("a") + data({"choices": [{"text": "bc", "token_ids": [7, 8]}]}) + cmpl("d") + DONE,
+    "no_done": cmpl("a") + cmpl("b"),
+    "bad_json": cmpl("a") + b"data: {not json\n\n" + cmpl("b") + DONE,
+    "not_utf8": cmpl("a") + b'data: {"choices":[{"text":"\xff"}]}\n\n' + DONE,
+    "not_object": cmpl("a") + b"data: [1, 2]\n\n" + DONE,
+    "error_payload": cmpl("a") + data({"error": {"message": "boom"}}) + cmpl("b") + DONE,
+    "error_event": cmpl("a") + b'event: error\ndata: {"error": "boom"}\n\n' + cmpl("b") + DONE,
+    "general_frames": b": keep-alive\r\n\r\n" + cmpl("a").replace(b"\n", b"\r\n") + b'data: {"choices":\ndata: [{"text": "b"}]}\n\n'
+    + b"id: 3\n" + cmpl("c") + DONE,
+    "after_done": cmpl("a") + DONE + cmpl("ignored") + USAGE,
+    "null_choices": data({"choices": None}) + cmpl("a") + DONE,
+    "cut": cmpl("a") + b'data: {"choices":[{"te',
+    "garbage": cmpl("a") + b"this is not sse\n\n" + DONE,
+}  # fmt: skip
+
+
+def record(backend, stream: bytes, size: int) -> tuple[dict, str]:
+    rec = RequestRecord(id="r")
+    reader = _StreamReader(backend, rec, RunClock())
+    for i in range(0, len(stream), size):
+        if reader.feed(stream[i : i + size], float(i)):
+            break
+    else:
+        reader.close(-1.0)
+    text = reader.finish(GenRequest("r", "p", 4, prompt_tokens=3))
+    return rec.to_dict(), text
+
+
+@pytest.mark.parametrize("name", sorted(STREAMS))
+@pytest.mark.parametrize("size", [1, 7, 64, 1 << 20])
+def test_fast_path_records_what_the_general_path_records(name, size):
+    stream = STREAMS[name]
+    fast = record(OpenAIBackend("http://x"), stream, size)
+    assert fast == record(GeneralOnly("http://x"), stream, size)
+    rec, text = fast
+    if name == "plain" and size > len(stream):  # one chunk: one arrival time; and the right figures
+        assert text == "a b c d" and rec["events"] == [[0.0, 1]] * 4 and rec["error"] is None
+        assert (rec["output_tokens"], rec["output_tokens_source"], rec["finish_reason"]) == (4, "usage", "length")
+    if name in ("bad_json", "not_utf8", "not_object", "garbage"):
+        assert rec["error"]["kind"] == "protocol"
+
+
+def test_plain_texts_takes_the_leading_run_of_plain_events_only():
+    b = OpenAIBackend("http://x")
+    payloads = [p[6:-2] for p in (cmpl("a"), chat({"content": "b"}), cmpl("", None), cmpl("c", "length"), cmpl("d"))]
+    assert b.plain_texts(payloads) == ["a", "b", ""]  # stops at the finish reason, parse() reads the rest
+    assert b.plain_texts([b"{not json", payloads[0]]) == []
+    assert b.plain_texts([data({"choices": [{"text": "a"}], "usage": {"completion_tokens": 1}})[6:-2]]) == []
+    assert b.plain_texts([data({"choices": [{"text": "a", "token_ids": [1]}]})[6:-2]]) == []
+    assert GeneralOnly("http://x").plain_texts(payloads) == []  # a subclass's own parse() sees every event
