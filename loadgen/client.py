@@ -20,6 +20,7 @@ from contextlib import asynccontextmanager
 
 import aiohttp
 import httpx
+import orjson
 from httpx_aiohttp import AiohttpTransport
 
 from backends.base import Backend, GenRequest, ParseState
@@ -90,7 +91,7 @@ async def execute(
     """
     call = backend.build(req)
     reader = _StreamReader(backend, rec, clock)
-    content = json.dumps(call.body).encode()
+    content = orjson.dumps(call.body)
     headers = {"content-type": "application/json", "accept": "text/event-stream", **call.headers}
     rec.sent = clock.now()
     try:

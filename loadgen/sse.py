@@ -44,6 +44,13 @@ class SSEParser:
             buf = buf[:-1].replace(b"\r", b"\n") + b"\r" if held else buf.replace(b"\r", b"\n")
         blocks = buf.split(b"\n\n")
         self._buf = blocks.pop()
+        n = len(blocks)
+        # all blocks single ``data: `` lines: the separators are the only newlines and each is followed
+        # by ``data: `` (the first block is checked on its own)
+        if n and buf.count(b"\n", 0, len(buf) - len(self._buf)) == 2 * n and blocks[0][:6] == b"data: " and (
+            n == 1 or buf.count(b"\n\ndata: ", 0, len(buf) - len(self._buf)) == n - 1
+        ):
+            return [b[6:] for b in blocks]
         out: list[bytes | SSEEvent] = []
         append = out.append
         for block in blocks:
