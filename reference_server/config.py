@@ -14,7 +14,7 @@ class EngineConfig:
     model: Path
     device: str = "auto"  # "auto" -> cuda when available, else cpu
     dtype: str = "auto"  # "auto" -> bf16 on CPUs with AVX512-BF16 and on CUDA, else fp32
-    threads: int | None = None  # torch intra-op threads on CPU (None: all cores)
+    threads: int | None = None  # torch intra-op threads on CPU (None: all cores if idle at start, else 1)
     block_size: int = 16
     num_kv_blocks: int = 2048  # KV pool size in blocks (2048 x 16 = 32k tokens)
     max_num_batched_tokens: int = 512  # token budget of one engine step

@@ -17,6 +17,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -406,7 +407,8 @@ def serve(argv: list[str] | None = None) -> None:
         engine = Engine(config)
     except ValueError as e:  # bad flag values (batching, policy, speculation) are reported, not raised
         raise SystemExit(f"error: {e}") from None
-    print(f"loaded {model.name} on {engine.runner.device} ({engine.runner.dtype}) in {time.perf_counter() - t0:.1f} s; "
+    threads = f", {torch.get_num_threads()} threads" if engine.runner.device.type == "cpu" else ""
+    print(f"loaded {model.name} on {engine.runner.device} ({engine.runner.dtype}{threads}) in {time.perf_counter() - t0:.1f} s; "
           f"KV pool {config.num_kv_blocks} x {config.block_size} tokens; serving on http://{args.host}:{args.port}",
           flush=True)
     uvicorn.run(create_app(engine, args.served_model_name or model.stem), host=args.host, port=args.port,
