@@ -7,19 +7,25 @@ open loop (achieved vs requested rate, schedule lag).
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from backends.base import GenRequest
 from backends.openai import OpenAIBackend
+from loadgen.client import _StreamReader
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, run_point
-from loadgen.nullserver import NullServerProcess
+from loadgen.nullserver import Behaviour, NullServerProcess, _Stream
+from loadgen.records import RequestRecord
 from workloads.base import ArrivalSpec, Session, SingleShot, Workload
 
 
@@ -77,3 +83,46 @@ def _brief(s: dict[str, Any], events: int) -> dict[str, Any]:
         # CPU time the client spent per request: its ceiling on a free core is 1 / this
         "cpu_ms_per_request": cl["cpu"] * (s["t_end"] - s["t_start"]) / max(s["counts"]["requests"] + s["counts"]["warmup"], 1) * 1e3,
     }  # fmt: skip
+
+
+def stream_cost(events: int = 200, read_size: int = 16384, repeat: int = 2000) -> float:
+    """Client CPU seconds to turn one null-server response of ``events`` events, read ``read_size``
+    bytes at a time, into its finished record line: the client's per-event work without the network
+    (``python -m loadgen.calibrate``). Best of 5 rounds of ``repeat`` requests."""
+    body = {"prompt": "Say something.", "max_tokens": events, "stream_options": {"include_usage": True}}
+    stream = _Stream(body, Behaviour())
+    raw = b"".join(map(stream.event, range(stream.n))) + stream.tail()
+    chunks = [raw[i : i + read_size] for i in range(0, len(raw), read_size)]
+    backend, clock, req = OpenAIBackend("http://127.0.0.1", model="null"), RunClock(), GenRequest("r", "x", events)
+
+    def one() -> RequestRecord:
+        rec = RequestRecord(id="r")
+        reader = _StreamReader(backend, rec, clock)
+        for chunk in chunks:
+            if reader.feed(chunk, clock.now()):
+                break
+        else:
+            reader.close(clock.now())
+        reader.finish(req)
+        orjson.dumps(rec.to_dict(), option=orjson.OPT_APPEND_NEWLINE)
+        if rec.error is not None or len(rec.events) != events:
+            raise RuntimeError(f"null stream misread: {rec.error}, {len(rec.events)} events")
+        return rec
+
+    best = float("inf")
+    for _ in range(5):
+        t = time.process_time()
+        for _ in range(repeat):
+            one()
+        best = min(best, (time.process_time() - t) / repeat)
+    return best
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(prog="python -m loadgen.calibrate", description=stream_cost.__doc__)
+    ap.add_argument("--events", type=int, default=200)
+    ap.add_argument("--read-size", type=int, default=16384)
+    ap.add_argument("--repeat", type=int, default=2000)
+    a = ap.parse_args()
+    sec = stream_cost(a.events, a.read_size, a.repeat)
+    print(f"{sec * 1e6:.0f} us CPU per {a.events}-event response ({sec * 1e6 / a.events:.2f} us per event)")

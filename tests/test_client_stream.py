@@ -91,3 +91,9 @@ def test_plain_texts_takes_the_leading_run_of_plain_events_only():
     assert b.plain_texts([data({"choices": [{"text": "a"}], "usage": {"completion_tokens": 1}})[6:-2]]) == []
     assert b.plain_texts([data({"choices": [{"text": "a", "token_ids": [1]}]})[6:-2]]) == []
     assert GeneralOnly("http://x").plain_texts(payloads) == []  # a subclass's own parse() sees every event
+
+
+def test_stream_cost_benchmark_reads_every_event():
+    from loadgen.calibrate import stream_cost
+
+    assert 0 < stream_cost(events=20, read_size=7, repeat=3) < 1  # raises if a null stream were misread
