@@ -12,10 +12,11 @@ from reference_server.gguf_loader import ModelSpec
 
 @dataclass
 class PrefillGroup:
-    """One sequence computing ``rows`` new tokens whose keys live at ``key_index`` (gathered cache slots)."""
+    """One sequence computing ``rows`` new tokens; it attends to the first ``ctx`` slots of ``blocks``."""
 
     rows: slice
-    key_index: torch.Tensor  # [ctx] flat slot ids of all keys this chunk attends to
+    blocks: torch.Tensor  # [nblk] its block table (whole blocks are gathered: contiguous copies)
+    ctx: int
     mask: torch.Tensor | None  # [n, ctx] bool, None when the chunk is the whole context (pure causal)
 
 
@@ -25,7 +26,7 @@ class AttnBatch:
 
     slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
     decode_rows: torch.Tensor | None  # rows with exactly one new token
-    decode_key_index: torch.Tensor | None  # [B, maxctx] flat slot ids (padded)
+    decode_blocks: torch.Tensor | None  # [B * nblk] block tables padded to the longest, flattened
     decode_bias: torch.Tensor | None  # [B, 1, 1, maxctx] float32: 0 = attend, -inf = padding
     prefills: list[PrefillGroup]
 
@@ -74,11 +75,9 @@ class Layer(torch.nn.Module):
         qk = _rope(qkv[:, : self.q_size + self.kv_size].view(t, s.n_heads + s.n_kv_heads, s.head_dim), cos, sin)
         q, k = qk.split([s.n_heads, s.n_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, s.n_kv_heads, s.head_dim)
-        k_flat = k_cache.view(-1, s.n_kv_heads, s.head_dim)
-        v_flat = v_cache.view(-1, s.n_kv_heads, s.head_dim)
-        k_flat.index_copy_(0, batch.slot_mapping, k)
-        v_flat.index_copy_(0, batch.slot_mapping, v)
-        attn = _attention(q, k_flat, v_flat, batch)
+        k_cache.view(-1, s.n_kv_heads, s.head_dim).index_copy_(0, batch.slot_mapping, k)
+        v_cache.view(-1, s.n_kv_heads, s.head_dim).index_copy_(0, batch.slot_mapping, v)
+        attn = _attention(q, k_cache, v_cache, batch)
         x = x + F.linear(attn.reshape(t, self.q_size), self.o)
         gate, up = F.linear(self.ffn_norm(x), self.gate_up).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, self.down)
@@ -90,7 +89,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def _attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, batch: AttnBatch) -> torch.Tensor:
+def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttnBatch) -> torch.Tensor:
     """Gather each sequence's keys/values from the paged cache and run SDPA (GQA).
 
     All single-token (decode) rows run as one padded SDPA call; each prefill chunk runs as its own call
@@ -98,14 +97,14 @@ def _attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, batc
     decode_only = not batch.prefills
     out = q if decode_only else torch.empty_like(q)
     if batch.decode_rows is not None:
-        assert batch.decode_key_index is not None
+        assert batch.decode_blocks is not None and batch.decode_bias is not None
         # decode-only step: rows are already in order, no select/scatter
         qd = q if decode_only else q.index_select(0, batch.decode_rows)  # [B, H, D]
         b, h, d = qd.shape
-        kvh = k_flat.shape[1]
+        kvh = k_cache.shape[2]
         # one query per sequence: two batched matmuls beat SDPA's flash kernel (built for long queries)
-        kd = k_flat[batch.decode_key_index].permute(0, 2, 3, 1)  # [B, KVH, D, ctx]
-        vd = v_flat[batch.decode_key_index].transpose(1, 2)  # [B, KVH, ctx, D]
+        kd = k_cache.index_select(0, batch.decode_blocks).view(b, -1, kvh, d).permute(0, 2, 3, 1)  # [B, KVH, D, ctx]
+        vd = v_cache.index_select(0, batch.decode_blocks).view(b, -1, kvh, d).transpose(1, 2)  # [B, KVH, ctx, D]
         scores = torch.matmul(qd.view(b, kvh, h // kvh, d), kd).float() * d**-0.5
         probs = torch.softmax(scores + batch.decode_bias, dim=-1).to(qd.dtype)  # [B, KVH, G, ctx]
         o = torch.matmul(probs, vd).view(b, h, d)
@@ -114,8 +113,9 @@ def _attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, batc
         out.index_copy_(0, batch.decode_rows, o)
     for g in batch.prefills:
         qp = q[g.rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        kp = k_flat[g.key_index].transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
-        vp = v_flat[g.key_index].transpose(0, 1).unsqueeze(0)
+        kvh, d = k_cache.shape[2:]
+        kp = k_cache.index_select(0, g.blocks).view(-1, kvh, d)[: g.ctx].transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
+        vp = v_cache.index_select(0, g.blocks).view(-1, kvh, d)[: g.ctx].transpose(0, 1).unsqueeze(0)
         if g.mask is None:
             o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
         else:

@@ -102,11 +102,11 @@ class ModelRunner:
                 dec_rows.append(row)
                 dec_seqs.append((seq.block_table, end))
             else:
-                prefill_specs.append((row, n, start, self._slots(seq, 0, start) + new_slots))
+                prefill_specs.append((row, n, start, seq.block_table[: -(-end // self.block_size)]))
         dev = self.device
         attn = AttnBatch(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            decode_rows=None, decode_key_index=None, decode_bias=None, prefills=[],
+            decode_rows=None, decode_blocks=None, decode_bias=None, prefills=[],
         )
         if dec_rows:  # keys of all decode rows: block tables padded to the longest, expanded to slots
             bs = self.block_size
@@ -115,15 +115,15 @@ class ModelRunner:
             lens = torch.tensor([ctx for _, ctx in dec_seqs])
             width = nblk * bs
             attn.decode_rows = torch.tensor(dec_rows, dtype=torch.long, device=dev)
-            attn.decode_key_index = (tables[:, :, None] * bs + torch.arange(bs)).view(len(dec_rows), width).to(dev)
+            attn.decode_blocks = tables.view(-1).to(dev)
             pad = torch.arange(width)[None, :] >= lens[:, None]
             bias = torch.zeros(pad.shape).masked_fill_(pad, float("-inf"))
             attn.decode_bias = bias.view(len(dec_rows), 1, 1, width).to(dev)
-        for row, n, start, keys in prefill_specs:
+        for row, n, start, blocks in prefill_specs:
             mask = None
             if start > 0:  # query i (position start+i) sees keys 0..start+i
                 mask = (torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]).to(dev)
-            attn.prefills.append(PrefillGroup(slice(row, row + n), torch.tensor(keys, device=dev), mask))
+            attn.prefills.append(PrefillGroup(slice(row, row + n), torch.tensor(blocks, device=dev), start + n, mask))
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
                 attn, logit_rows)
 
