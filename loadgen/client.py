@@ -7,7 +7,9 @@ plain one for comparison. Measurements: docs/performance.md.
 Every stream event is timestamped on the run clock when its chunk arrives; the backend turns each SSE
 ``data:`` payload into deltas and this module decides the token counts and their source:
 final ``usage`` > per-event counts the protocol states (``chunk_usage``, ``token_ids``) > one token per
-content event (``events``). When only the total is known and it differs from the event count, the
+content event (``events``). Hot path: plain ``data:`` frames go to ``Backend.plain_texts`` as raw bytes
+(no ``SSEEvent``/``Delta`` objects); the first event that is not plain, and all after it in that read,
+go through ``Backend.parse``. When only the total is known and it differs from the event count, the
 total is spread evenly over the events (``RequestRecord.event_tokens == "spread"``).
 """
 
