@@ -34,7 +34,7 @@ class SSEParser:
 
     def frames(self, chunk: bytes) -> list[bytes | SSEEvent]:
         """Like :meth:`feed`, but the common frame, one ``data: ...`` line, comes back as its raw
-        payload bytes, not yet checked as UTF-8: the caller validates it (``orjson`` rejects invalid
+        payload bytes, not yet checked as UTF-8: the caller validates it (a JSON decoder rejects invalid
         UTF-8) or decodes it with :func:`decode_data`. Anything else is an :class:`SSEEvent`."""
         buf = self._buf + chunk if self._buf else chunk
         if b"\r" in buf:
