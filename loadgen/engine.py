@@ -294,14 +294,23 @@ def _run_gc() -> Iterator[None]:
     young objects are collected 100x less often. Per-request objects are acyclic and freed by reference
     counting as each request ends, so memory does not grow; the old settings come back after the run.
     """
-    old = gc.get_threshold()
-    gc.freeze()
-    gc.set_threshold(70_000, old[1], old[2])
+    global _gc_runs, _gc_saved
+    _gc_runs += 1
+    if _gc_runs == 1:  # with concurrent runs, the first to start sets, the last to end restores
+        _gc_saved = gc.get_threshold()
+        gc.freeze()
+        gc.set_threshold(70_000, *_gc_saved[1:])
     try:
         yield
     finally:
-        gc.set_threshold(*old)
-        gc.unfreeze()
+        _gc_runs -= 1
+        if _gc_runs == 0:
+            gc.set_threshold(*_gc_saved)
+            gc.unfreeze()
+
+
+_gc_runs = 0
+_gc_saved: tuple[int, ...] = gc.get_threshold()
 
 
 def _cpu_wait() -> float | None:

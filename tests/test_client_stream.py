@@ -97,3 +97,19 @@ def test_stream_cost_benchmark_reads_every_event():
     from loadgen.calibrate import stream_cost
 
     assert 0 < stream_cost(events=20, read_size=7, repeat=3) < 1  # raises if a null stream were misread
+
+
+def test_run_gc_settings_come_back_after_overlapping_runs():
+    import gc
+
+    from loadgen.engine import _run_gc
+
+    before = gc.get_threshold()
+    a, b = _run_gc(), _run_gc()
+    a.__enter__()
+    b.__enter__()
+    assert gc.get_threshold()[0] > before[0]
+    a.__exit__(None, None, None)  # the first run ends while the second still runs
+    assert gc.get_threshold()[0] > before[0]
+    b.__exit__(None, None, None)
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
