@@ -245,6 +245,8 @@ class SpecDecoder:
 
     def propose(self, decoding: list[Sequence]) -> None:
         """Attach drafts to the requests about to decode (none when the batch is too big to pay)."""
+        for seq in decoding:  # a draft left from a step that did not schedule the request is dropped
+            seq.spec_token_ids = []
         if not self.cfg.active(len(decoding)):
             return
         ks = [self.ks.setdefault(s.seq_id, AdaptiveK(self.cfg.num_draft, self.cfg.adaptive)).k for s in decoding]

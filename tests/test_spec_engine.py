@@ -1,5 +1,6 @@
 """Speculation, batching strategies and policies inside the real engine (bundled SmolLM2, fp32)."""
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -120,3 +121,19 @@ def test_bad_settings_are_rejected(base):
         engine(base, policy="random")
     with pytest.raises(ValueError, match="speculation"):
         engine(base, spec="magic")
+
+
+def test_spec_counters_in_usage_and_metrics(base):
+    import httpx
+    from test_reference_server import _Running  # the HTTP harness of the reference-server tests
+
+    with _Running(engine(base, spec="ngram")) as srv:
+        body = {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=120) as resp:
+            events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+        usage = json.loads(events[-2])["usage"]["spec_decode"]
+        assert usage["draft_tokens"] > 0 and 0 < usage["accepted_tokens"] <= usage["draft_tokens"]
+        text = httpx.get(srv.url + "/metrics").text
+        assert f"servelab_spec_draft_tokens_total {float(usage['draft_tokens'])}" in text
+        assert f"servelab_spec_accepted_tokens_total {float(usage['accepted_tokens'])}" in text
