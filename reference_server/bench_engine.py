@@ -10,6 +10,8 @@ import os
 import time
 from pathlib import Path
 
+import torch
+
 from reference_server.config import EngineConfig
 from reference_server.engine import Engine
 from reference_server.sequence import SamplingParams
@@ -23,12 +25,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--threads", type=int, default=None, help="default: as the server (all cores if idle, else 1)")
     p.add_argument("--profile", action="store_true", help="print the torch profiler's top ops")
     args = p.parse_args(argv)
     engine = Engine(EngineConfig(model=args.model or default_model_path(), dtype=args.dtype, threads=args.threads,
                                  enable_prefix_caching=False))
-    print(f"device {engine.runner.device} dtype {engine.runner.dtype} threads {args.threads}, load {os.getloadavg()}")
+    print(f"device {engine.runner.device} dtype {engine.runner.dtype} threads {torch.get_num_threads()}, "
+          f"load {os.getloadavg()}")
     params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
     for c in args.concurrency:
         prompts = [[(7 * i + j) % 4000 + 100 for j in range(args.prompt_tokens)] for i in range(c)]
