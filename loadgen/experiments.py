@@ -349,10 +349,10 @@ def chunked_prefill() -> Experiment:
     decode = RequestClass("decode", 160, _short_prompt)
 
     def traffic(quick: bool) -> list[PointPlan]:
-        n_long = 3 if quick else 6
-        schedule = [(0.0, "decode")] * 4 + [(2.0 + 2.5 * j, "long-prompt") for j in range(n_long)]
+        n_long = 2 if quick else 4
+        schedule = [(0.0, "decode")] * 4 + [(3.0 + 6.0 * j, "long-prompt") for j in range(n_long)]
         wl = MixWorkload("decode-plus-long-prefill", [decode, long_prompt], schedule)
-        return _plans(wl, LoadSpec(process="trace", num_requests=len(schedule), seed=2))
+        return _plans(wl, LoadSpec(process="trace", num_requests=len(schedule), seed=2, stall_timeout=300))
 
     def verdict(pc: dict[str, list[Summary]], _e: dict[str, dict[str, Any]]) -> str:
         key = "per_class.decode.latency.itl.p99"
@@ -362,7 +362,9 @@ def chunked_prefill() -> Experiment:
 
     return Experiment(
         "chunked-prefill", "chunked prefill keeps decoding streams smooth while a long prompt is admitted",
-        [Config("unchunked", ["--no-enable-chunked-prefill"]), Config("chunked", ["--max-num-batched-tokens", "128"])],
+        # unchunked: a budget that admits the whole prompt next to the decodes (one long step)
+        [Config("unchunked", ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "4096"]),
+         Config("chunked", ["--max-num-batched-tokens", "128"])],
         traffic,
         [Column("decode ITL p50 ms", lambda s, _e: _ms(_get(s, "per_class.decode.latency.itl.p50"))),
          Column("decode ITL p99 ms", lambda s, _e: _ms(_get(s, "per_class.decode.latency.itl.p99"))),
