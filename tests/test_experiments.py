@@ -1,0 +1,37 @@
+"""Experiment definitions: seeded traffic, exact filler lengths, verdicts computed from the table."""
+
+from loadgen.experiments import EXPERIMENTS, _comparison, _markdown, batching, filler
+from reference_server.tokenizer import default_model_path, tokenizer_from_gguf
+
+
+def test_filler_has_exact_token_count():
+    tok = tokenizer_from_gguf(default_model_path())
+    assert len(tok.encode(filler(2000, 1)).ids) == 2000
+
+
+def test_traffic_is_seeded_and_the_same_for_every_configuration():
+    for make in EXPERIMENTS.values():
+        exp = make()
+        plans = exp.traffic(True)
+        for plan in plans:
+            first = [s.first() for s, _ in zip(plan.workload.sessions(plan.load.seed), range(5), strict=False)]
+            again = [s.first() for s, _ in zip(plan.workload.sessions(plan.load.seed), range(5), strict=False)]
+            assert [(r.prompt, r.max_tokens, r.workload_class) for r in first] == [
+                (r.prompt, r.max_tokens, r.workload_class) for r in again]
+
+
+def _summary(tps: float, p99: float) -> dict:
+    return {"point_id": "c016", "throughput": {"whole": {"output_tok_per_s": tps, "req_per_s": 1.0}},
+            "latency": {"e2e": {"p50": 1.0, "p99": p99}, "ttft": {"p99": 0.5}},
+            "per_class": {"short": {"latency": {"e2e": {"p99": 1.0}}}}}
+
+
+def test_batching_verdict_follows_the_numbers():
+    exp = batching()
+    extras = {k: {"seconds": 1.0, "metrics": {}} for k in ("static", "dynamic", "continuous")}
+    good = {"static": [_summary(10, 9)], "dynamic": [_summary(15, 8)], "continuous": [_summary(30, 5)]}
+    c = _comparison(exp, good, extras, True)
+    assert "3.00x" in c["verdict"] and "PASS" in c["verdict"]
+    assert "| static | c016 | 10.0 |" in _markdown(c)
+    bad = dict(good, continuous=[_summary(20, 5)])
+    assert "FAIL" in _comparison(exp, bad, extras, True)["verdict"]
