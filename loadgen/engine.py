@@ -206,9 +206,13 @@ class _Dispatch:
 
 
 async def _sleep_until(clock: RunClock, t: float) -> None:
-    delay = t - clock.now()
-    if delay > 0:
-        await asyncio.sleep(delay)
+    """Wait until the run clock reaches ``t``, never returning early.
+
+    Event-loop timers (uvloop's in particular, ms resolution) may wake up to ~1 ms before the deadline,
+    so sleep to ~1 ms short, then yield to the loop until the clock has really passed ``t``.
+    """
+    while (delay := t - clock.now()) > 0:
+        await asyncio.sleep(delay - 0.001 if delay > 0.002 else 0)
 
 
 async def run_point(

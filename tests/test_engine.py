@@ -109,6 +109,19 @@ async def test_open_loop_constant_schedule(null_server, tmp_path):
     assert s["client"]["scheduled_rate"] == pytest.approx(100.0)
 
 
+def test_open_loop_never_sends_early_under_uvloop(null_server, tmp_path):
+    """uvloop timers wake up to ~1 ms early; every request must still go out at or after its intended time."""
+    from loadgen.engine import run_async
+
+    load = LoadSpec("poisson", rate=400.0, num_requests=200, seed=3)
+    run_async(run_point(OpenAIBackend(null_server, model="null"), FixedWorkload(max_tokens=2), load,
+                        tmp_path / "p", RunClock()))
+    recs = read_records(tmp_path / "p" / "requests.jsonl")
+    assert len(recs) == 200
+    early = [r["intended"] - r["sent"] for r in recs if r["sent"] < r["intended"]]
+    assert early == []
+
+
 async def test_poisson_schedule_is_seeded(null_server, tmp_path):
     runs = []
     for i, seed in enumerate((7, 7, 8)):
