@@ -126,15 +126,7 @@ class OpenAIBackend(Backend):
             if "error" in obj:
                 err = obj["error"]
                 return [Delta(error=str(err.get("message", err) if isinstance(err, dict) else err))]
-            if usage:  # the final usage-only chunk
-                return [
-                    Delta(
-                        prompt_tokens=usage.get("prompt_tokens"),
-                        completion_tokens=usage.get("completion_tokens"),
-                        tokens_source="usage",
-                    )
-                ]
-            return []
+            return [_final_usage(usage)] if usage else []  # the final usage-only chunk
         choice = choices[0]
         delta = choice.get("delta")
         text = (
@@ -146,12 +138,40 @@ class OpenAIBackend(Backend):
         ids = choice.get("token_ids")
         if ids is not None:
             out.tokens, out.tokens_source = len(ids), "token_ids"
-        elif usage and usage.get("completion_tokens") is not None:  # continuous usage stats
+        if usage and not self.continuous_usage:
+            # Usage on a content chunk without continuous usage requested is the final total (llama.cpp
+            # puts it on the finish_reason chunk), never a per-chunk count.
+            return [out, _final_usage(usage)]
+        if ids is None and usage and usage.get("completion_tokens") is not None:  # continuous usage stats
             total = usage["completion_tokens"]
             out.tokens, out.tokens_source = total - state.completion_tokens, "chunk_usage"
             state.completion_tokens = total
             out.prompt_tokens = usage.get("prompt_tokens")
+            if spec := _spec_counts(usage):
+                out.extra["spec_decode"] = spec
         return [out]
+
+
+def _final_usage(usage: dict[str, Any]) -> Delta:
+    """The request's final usage totals (and speculative-decoding counts when the server reports them)."""
+    spec = _spec_counts(usage)
+    return Delta(
+        prompt_tokens=usage.get("prompt_tokens"),
+        completion_tokens=usage.get("completion_tokens"),
+        tokens_source="usage",
+        extra={"spec_decode": spec} if spec else {},
+    )
+
+
+def _spec_counts(usage: dict[str, Any]) -> dict[str, int] | None:
+    """``usage.spec_decode`` (the reference server): ``{"drafted": n, "accepted": m}``."""
+    sd = usage.get("spec_decode")
+    if not isinstance(sd, dict):
+        return None
+    drafted, accepted = sd.get("draft_tokens"), sd.get("accepted_tokens")
+    if not isinstance(drafted, int) or not isinstance(accepted, int):
+        return None
+    return {"drafted": drafted, "accepted": accepted}
 
 
 def _flatten_chat(messages: list[dict[str, str]]) -> str:

@@ -56,12 +56,29 @@ def tpot(r: Record) -> float | None:
 
 def itl(r: Record) -> np.ndarray:
     """Token-weighted inter-token latencies; tokens that arrive with the first event have none."""
-    ev = np.asarray(r["events"], dtype=float).reshape(-1, 2)
+    ev = r["events"]
     if len(ev) < 2:
         return np.empty(0)
-    gaps, k = np.diff(ev[:, 0]), ev[1:, 1].astype(int)
+    gaps = np.diff(np.asarray([e[0] for e in ev], dtype=float))
+    k = np.asarray([_tokens(e) for e in ev[1:]], dtype=int)
     keep = k > 0
     return np.repeat(gaps[keep] / k[keep], k[keep])
+
+
+def _tokens(event: Sequence[float | None]) -> int:
+    """An event's token delta; ``None`` (count not stated, not yet resolved from a total) counts as one."""
+    k = event[1]
+    return 1 if k is None else int(k)
+
+
+def spec_decode(records: Sequence[Record]) -> dict[str, Any] | None:
+    """Speculative-decoding acceptance over successful requests whose server reported counts."""
+    counts = [c for r in records if r["error"] is None and (c := r.get("extra", {}).get("spec_decode"))]
+    if not counts:
+        return None
+    drafted, accepted = sum(c["drafted"] for c in counts), sum(c["accepted"] for c in counts)
+    return {"requests": len(counts), "drafted": drafted, "accepted": accepted,
+            "acceptance": accepted / drafted if drafted else None}  # fmt: skip
 
 
 def chunk_gaps(r: Record) -> np.ndarray:
@@ -125,7 +142,7 @@ def _core(records: Sequence[Record], window: tuple[float, float], slo: dict[str,
         "ttft_from_intended": stats(r["events"][0][0] - r["intended"] for r in with_events),
         "e2e_from_intended": stats(r["end"] - r["intended"] for r in ok),
     }
-    steady_out = sum(tok for r in ok for t, tok in r["events"] if a <= t <= b)
+    steady_out = sum(_tokens(e) for r in ok for e in r["events"] if a <= e[0] <= b)
     steady_in = sum(r["prompt_tokens"] or 0 for r in ok if a <= r["sent"] <= b)
     steady_done = sum(1 for r in ok if a <= r["end"] <= b)
     thr = {
@@ -143,6 +160,8 @@ def _core(records: Sequence[Record], window: tuple[float, float], slo: dict[str,
         "throughput": thr,
         "errors": {"rate": (n - len(ok)) / n if n else 0.0, "by_kind": dict(sorted(kinds.items()))},
     }
+    if (spec := spec_decode(measured)) is not None:
+        res["spec_decode"] = spec
     if slo:
         good = [r for r in ok if meets_slo(r, slo)]
         res["goodput"] = {

@@ -11,7 +11,10 @@ Each request's behaviour is the server default (command-line flags) updated by t
     {"nullserver": {"events": 50, "tokens_per_event": 3, "ttft": 0.01, "itl": 0.001,
                     "fault": "disconnect", "fault_after": 5}}
 
-``events`` defaults to ``max_tokens / tokens_per_event``. Faults: ``500``, ``429`` (JSON error bodies),
+``events`` defaults to ``max_tokens / tokens_per_event``. ``usage_on_finish`` puts the final usage on the
+finish_reason chunk instead of a usage-only chunk (llama.cpp's /v1/completions); ``spec_decode``
+(``[drafted, accepted]``) adds the reference server's ``usage.spec_decode`` counts to the final usage.
+Faults: ``500``, ``429`` (JSON error bodies),
 ``html`` (200 with a non-SSE body), ``hang`` (never answers), ``disconnect`` (drops the connection after
 ``fault_after`` events), ``garbage`` (a non-SSE line), ``bad_json`` (a non-JSON data line),
 ``error_event`` (``event: error``), ``error_payload`` (``data: {"error": ...}``), ``stall`` (goes quiet
@@ -43,6 +46,8 @@ class Behaviour:
     itl: float = 0.0
     fault: str | None = None
     fault_after: int = 0
+    usage_on_finish: bool = False
+    spec_decode: tuple[int, int] | None = None
 
     def update(self, overrides: dict[str, Any]) -> Behaviour:
         names = {f.name for f in fields(self)}
@@ -95,16 +100,24 @@ class _Stream:
         else:
             choice = f'{{"index":0,"text":"{text}","logprobs":null,"finish_reason":{finish}}}'
             head = '{"id":"cmpl-null","object":"text_completion","created":0,"model":"null","choices":['
-        usage = f',"usage":{self._usage((i + 1) * k)}' if self.continuous else ""
+        last = i == self.n - 1
+        if self.continuous or (last and self.usage and self.b.usage_on_finish):
+            usage = f',"usage":{self._usage((i + 1) * k, final=last)}'
+        else:
+            usage = ""
         return f"data: {head}{choice}]{usage}}}\n\n".encode()
 
-    def _usage(self, out: int) -> str:
+    def _usage(self, out: int, final: bool = True) -> str:
         p = self.prompt_tokens
-        return f'{{"prompt_tokens":{p},"completion_tokens":{out},"total_tokens":{p + out}}}'
+        spec = ""
+        if final and self.b.spec_decode is not None:
+            drafted, accepted = self.b.spec_decode
+            spec = f',"spec_decode":{{"draft_tokens":{drafted},"accepted_tokens":{accepted}}}'
+        return f'{{"prompt_tokens":{p},"completion_tokens":{out},"total_tokens":{p + out}{spec}}}'
 
     def tail(self, done: bool = True) -> bytes:
         out = b""
-        if self.usage:
+        if self.usage and not self.b.usage_on_finish:
             out += f'data: {{"id":"null","choices":[],"usage":{self._usage(self.n * self.b.tokens_per_event)}}}\n\n'.encode()
         return out + (b"data: [DONE]\n\n" if done else b"")
 

@@ -122,6 +122,29 @@ def test_open_loop_never_sends_early_under_uvloop(null_server, tmp_path):
     assert early == []
 
 
+@pytest.mark.parametrize("continuous", [False, True])
+async def test_usage_on_the_finish_chunk_is_the_final_total(null_server, tmp_path, continuous):
+    """llama.cpp puts the final usage on the finish_reason chunk: counted once, not as a per-chunk delta."""
+    wl = FixedWorkload(max_tokens=12, extra_bodies=[ns(usage_on_finish=True, tokens_per_event=3)])
+    backend = OpenAIBackend(null_server, model="null", continuous_usage=continuous)
+    s, recs = await point(null_server, tmp_path, LoadSpec("closed", concurrency=2, num_requests=4), wl, backend)
+    assert s["counts"]["errors"] == 0
+    for r in recs:
+        assert r["output_tokens"] == 12
+        assert r["output_tokens_source"] == ("chunk_usage" if continuous else "usage")
+        assert [k for _, k in r["events"]] == [3, 3, 3, 3]
+    assert s["counts"]["output_tokens"] == 48
+
+
+async def test_spec_decode_counts_reach_the_record_and_the_point(null_server, tmp_path):
+    wl = FixedWorkload(max_tokens=8, extra_bodies=[ns(spec_decode=[10, 4]), ns(spec_decode=[6, 5]), ns()])
+    s, recs = await point(null_server, tmp_path, LoadSpec("closed", concurrency=1, num_requests=3), wl)
+    by_id = {r["id"]: r for r in recs}
+    assert by_id["r0"]["extra"]["spec_decode"] == {"drafted": 10, "accepted": 4}
+    assert "spec_decode" not in by_id["r2"]["extra"]
+    assert s["spec_decode"] == {"requests": 2, "drafted": 16, "accepted": 9, "acceptance": pytest.approx(9 / 16)}
+
+
 async def test_poisson_schedule_is_seeded(null_server, tmp_path):
     runs = []
     for i, seed in enumerate((7, 7, 8)):

@@ -27,7 +27,7 @@ def test_openai_bodies_completions_and_chat():
 
 
 def test_openai_parse_chunk_usage_and_final_usage():
-    be, st = OpenAIBackend("http://x"), ParseState()
+    be, st = OpenAIBackend("http://x", continuous_usage=True), ParseState()
     d1 = be.parse('{"choices":[{"text":"a b","finish_reason":null}],"usage":{"completion_tokens":2}}', st)[0]
     d2 = be.parse('{"choices":[{"text":"c","finish_reason":"length"}],"usage":{"completion_tokens":3}}', st)[0]
     assert (d1.tokens, d1.tokens_source, d2.tokens, d2.finish_reason) == (2, "chunk_usage", 1, "length")

@@ -23,6 +23,7 @@ from backends.launcher import (
     sweep_servers,
 )
 from backends.llamacpp import LlamaCppBackend, LlamaCppNativeBackend
+from backends.openai import OpenAIBackend
 from backends.poller import ServerStatePoller, profile_of
 from loadgen.cli import app
 from loadgen.clock import RunClock
@@ -101,6 +102,18 @@ def test_openai_stream_exact_counts(server, tmp_path, api):
         # one chunk per token, except that a token ending mid UTF-8 character is sent with the next
         assert len(r["events"]) == 17 or r["event_tokens"] == "spread"
         assert r["prompt_tokens"] == r["extra"]["timings"]["prompt_n"] + r["extra"]["timings"]["cache_n"]
+
+
+def test_plain_openai_backend_counts_llama_completions_usage_once(server, tmp_path):
+    """`--backend openai` on llama-server's /v1/completions: usage rides on the finish_reason chunk and is
+    the final total, not a per-chunk delta (it used to be added to the per-event count: 2x tokens)."""
+    # concurrency 2: one fresh connection per request (llama-server drops reused keep-alive connections,
+    # which is why LlamaCppBackend sends Connection: close)
+    summary, recs = run(OpenAIBackend(server.base_url, model="smol"), Prompts(20, 17), tmp_path, n=2, concurrency=2)
+    assert summary["counts"]["ok"] == 2 and summary["counts"]["output_tokens"] == 2 * 17
+    for r in recs:
+        assert r["output_tokens"] == 17 and r["output_tokens_source"] == "usage"
+        assert sum(tok for _, tok in r["events"]) == 17
 
 
 LONG_PROMPTS = """
