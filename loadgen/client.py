@@ -219,13 +219,13 @@ class _StreamReader:
         if self.usage_out is not None:
             rec.output_tokens, rec.output_tokens_source = self.usage_out, "usage"
         elif events and not unknown:
-            rec.output_tokens = sum(e[1] for e in events)
+            rec.output_tokens = sum(int(e[1] or 0) for e in events)
             rec.output_tokens_source = self.stated_source or "unknown"
         else:
-            rec.output_tokens = sum(e[1] or 1 for e in events)
+            rec.output_tokens = sum(int(e[1] or 1) for e in events)
             rec.output_tokens_source = "events"
         if unknown:
-            stated = sum(e[1] for e in events if e[1] is not None)
+            stated = sum(int(e[1]) for e in events if e[1] is not None)
             rest = (rec.output_tokens or 0) - stated
             n = len(unknown)
             if rest == n or rest <= 0:

@@ -31,7 +31,8 @@ class RequestRecord:
     end: float = 0.0
     status: int | None = None
     error: dict[str, str] | None = None
-    events: list[list[float]] = field(default_factory=list)  # [[t, tokens], ...]
+    # [[t, tokens], ...]; tokens is None until finish() resolves counts the protocol did not state
+    events: list[list[float | None]] = field(default_factory=list)
     prompt_tokens: int | None = None
     prompt_tokens_source: str = "unknown"
     output_tokens: int | None = None

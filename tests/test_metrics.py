@@ -38,6 +38,14 @@ def test_itl_is_token_weighted_and_chunk_gaps_are_raw():
     assert s["latency"]["tpot"]["mean"] == pytest.approx(0.4 / 4)
 
 
+def test_unresolved_none_token_deltas_count_one_token_each():
+    r = rec(0.0, [(0.1, 1), (0.3, None), (0.4, 2), (0.6, None)], 0.6, out=5)
+    assert metrics.itl(r) == pytest.approx([0.2, 0.05, 0.05, 0.2])
+    s = metrics.summarize([r])
+    assert s["latency"]["itl"]["count"] == 4
+    assert s["throughput"]["steady"]["output_tok_per_s"] == pytest.approx(5 / 0.6)
+
+
 def test_percentiles_match_numpy_linear():
     vals = [0.1, 0.5, 0.2, 0.9, 0.3, 0.7, 1.5]
     st = metrics.stats(vals)
