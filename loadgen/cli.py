@@ -81,15 +81,36 @@ def parse_slo(text: str | None) -> dict[str, float] | None:
     return slo
 
 
-def load_workload(name: str) -> Workload:
+def load_workload(name: str, tokenizer: str | None = None) -> Workload:
     try:
         from workloads import load_workload as _load
     except ImportError:
         raise UsageError("workloads.load_workload is not available in this install") from None
     try:
-        return _load(name)
+        return _load(name, tokenizer=tokenizer)
     except (FileNotFoundError, KeyError, ValueError) as exc:
         raise UsageError(f"workload {name!r}: {exc}") from None
+
+
+def check_tokenizer(path: str | None) -> None:
+    """``--tokenizer``: an existing tokenizer.json (or .gguf) file, checked before anything starts."""
+    if path is None:
+        return
+    if not Path(path).is_file():
+        raise UsageError(f"--tokenizer: {path!r} not found (give the path of the model's tokenizer.json)")
+    from workloads.text import load_tokenizer
+
+    try:
+        load_tokenizer(path)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--tokenizer: {exc}") from None
+
+
+def is_finite(workload: Workload) -> bool:
+    """A trace ends by itself; synthetic workloads are infinite."""
+    from workloads.traces import TraceWorkload
+
+    return isinstance(workload, TraceWorkload)
 
 
 def read_api_key(api_key_env: str | None) -> str | None:
@@ -226,7 +247,8 @@ Arrival = Annotated[str | None, typer.Option(help=f"Arrival process: {', '.join(
                                              " --concurrency, poisson with --rate).")]  # fmt: skip
 Burstiness = Annotated[float, typer.Option(help="Gamma shape: 1 = Poisson, < 1 burstier.")]
 WorkloadOpt = Annotated[str, typer.Option(help="Workload name or TOML path.")]
-NumRequests = Annotated[int | None, typer.Option(help="Measured requests per point.")]
+NumRequests = Annotated[int | None, typer.Option(
+    help="Measured requests per point (default: run 100, sweep 32; a replayed trace runs to its end).")]
 Duration = Annotated[float | None, typer.Option(help="Seconds of dispatch per point.")]
 Warmup = Annotated[int, typer.Option(help="Warm-up sessions per point (excluded from metrics).")]
 Seed = Annotated[int, typer.Option(help="Seed for arrivals and workload sampling.")]
@@ -243,6 +265,8 @@ StallTimeout = Annotated[float, typer.Option(help="Longest silence within a resp
 Speedup = Annotated[float, typer.Option(help="Trace replay speed-up (send at at/speedup).")]
 PollHz = Annotated[float, typer.Option(help="Server-state poller rate (/metrics, /slots), Hz; 0 = off.")]
 TelemetryHz = Annotated[float, typer.Option(help="Telemetry rate (NVML GPUs, host, server process), Hz; 0 = off.")]
+TokenizerOpt = Annotated[str | None, typer.Option(
+    help="tokenizer.json of the target model for exact prompt lengths (default: the bundled model's).")]
 TelemetryUrl = Annotated[str | None, typer.Option(help="Prometheus URL of a DCGM/node exporter on the server's host.")]
 
 
@@ -254,7 +278,7 @@ def _go(
     extra_body: str | None, client: str, timeout: float, stall_timeout: float, speedup: float,
     command: str, default_num_requests: int, poll_hz: float = 10.0, server: str | None = None,
     grid: list[str] | None = None, server_timeout: float = 300.0, telemetry_hz: float = 10.0,
-    telemetry_url: str | None = None,
+    telemetry_url: str | None = None, tokenizer: str | None = None,
 ) -> None:  # fmt: skip
     """The common body of run and sweep: validate, plan, (start the server), run, report."""
     if api not in (None, "completions", "chat"):
@@ -283,9 +307,8 @@ def _go(
         raise UsageError(f"--server/--grid: {exc}") from None
     slo_s = parse_slo(slo)
     api_key = read_api_key(api_key_env)
-    wls = [load_workload(w) for w in workloads]
-    if num_requests is None and duration is None:
-        num_requests = default_num_requests
+    check_tokenizer(tokenizer)
+    wls = [load_workload(w, tokenizer) for w in workloads]
     if not concurrency and not rate:  # the workload file's arrival settings, else concurrency 1
         spec = wls[0].arrival
         arrival = arrival or spec.process
@@ -294,18 +317,20 @@ def _go(
         elif arrival != "trace":
             concurrency = [spec.concurrency or 1]
         burstiness = spec.burstiness or burstiness
+    if num_requests is None and duration is None and not (arrival == "trace" and all(map(is_finite, wls))):
+        num_requests = default_num_requests  # a replayed trace runs to its end; synthetic load needs a cap
     open_process = arrival if arrival not in (None, "closed") else "poisson"
     if arrival == "closed" and rate:
         raise UsageError("--arrival closed takes --concurrency, not --rate")
     if arrival in ("constant", "poisson", "gamma") and concurrency and not rate:
         raise UsageError(f"--arrival {arrival} needs --rate")
     try:
-        base = LoadSpec(process="closed", concurrency=1, num_requests=num_requests, duration=duration,
-                        warmup=warmup, seed=seed, burstiness=burstiness, timeout=timeout,
-                        stall_timeout=stall_timeout, speedup=speedup)  # fmt: skip
-        loads = loads_from(base, concurrency, rate, open_process)
-        if arrival == "trace":
-            loads = [LoadSpec(**{**base.describe(), "process": "trace", "concurrency": None})]
+        trace = arrival == "trace"
+        base = LoadSpec(process="trace" if trace else "closed", concurrency=None if trace else 1,
+                        num_requests=num_requests, duration=duration, warmup=warmup, seed=seed,
+                        burstiness=burstiness, timeout=timeout, stall_timeout=stall_timeout,
+                        speedup=speedup)  # fmt: skip
+        loads = [base] if trace else loads_from(base, concurrency, rate, open_process)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     plans = plan_points(wls, loads, repeat)
@@ -317,6 +342,7 @@ def _go(
         "seed": seed, "slo": slo_s, "repeat": repeat, "api_key_env": api_key_env,
         "continuous_usage": continuous_usage, "extra_body": extra_body, "client": client, "timeout": timeout,
         "stall_timeout": stall_timeout, "speedup": speedup, "poll_hz": poll_hz, "server": server, "grid": grid,
+        "tokenizer": tokenizer,
     }  # fmt: skip
     clock = RunClock()
     console.print(f"[dim]{telemetry.header_line(telemetry_hz, telemetry_url)}[/]")
@@ -386,7 +412,7 @@ def run(
     api_key_env: ApiKeyEnv = None, continuous_usage: ContinuousUsage = False, extra_body: ExtraBody = None,
     client: Client = "aiohttp", timeout: Timeout = 600.0, stall_timeout: StallTimeout = 60.0,
     speedup: Speedup = 1.0, poll_hz: PollHz = 10.0, telemetry_hz: TelemetryHz = 10.0,
-    telemetry_url: TelemetryUrl = None,
+    telemetry_url: TelemetryUrl = None, tokenizer: TokenizerOpt = None,
 ) -> None:  # fmt: skip
     """Run one load point (closed loop at --concurrency or open loop at --rate)."""
     if concurrency is not None and rate is not None:
@@ -402,7 +428,7 @@ def run(
         repeat=repeat, output_dir=output_dir, run_id=run_id, api_key_env=api_key_env,
         continuous_usage=continuous_usage, extra_body=extra_body, client=client, timeout=timeout,
         stall_timeout=stall_timeout, speedup=speedup, command="run", default_num_requests=100, poll_hz=poll_hz,
-        telemetry_hz=telemetry_hz, telemetry_url=telemetry_url,
+        telemetry_hz=telemetry_hz, telemetry_url=telemetry_url, tokenizer=tokenizer,
     )  # fmt: skip
 
 
@@ -423,6 +449,7 @@ def sweep(
                       "'llama-server -m {model} -np {np} --port {port}' ({model}: bundled GGUF, {port}: free port).")] = None,
     grid: Annotated[list[str] | None, typer.Option(help="Server grid axis NAME=V1,V2 (repeat for a product).")] = None,
     server_timeout: Annotated[float, typer.Option(help="Seconds to wait for a started server's health.")] = 300.0,
+    tokenizer: TokenizerOpt = None,
 ) -> None:  # fmt: skip
     """Run a list of load points (concurrencies and/or rates × workloads) into one results directory."""
 
@@ -439,7 +466,7 @@ def sweep(
             client=client, timeout=timeout, stall_timeout=stall_timeout, speedup=speedup, command="sweep",
             default_num_requests=32, poll_hz=poll_hz, server=server,
             grid=[axis for g in grid or [] for axis in g.split()], server_timeout=server_timeout,
-            telemetry_hz=telemetry_hz, telemetry_url=telemetry_url,
+            telemetry_hz=telemetry_hz, telemetry_url=telemetry_url, tokenizer=tokenizer,
         )  # fmt: skip
 
     _guard(body)

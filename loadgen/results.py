@@ -23,7 +23,7 @@ from typing import Any
 import pandas as pd
 
 PACKAGES = ("servelab", "torch", "httpx", "httpx-aiohttp", "aiohttp", "uvloop", "numpy", "pandas", "transformers")
-_SECRET_KEY = re.compile(r"(api[_-]?key|authorization|token|secret|password)", re.I)
+_SECRET_KEY = re.compile(r"(api[_-]?key|authorization|token(?!izer)|secret|password)", re.I)
 
 
 def new_run_id() -> str:

@@ -51,3 +51,32 @@ def test_bench_run_writes_the_results_layout(null_server, tmp_path):
     point = json.loads((run_dir / "points/c002/summary.json").read_text())
     assert point["counts"]["ok"] == 6 and point["goodput"]["good"] == 6 and point["per_class"]
     assert "c002" in " ".join(res.output.split())
+
+
+def test_bench_run_replays_a_whole_trace_by_default(null_server, tmp_path):
+    """A trace is finite: without --num-requests it runs to its last row (200 here), not to a default cap."""
+    res = runner.invoke(app, ["run", "--url", null_server, "--workload", "workloads/data/sample_azure.csv",
+                              "--speedup", "4", "--output-dir", str(tmp_path), "--run-id", "tr", "--poll-hz", "0",
+                              "--telemetry-hz", "0"])
+    assert res.exit_code == 0, res.output
+    (point,) = (tmp_path / "tr" / "points").rglob("summary.json")
+    assert json.loads(point.read_text())["counts"]["ok"] == 200
+
+
+def test_tokenizer_option_uses_the_given_file_and_rejects_bad_ones(null_server, tmp_path):
+    from reference_server.tokenizer import default_model_path, tokenizer_from_gguf
+
+    good = tmp_path / "tokenizer.json"
+    tokenizer_from_gguf(default_model_path()).save(str(good))
+    base = ["run", "--url", null_server, "--concurrency", "1", "--num-requests", "2", "--output-dir", str(tmp_path),
+            "--poll-hz", "0", "--telemetry-hz", "0"]
+    res = runner.invoke(app, [*base, "--tokenizer", str(good), "--run-id", "ok"])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "ok" / "run.json").read_text())["config"]["tokenizer"] == str(good)
+    bad = tmp_path / "bad.json"
+    bad.write_text("not a tokenizer")
+    for path, message in ((tmp_path / "missing.json", "not found"), (bad, "tokenizer")):
+        res = runner.invoke(app, [*base, "--tokenizer", str(path)])
+        assert res.exit_code == 2, res.output
+        out = " ".join(res.output.split())
+        assert "error" in out and "--tokenizer" in out and message in out
