@@ -27,7 +27,7 @@ class AttnBatch:
     slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
     decode_rows: torch.Tensor | None  # rows with exactly one new token
     decode_blocks: torch.Tensor | None  # [B * nblk] block tables padded to the longest, flattened
-    decode_bias: torch.Tensor | None  # [B, 1, 1, maxctx] float32: 0 = attend, -inf = padding
+    decode_bias: torch.Tensor | None  # [B, 1, maxctx] float32: 0 = attend, -inf = padding
     prefills: list[PrefillGroup]
 
 
@@ -89,8 +89,8 @@ class Layer(torch.nn.Module):
         qk = _rope(qkv[:, : self.q_size + self.kv_size].view(t, s.n_heads + s.n_kv_heads, s.head_dim), cos, sin)
         q, k = qk.split([s.n_heads, s.n_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, s.n_kv_heads, s.head_dim)
-        k_cache.view(-1, s.n_kv_heads, s.head_dim).index_copy_(0, batch.slot_mapping, k)
-        v_cache.view(-1, s.n_kv_heads, s.head_dim).index_copy_(0, batch.slot_mapping, v)
+        k_cache.view(s.n_kv_heads, -1, s.head_dim).index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
+        v_cache.view(s.n_kv_heads, -1, s.head_dim).index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
         attn = _attention(q, k_cache, v_cache, batch)
         x = x + self.o(attn.reshape(t, self.q_size))
         gate, up = self.gate_up(self.ffn_norm(x)).chunk(2, dim=-1)
@@ -104,37 +104,38 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttnBatch) -> torch.Tensor:
-    """Gather each sequence's keys/values from the paged cache and run SDPA (GQA).
+    """Gather each sequence's keys/values from the paged cache ``[KVH, blocks, block_size, D]`` (GQA).
 
-    All single-token (decode) rows run as one padded SDPA call; each prefill chunk runs as its own call
-    (causal within the chunk, full view of its cached prefix)."""
+    All single-token (decode) rows run as two batched matmuls over (KV head, sequence): with the KV head
+    outermost in the cache, a block gather is already ``[KVH * B, ctx, D]`` and needs no permuted copy.
+    Each prefill chunk runs as its own SDPA call (causal within the chunk, full view of its cached prefix)."""
     decode_only = not batch.prefills
     out = q if decode_only else torch.empty_like(q)
+    kvh, _, _, d = k_cache.shape
     if batch.decode_rows is not None:
         assert batch.decode_blocks is not None and batch.decode_bias is not None
-        # decode-only step: rows are already in order, no select/scatter
         qd = q if decode_only else q.index_select(0, batch.decode_rows)  # [B, H, D]
-        b, h, d = qd.shape
-        kvh = k_cache.shape[2]
-        # one query per sequence: two batched matmuls beat SDPA's flash kernel (built for long queries)
-        kd = k_cache.index_select(0, batch.decode_blocks).view(b, -1, kvh, d).permute(0, 2, 3, 1)  # [B, KVH, D, ctx]
-        vd = v_cache.index_select(0, batch.decode_blocks).view(b, -1, kvh, d).transpose(1, 2)  # [B, KVH, ctx, D]
-        scores = torch.matmul(qd.view(b, kvh, h // kvh, d), kd).float() * d**-0.5
-        probs = torch.softmax(scores + batch.decode_bias, dim=-1).to(qd.dtype)  # [B, KVH, G, ctx]
-        o = torch.matmul(probs, vd).view(b, h, d)
+        b, h, _ = qd.shape
+        g = h // kvh
+        kd = k_cache.index_select(1, batch.decode_blocks).view(kvh * b, -1, d)  # [KVH * B, ctx, D]
+        vd = v_cache.index_select(1, batch.decode_blocks).view(kvh * b, -1, d)
+        qq = qd.view(b, kvh, g, d).transpose(0, 1).reshape(kvh * b, g, d)
+        # one query per sequence and head: two batched matmuls beat SDPA's flash kernel (built for long queries)
+        scores = torch.bmm(qq, kd.transpose(1, 2)).view(kvh, b, g, -1).float() * d**-0.5
+        probs = torch.softmax(scores + batch.decode_bias, dim=-1).to(qd.dtype)  # bias [B, 1, ctx]: padding
+        o = torch.bmm(probs.view(kvh * b, g, -1), vd).view(kvh, b, g, d).transpose(0, 1).reshape(b, h, d)
         if decode_only:
             return o
         out.index_copy_(0, batch.decode_rows, o)
-    for g in batch.prefills:
-        qp = q[g.rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        kvh, d = k_cache.shape[2:]
-        kp = k_cache.index_select(0, g.blocks).view(-1, kvh, d)[: g.ctx].transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
-        vp = v_cache.index_select(0, g.blocks).view(-1, kvh, d)[: g.ctx].transpose(0, 1).unsqueeze(0)
-        if g.mask is None:
+    for grp in batch.prefills:
+        qp = q[grp.rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        kp = k_cache.index_select(1, grp.blocks).view(kvh, -1, d)[:, : grp.ctx].unsqueeze(0)  # [1, KVH, ctx, D]
+        vp = v_cache.index_select(1, grp.blocks).view(kvh, -1, d)[:, : grp.ctx].unsqueeze(0)
+        if grp.mask is None:
             o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
         else:
-            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=g.mask, enable_gqa=True)
-        out[g.rows] = o.squeeze(0).transpose(0, 1)
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=grp.mask, enable_gqa=True)
+        out[grp.rows] = o.squeeze(0).transpose(0, 1)
     return out
 
 

@@ -54,7 +54,7 @@ def _cpu_has_bf16() -> bool:
 
 
 class ModelRunner:
-    """Owns the weights and the per-layer KV cache tensors ``[num_blocks, block_size, kv_heads, head_dim]``."""
+    """Owns the weights and the per-layer KV cache tensors ``[kv_heads, num_blocks, block_size, head_dim]``."""
 
     def __init__(self, config: EngineConfig, spec: ModelSpec | None = None,
                  weights: dict[str, torch.Tensor] | None = None) -> None:
@@ -68,7 +68,7 @@ class ModelRunner:
         self.block_size = config.block_size
         with torch.device(self.device):
             self.model = LlamaModel(spec, weights, self.dtype).eval()
-        shape = (config.num_kv_blocks, config.block_size, spec.n_kv_heads, spec.head_dim)
+        shape = (spec.n_kv_heads, config.num_kv_blocks, config.block_size, spec.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
              torch.zeros(shape, dtype=self.dtype, device=self.device))
@@ -118,7 +118,7 @@ class ModelRunner:
             attn.decode_blocks = tables.view(-1).to(dev)
             pad = torch.arange(width)[None, :] >= lens[:, None]
             bias = torch.zeros(pad.shape).masked_fill_(pad, float("-inf"))
-            attn.decode_bias = bias.view(len(dec_rows), 1, 1, width).to(dev)
+            attn.decode_bias = bias.view(len(dec_rows), 1, width).to(dev)
         for row, n, start, blocks in prefill_specs:
             mask = None
             if start > 0:  # query i (position start+i) sees keys 0..start+i
