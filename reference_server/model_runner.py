@@ -63,8 +63,10 @@ class ModelRunner:
         self.spec = spec
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
+        self.threads = torch.get_num_threads()
         if self.device.type == "cpu":
-            torch.set_num_threads(config.threads or cpu_threads())
+            self.threads = config.threads or cpu_threads()
+            torch.set_num_threads(self.threads)
         self.block_size = config.block_size
         with torch.device(self.device):
             self.model = LlamaModel(spec, weights, self.dtype).eval()

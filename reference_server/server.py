@@ -17,7 +17,6 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -404,10 +403,10 @@ def serve(argv: list[str] | None = None) -> None:
     try:
         config = EngineConfig(model=model, **{f.name: getattr(args, f.name) for f in fields(EngineConfig)
                                                if f.name not in ("model", "step_sleep_ms")})
-        engine = Engine(config)
+        engine = Engine.on_own_thread(config)
     except ValueError as e:  # bad flag values (batching, policy, speculation) are reported, not raised
         raise SystemExit(f"error: {e}") from None
-    threads = f", {torch.get_num_threads()} threads" if engine.runner.device.type == "cpu" else ""
+    threads = f", {engine.runner.threads} threads" if engine.runner.device.type == "cpu" else ""
     print(f"loaded {model.name} on {engine.runner.device} ({engine.runner.dtype}{threads}) in {time.perf_counter() - t0:.1f} s; "
           f"KV pool {config.num_kv_blocks} x {config.block_size} tokens; serving on http://{args.host}:{args.port}",
           flush=True)

@@ -50,8 +50,31 @@ class _Running:
 @pytest.fixture(scope="module")
 def server() -> Iterator[_Running]:
     cfg = EngineConfig(model=default_model_path(), num_kv_blocks=256, max_waiting=4, threads=1)
-    with _Running(Engine(cfg)) as running:
+    with _Running(Engine.on_own_thread(cfg)) as running:  # as `python -m reference_server` builds it
         yield running
+
+
+def test_engine_steps_on_the_thread_that_built_it(server):
+    """All torch work of a served engine runs on one thread (one OpenMP team: see Engine.on_own_thread)."""
+    seen: set[int] = set()
+    server.engine.on_iteration.append(lambda _rec: seen.add(threading.get_ident()))
+    try:
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200
+    finally:
+        server.engine.on_iteration.pop()
+    thread = server.engine._thread
+    assert thread is not None and thread.name == "engine"
+    assert seen == {thread.ident} and thread.ident != threading.get_ident()
+
+
+def test_engine_on_own_thread_errors_and_early_stop():
+    with pytest.raises(ValueError, match="policy"):  # raised on the engine's thread, re-raised here
+        Engine.on_own_thread(EngineConfig(model=default_model_path(), num_kv_blocks=16, threads=1, policy="nope"))
+    engine = Engine.on_own_thread(EngineConfig(model=default_model_path(), num_kv_blocks=16, threads=1))
+    assert engine._thread is not None and engine._thread.is_alive()
+    engine.stop()  # never started: its thread must still exit
+    assert not engine._thread.is_alive()
 
 
 def wait_idle(engine: Engine, timeout: float = 60) -> None:
