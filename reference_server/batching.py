@@ -9,6 +9,9 @@
 Static and dynamic batches also reserve a full context slot (``slot_tokens`` = the max model length)
 per member at admission, as a padded batch with a contiguous per-slot cache does; continuous batching
 allocates paged blocks as tokens arrive. Same pool, so the KV pool limits a padded batch much sooner.
+Finished members of a static/dynamic batch stay in it as padding rows (``Scheduler.padding``): each step
+still computes one row for them, output discarded, until the last member finishes, as a padded
+``[batch, time]`` tensor does. (Prompts are not padded to the batch's longest: prefill cost is not modelled.)
 The model code is the same in all three; only who may be admitted, and how much KV it takes, differ.
 """
 

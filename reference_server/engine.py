@@ -56,6 +56,7 @@ class IterationRecord:
     num_running: int
     num_waiting: int
     preempted: list[str]
+    padding_tokens: int = 0  # static/dynamic batching: rows computed for finished members (output unused)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -193,7 +194,7 @@ class Engine:
             prefill_tokens=batch.num_tokens - decode, decode_tokens=decode,
             kv_blocks_used=self.block_manager.num_used, kv_blocks_total=self.block_manager.num_blocks,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            preempted=[s.seq_id for s in batch.preempted],
+            preempted=[s.seq_id for s in batch.preempted], padding_tokens=len(batch.padding),
         )
         self.num_iterations += 1
         self.iterations.append(rec)

@@ -105,6 +105,14 @@ class ModelRunner:
                 dec_seqs.append((seq.block_table, end))
             else:
                 prefill_specs.append((row, n, start, seq.block_table[: -(-end // self.block_size)]))
+        for seq in batch.padding:  # recompute the last fed position: same token, same KV, output unused
+            p = seq.num_computed_tokens
+            logit_rows.append(len(ids))
+            dec_rows.append(len(ids))
+            dec_seqs.append((seq.block_table, p + 1))
+            ids.append(seq.token_ids[p])
+            pos.append(p)
+            slots.extend(self._slots(seq, p, p + 1))
         dev = self.device
         attn = AttnBatch(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),

@@ -47,6 +47,7 @@ class ScheduledBatch:
 
     items: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    padding: list[Sequence] = field(default_factory=list)  # finished members of a padded batch (no output)
 
     @property
     def num_tokens(self) -> int:
@@ -73,6 +74,9 @@ class Scheduler:
         self.gate = gate or BatchGate()
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        # Static/dynamic batching: finished members stay in the batch as padding rows (computed, output
+        # discarded, KV slot held) until its last member finishes, as in a padded [batch, time] tensor.
+        self.padding: list[Sequence] = []
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -83,18 +87,32 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """End ``seq`` (finished or aborted) and free its blocks at once."""
-        if seq.status is SeqStatus.RUNNING:
+        """End ``seq`` (finished or aborted) and free its blocks at once, unless it finished inside a
+        padded batch that is still running: then it stays on as a padding row until the batch ends."""
+        was_running = seq.status is SeqStatus.RUNNING
+        if was_running:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
-        self.bm.release(seq)
+        if was_running and reason != "abort" and not self.gate.continuous and self.running:
+            self.padding.append(seq)
+        else:
+            self.bm.release(seq)
+        self._end_padded_batch()
+
+    def _end_padded_batch(self) -> None:
+        """The batch's last real member is gone: its padding rows leave and free their slots."""
+        if not self.running:
+            for seq in self.padding:
+                self.bm.release(seq)
+            self.padding.clear()
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.bm.release(seq)
+        self._end_padded_batch()
         seq.num_computed_tokens = 0
         seq.spec_token_ids = []
         seq.status = SeqStatus.WAITING
@@ -110,7 +128,7 @@ class Scheduler:
         return n
 
     def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
+        batch = ScheduledBatch(padding=list(self.padding))
         budget = self.max_num_batched_tokens
         scheduled: set[str] = set()
         for seq in list(self.running):

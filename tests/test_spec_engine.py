@@ -79,13 +79,22 @@ def test_run_to_completion_batching_same_output_and_no_joins(base, reference, ba
     assert {s.status for s in seqs} == {SeqStatus.RUNNING} and late.status is SeqStatus.WAITING
     # a whole context slot (max_model_len) is reserved at admission, as a padded batch would
     assert all(len(s.block_table) == 256 // eng.config.block_size for s in seqs)
+    short = eng.add_request(ids[0], replace(params, max_tokens=2))  # joins the second batch with `late`
     while any(s.status is not SeqStatus.FINISHED for s in seqs):
         assert late.status is SeqStatus.WAITING  # nobody joins a running batch
         eng.step()
+    assert [s.output_token_ids for s in seqs] == expected
+    while short.status is not SeqStatus.FINISHED:
+        eng.step()
+    # the finished member stays in the batch as a padding row, holding its slot, until `late` finishes
+    assert eng.scheduler.padding == [short] and eng.iterations[-1].padding_tokens == 0
+    bm = eng.block_manager
     while late.status is not SeqStatus.FINISHED:
         eng.step()
-    assert [s.output_token_ids for s in seqs] == expected
-    assert eng.block_manager.num_free + eng.block_manager.num_used == eng.block_manager.num_blocks
+        assert bm.num_free + bm.num_used == bm.num_blocks
+    assert [r.padding_tokens for r in eng.iterations][-2:] == [1, 1]  # late: 4 tokens, short: 2
+    assert late.output_token_ids == expected[1][:4] and short.output_token_ids == expected[0][:2]
+    assert eng.scheduler.padding == [] and bm.num_used == 0  # the batch ended: every slot is free
 
 
 def test_priority_preempts_lower_priority_when_full(base, reference):
