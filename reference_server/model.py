@@ -41,9 +41,14 @@ class Linear(torch.nn.Module):
         self.packed = weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 16) if self.packed else weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W.T``, plus ``residual`` added inside the matmul's epilogue (one kernel, no extra pass)."""
         if self.packed:
+            if residual is not None:
+                return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, None, "add")
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
+        if residual is not None:
+            return torch.addmm(residual, x, self.weight.t())
         return F.linear(x, self.weight)
 
 
@@ -58,7 +63,9 @@ class RMSNorm(torch.nn.Module):
 
 
 class Layer(torch.nn.Module):
-    """One decoder block; Q/K/V and gate/up are fused into single matmuls."""
+    """One decoder block; Q/K/V and gate/up are fused into single matmuls, the residual adds into the
+    output projections, and the attention scale 1/sqrt(head_dim) into the Q rows of the QKV weight
+    (a power of two for head_dim 64, 256, ...: exact in any dtype)."""
 
     def __init__(self, spec: ModelSpec, w: dict[str, torch.Tensor], i: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -66,7 +73,8 @@ class Layer(torch.nn.Module):
         self.spec = spec
         self.attn_norm = RMSNorm(w[p + "attn_norm.weight"].to(dtype), spec.rms_eps)
         self.ffn_norm = RMSNorm(w[p + "ffn_norm.weight"].to(dtype), spec.rms_eps)
-        self.qkv = Linear(torch.cat([w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]]).to(dtype))
+        q_scaled = w[p + "attn_q.weight"].float() * spec.head_dim**-0.5
+        self.qkv = Linear(torch.cat([q_scaled, w[p + "attn_k.weight"].float(), w[p + "attn_v.weight"].float()]).to(dtype))
         self.o = Linear(w[p + "attn_output.weight"].to(dtype))
         self.gate_up = Linear(torch.cat([w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]]).to(dtype))
         self.down = Linear(w[p + "ffn_down.weight"].to(dtype))
@@ -92,9 +100,9 @@ class Layer(torch.nn.Module):
         k_cache.view(s.n_kv_heads, -1, s.head_dim).index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
         v_cache.view(s.n_kv_heads, -1, s.head_dim).index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
         attn = _attention(q, k_cache, v_cache, batch)
-        x = x + self.o(attn.reshape(t, self.q_size))
+        x = self.o(attn.reshape(t, self.q_size), residual=x)
         gate, up = self.gate_up(self.ffn_norm(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        return self.down(F.silu(gate) * up, residual=x)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -105,6 +113,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttnBatch) -> torch.Tensor:
     """Gather each sequence's keys/values from the paged cache ``[KVH, blocks, block_size, D]`` (GQA).
+    ``q`` comes pre-scaled by 1/sqrt(D) (folded into the weights).
 
     All single-token (decode) rows run as two batched matmuls over (KV head, sequence): with the KV head
     outermost in the cache, a block gather is already ``[KVH * B, ctx, D]`` and needs no permuted copy.
@@ -121,8 +130,9 @@ def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ba
         vd = v_cache.index_select(1, batch.decode_blocks).view(kvh * b, -1, d)
         qq = qd.view(b, kvh, g, d).transpose(0, 1).reshape(kvh * b, g, d)
         # one query per sequence and head: two batched matmuls beat SDPA's flash kernel (built for long queries)
-        scores = torch.bmm(qq, kd.transpose(1, 2)).view(kvh, b, g, -1).float() * d**-0.5
-        probs = torch.softmax(scores + batch.decode_bias, dim=-1).to(qd.dtype)  # bias [B, 1, ctx]: padding
+        scores = torch.bmm(qq, kd.transpose(1, 2)).view(kvh, b, g, -1)
+        # + the float32 bias [B, 1, ctx] (0 or -inf: padding) promotes the scores to float32 for the softmax
+        probs = torch.softmax(scores + batch.decode_bias, dim=-1).to(qd.dtype)
         o = torch.bmm(probs.view(kvh * b, g, -1), vd).view(kvh, b, g, d).transpose(0, 1).reshape(b, h, d)
         if decode_only:
             return o
@@ -132,9 +142,9 @@ def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ba
         kp = k_cache.index_select(1, grp.blocks).view(kvh, -1, d)[:, : grp.ctx].unsqueeze(0)  # [1, KVH, ctx, D]
         vp = v_cache.index_select(1, grp.blocks).view(kvh, -1, d)[:, : grp.ctx].unsqueeze(0)
         if grp.mask is None:
-            o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True, scale=1.0)
         else:
-            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=grp.mask, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=grp.mask, enable_gqa=True, scale=1.0)
         out[grp.rows] = o.squeeze(0).transpose(0, 1)
     return out
 
