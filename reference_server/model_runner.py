@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,13 +36,37 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return dtypes[name]
 
 
-def cpu_threads() -> int:
+def cpu_threads(sample_s: float = 0.3) -> int:
     """Default intra-op threads: all cores on an idle machine, 1 on a busy one.
 
     With every core busy, each parallel op waits for its descheduled OpenMP threads; measured here at
-    load 4-5 on 2 cores: 166 output tok/s with 1 thread vs 27 with 2 (engine only, 16 streams)."""
+    load 4-5 on 2 cores: 166 output tok/s with 1 thread vs 27 with 2 (engine only, 16 streams).
+    "Busy" is the CPU time other processes used over the last ``sample_s`` seconds (from ``/proc/stat``),
+    not the 1-minute load average: that lags by minutes, so a server started right after another
+    benchmark ended chose 1 thread on an idle machine (every server of ``bench experiment``)."""
     cores = os.cpu_count() or 1
-    return cores if os.getloadavg()[0] < 0.5 else 1
+    busy = _busy_cores(sample_s)
+    if busy is None:
+        busy = os.getloadavg()[0]
+    return cores if busy < 0.5 else 1
+
+
+def _busy_cores(sample_s: float) -> float | None:
+    """Cores' worth of non-idle CPU time over ``sample_s`` seconds, or None where /proc/stat is missing."""
+
+    def totals() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+        return sum(ticks), ticks[3] + ticks[4]  # idle + iowait
+
+    try:
+        total0, idle0 = totals()
+        time.sleep(sample_s)
+        total1, idle1 = totals()
+    except (OSError, ValueError, IndexError):
+        return None
+    elapsed = total1 - total0
+    return (os.cpu_count() or 1) * (elapsed - (idle1 - idle0)) / elapsed if elapsed > 0 else None
 
 
 def _cpu_has_bf16() -> bool:
