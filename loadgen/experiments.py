@@ -349,8 +349,12 @@ def chunked_prefill() -> Experiment:
     decode = RequestClass("decode", 160, _short_prompt)
 
     def traffic(quick: bool) -> list[PointPlan]:
+        # The long prompts arrive 1 s apart, early enough that all of them land while the four streams
+        # still decode (160 tokens take ~4.6 s here at 2 threads), and the stalls they cause stay above 1 %
+        # of the streams' gaps, so the p99 sees them. (First spaced 6 s apart: once the engine got faster
+        # the streams had finished before the later prompts arrived and the unchunked p99 missed the stalls.)
         n_long = 2 if quick else 4
-        schedule = [(0.0, "decode")] * 4 + [(3.0 + 6.0 * j, "long-prompt") for j in range(n_long)]
+        schedule = [(0.0, "decode")] * 4 + [(0.5 + 1.0 * j, "long-prompt") for j in range(n_long)]
         wl = MixWorkload("decode-plus-long-prefill", [decode, long_prompt], schedule)
         return _plans(wl, LoadSpec(process="trace", num_requests=len(schedule), seed=2, stall_timeout=300))
 
@@ -460,12 +464,12 @@ def _edit_prompt(i: int) -> str:
 
 def speculative() -> Experiment:
     """Speculation off / n-gram / self-draft on a predictable code-edit workload and a creative one."""
-    edit = MixWorkload("code-edit", [RequestClass("code-edit", 128, _edit_prompt)])
-    creative = MixWorkload("creative", [RequestClass("creative", 128, lambda i: "Once upon a time, in a land of" + filler(8, i) + ",",
-                                                     temperature=0.8)])  # fmt: skip
 
     def traffic(quick: bool) -> list[PointPlan]:
-        n = 2 if quick else 6
+        n, out = (2, 64) if quick else (6, 128)  # quick: the self-draft config alone ran ~80 s at 128 tokens
+        edit = MixWorkload("code-edit", [RequestClass("code-edit", out, _edit_prompt)])
+        creative = MixWorkload("creative", [RequestClass("creative", out, lambda i: "Once upon a time, in a land of"
+                                                         + filler(8, i) + ",", temperature=0.8)])  # fmt: skip
         load = LoadSpec(process="closed", concurrency=1, num_requests=n, seed=5)
         return _plans(edit, load, "code-edit") + _plans(creative, load, "creative")
 
