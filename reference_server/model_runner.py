@@ -41,9 +41,10 @@ def cpu_threads(sample_s: float = 0.3) -> int:
 
     With every core busy, each parallel op waits for its descheduled OpenMP threads; measured here at
     load 4-5 on 2 cores: 166 output tok/s with 1 thread vs 27 with 2 (engine only, 16 streams).
-    "Busy" is the CPU time other processes used over the last ``sample_s`` seconds (from ``/proc/stat``),
-    not the 1-minute load average: that lags by minutes, so a server started right after another
-    benchmark ended chose 1 thread on an idle machine (every server of ``bench experiment``)."""
+    "Busy" is the machine's non-idle CPU time over ``sample_s`` seconds before the model is built (from
+    ``/proc/stat``; this process sleeps meanwhile), not the 1-minute load average: that lags by minutes,
+    so a server started right after another benchmark ended chose 1 thread on an idle machine (every
+    server of ``bench experiment``)."""
     cores = os.cpu_count() or 1
     busy = _busy_cores(sample_s)
     if busy is None:
@@ -56,7 +57,7 @@ def _busy_cores(sample_s: float) -> float | None:
 
     def totals() -> tuple[int, int]:
         with open("/proc/stat") as f:
-            ticks = [int(v) for v in f.readline().split()[1:]]
+            ticks = [int(v) for v in f.readline().split()[1:9]]  # user .. steal (guest is inside user)
         return sum(ticks), ticks[3] + ticks[4]  # idle + iowait
 
     try:
