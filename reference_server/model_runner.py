@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
-import time
 from typing import TYPE_CHECKING
 
+import psutil
 import torch
 
 from reference_server.config import EngineConfig
@@ -41,33 +41,13 @@ def cpu_threads(sample_s: float = 0.3) -> int:
 
     With every core busy, each parallel op waits for its descheduled OpenMP threads; measured here at
     load 4-5 on 2 cores: 166 output tok/s with 1 thread vs 27 with 2 (engine only, 16 streams).
-    "Busy" is the machine's non-idle CPU time over ``sample_s`` seconds before the model is built (from
-    ``/proc/stat``; this process sleeps meanwhile), not the 1-minute load average: that lags by minutes,
+    "Busy" is the machine's CPU use over ``sample_s`` seconds before the model is built (psutil, as the
+    host telemetry; this process sleeps meanwhile), not the 1-minute load average: that lags by minutes,
     so a server started right after another benchmark ended chose 1 thread on an idle machine (every
     server of ``bench experiment``)."""
     cores = os.cpu_count() or 1
-    busy = _busy_cores(sample_s)
-    if busy is None:
-        busy = os.getloadavg()[0]
-    return cores if busy < 0.5 else 1
-
-
-def _busy_cores(sample_s: float) -> float | None:
-    """Cores' worth of non-idle CPU time over ``sample_s`` seconds, or None where /proc/stat is missing."""
-
-    def totals() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            ticks = [int(v) for v in f.readline().split()[1:9]]  # user .. steal (guest is inside user)
-        return sum(ticks), ticks[3] + ticks[4]  # idle + iowait
-
-    try:
-        total0, idle0 = totals()
-        time.sleep(sample_s)
-        total1, idle1 = totals()
-    except (OSError, ValueError, IndexError):
-        return None
-    elapsed = total1 - total0
-    return (os.cpu_count() or 1) * (elapsed - (idle1 - idle0)) / elapsed if elapsed > 0 else None
+    busy_cores = psutil.cpu_percent(interval=sample_s) / 100 * cores
+    return cores if busy_cores < 0.5 else 1
 
 
 def _cpu_has_bf16() -> bool:
