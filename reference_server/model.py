@@ -15,18 +15,25 @@ class PrefillGroup:
     """One sequence computing ``rows`` new tokens; it attends to the first ``ctx`` slots of ``blocks``."""
 
     rows: slice
-    blocks: torch.Tensor  # [nblk] its block table (whole blocks are gathered: contiguous copies)
+    cache_rows: torch.Tensor  # [KVH * nblk] its blocks as rows of the flat cache (see AttnBatch)
     ctx: int
     mask: torch.Tensor | None  # [n, ctx] bool, None when the chunk is the whole context (pure causal)
 
 
 @dataclass
 class AttnBatch:
-    """Per-step attention metadata, built once per step and shared by all layers."""
+    """Per-step attention metadata, built once per step and shared by all layers.
+
+    Keys and values are gathered by whole blocks from the cache viewed as ``[KVH * blocks, block_size * D]``:
+    row ``h * num_blocks + b`` is block ``b`` of KV head ``h``. One dim-0 ``index_select`` over those rows
+    (a memcpy per row) is ~40 % faster than selecting blocks along dim 1 of ``[KVH, blocks, ...]`` (measured
+    here: a layer's decode attention at 16 x 128 tokens 753 -> 464 us; a whole decode step at 16 streams
+    4-10 % shorter, engine steps interleaved with the previous version's), and already yields the
+    ``[KVH, B, ctx, D]`` order the batched matmuls want."""
 
     slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
     decode_rows: torch.Tensor | None  # rows with exactly one new token
-    decode_blocks: torch.Tensor | None  # [B * nblk] block tables padded to the longest, flattened
+    decode_cache_rows: torch.Tensor | None  # [KVH * B * nblk] block tables padded to the longest, as cache rows
     decode_bias: torch.Tensor | None  # [B, 1, maxctx] float32: 0 = attend, -inf = padding
     prefills: list[PrefillGroup]
 
@@ -120,14 +127,15 @@ def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ba
     Each prefill chunk runs as its own SDPA call (causal within the chunk, full view of its cached prefix)."""
     decode_only = not batch.prefills
     out = q if decode_only else torch.empty_like(q)
-    kvh, _, _, d = k_cache.shape
+    kvh, nb, bs, d = k_cache.shape
+    k_rows, v_rows = k_cache.view(kvh * nb, bs * d), v_cache.view(kvh * nb, bs * d)
     if batch.decode_rows is not None:
-        assert batch.decode_blocks is not None and batch.decode_bias is not None
+        assert batch.decode_cache_rows is not None and batch.decode_bias is not None
         qd = q if decode_only else q.index_select(0, batch.decode_rows)  # [B, H, D]
         b, h, _ = qd.shape
         g = h // kvh
-        kd = k_cache.index_select(1, batch.decode_blocks).view(kvh * b, -1, d)  # [KVH * B, ctx, D]
-        vd = v_cache.index_select(1, batch.decode_blocks).view(kvh * b, -1, d)
+        kd = k_rows.index_select(0, batch.decode_cache_rows).view(kvh * b, -1, d)  # [KVH * B, ctx, D]
+        vd = v_rows.index_select(0, batch.decode_cache_rows).view(kvh * b, -1, d)
         qq = qd.view(b, kvh, g, d).transpose(0, 1).reshape(kvh * b, g, d)
         # one query per sequence and head: two batched matmuls beat SDPA's flash kernel (built for long queries)
         scores = torch.bmm(qq, kd.transpose(1, 2)).view(kvh, b, g, -1)
@@ -139,8 +147,8 @@ def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ba
         out.index_copy_(0, batch.decode_rows, o)
     for grp in batch.prefills:
         qp = q[grp.rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        kp = k_cache.index_select(1, grp.blocks).view(kvh, -1, d)[:, : grp.ctx].unsqueeze(0)  # [1, KVH, ctx, D]
-        vp = v_cache.index_select(1, grp.blocks).view(kvh, -1, d)[:, : grp.ctx].unsqueeze(0)
+        kp = k_rows.index_select(0, grp.cache_rows).view(kvh, -1, d)[:, : grp.ctx].unsqueeze(0)  # [1, KVH, ctx, D]
+        vp = v_rows.index_select(0, grp.cache_rows).view(kvh, -1, d)[:, : grp.ctx].unsqueeze(0)
         if grp.mask is None:
             o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True, scale=1.0)
         else:

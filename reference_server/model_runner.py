@@ -74,14 +74,20 @@ class ModelRunner:
             self.threads = config.threads or cpu_threads()
             torch.set_num_threads(self.threads)
         self.block_size = config.block_size
+        self.num_blocks = config.num_kv_blocks
         with torch.device(self.device):
             self.model = LlamaModel(spec, weights, self.dtype).eval()
-        shape = (spec.n_kv_heads, config.num_kv_blocks, config.block_size, spec.head_dim)
+        shape = (spec.n_kv_heads, self.num_blocks, self.block_size, spec.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(spec.n_layers)
         ]
+
+    def _cache_rows(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Block ids -> rows ``h * num_blocks + b`` of the cache viewed as ``[KVH * blocks, block_size * D]``."""
+        heads = torch.arange(self.spec.n_kv_heads)[:, None] * self.num_blocks
+        return (heads + blocks[None, :]).view(-1).to(self.device)
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs, table = self.block_size, seq.block_table
@@ -122,7 +128,7 @@ class ModelRunner:
         dev = self.device
         attn = AttnBatch(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            decode_rows=None, decode_blocks=None, decode_bias=None, prefills=[],
+            decode_rows=None, decode_cache_rows=None, decode_bias=None, prefills=[],
         )
         if dec_rows:  # keys of all decode rows: block tables padded to the longest, expanded to slots
             bs = self.block_size
@@ -131,7 +137,7 @@ class ModelRunner:
             lens = torch.tensor([ctx for _, ctx in dec_seqs])
             width = nblk * bs
             attn.decode_rows = torch.tensor(dec_rows, dtype=torch.long, device=dev)
-            attn.decode_blocks = tables.view(-1).to(dev)
+            attn.decode_cache_rows = self._cache_rows(tables.view(-1))
             pad = torch.arange(width)[None, :] >= lens[:, None]
             bias = torch.zeros(pad.shape).masked_fill_(pad, float("-inf"))
             attn.decode_bias = bias.view(len(dec_rows), 1, width).to(dev)
@@ -139,7 +145,7 @@ class ModelRunner:
             mask = None
             if start > 0:  # query i (position start+i) sees keys 0..start+i
                 mask = (torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]).to(dev)
-            attn.prefills.append(PrefillGroup(slice(row, row + n), torch.tensor(blocks, device=dev), start + n, mask))
+            attn.prefills.append(PrefillGroup(slice(row, row + n), self._cache_rows(torch.tensor(blocks)), start + n, mask))
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
                 attn, logit_rows)
 
