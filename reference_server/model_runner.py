@@ -84,10 +84,11 @@ class ModelRunner:
             for _ in range(spec.n_layers)
         ]
 
-    def _cache_rows(self, blocks: torch.Tensor) -> torch.Tensor:
-        """Block ids -> rows ``h * num_blocks + b`` of the cache viewed as ``[KVH * blocks, block_size * D]``."""
+    def _cache_rows(self, tables: torch.Tensor) -> torch.Tensor:
+        """Block tables ``[..., nblk]`` -> rows ``h * num_blocks + b`` of the cache viewed as
+        ``[KVH * blocks, block_size * D]``, flattened in ``[..., KVH, nblk]`` order."""
         heads = torch.arange(self.spec.n_kv_heads)[:, None] * self.num_blocks
-        return (heads + blocks[None, :]).view(-1).to(self.device)
+        return (tables.unsqueeze(-2) + heads).view(-1).to(self.device)
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs, table = self.block_size, seq.block_table
@@ -137,10 +138,10 @@ class ModelRunner:
             lens = torch.tensor([ctx for _, ctx in dec_seqs])
             width = nblk * bs
             attn.decode_rows = torch.tensor(dec_rows, dtype=torch.long, device=dev)
-            attn.decode_cache_rows = self._cache_rows(tables.view(-1))
+            attn.decode_cache_rows = self._cache_rows(tables)
             pad = torch.arange(width)[None, :] >= lens[:, None]
-            bias = torch.zeros(pad.shape).masked_fill_(pad, float("-inf"))
-            attn.decode_bias = bias.view(len(dec_rows), 1, width).to(dev)
+            bias = torch.zeros(pad.shape, dtype=self.dtype).masked_fill_(pad, float("-inf"))
+            attn.decode_bias = bias[:, None, None, :].expand(-1, self.spec.n_kv_heads, 1, -1).reshape(-1, 1, width).to(dev)
         for row, n, start, blocks in prefill_specs:
             mask = None
             if start > 0:  # query i (position start+i) sees keys 0..start+i
