@@ -12,7 +12,7 @@ from reference_server.gguf_loader import ModelSpec
 
 @dataclass
 class PrefillGroup:
-    """One sequence computing ``rows`` new tokens; it attends to the first ``ctx`` slots of ``blocks``."""
+    """One sequence computing ``rows`` new tokens; it attends to the first ``ctx`` slots of its blocks."""
 
     rows: slice
     cache_rows: torch.Tensor  # [KVH * nblk] its blocks as rows of the flat cache (see AttnBatch)

@@ -131,7 +131,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             decode_rows=None, decode_cache_rows=None, decode_bias=None, prefills=[],
         )
-        if dec_rows:  # keys of all decode rows: block tables padded to the longest, expanded to slots
+        if dec_rows:  # keys of all decode rows: block tables padded to the longest, as cache rows
             bs = self.block_size
             nblk = max(-(-ctx // bs) for _, ctx in dec_seqs)
             tables = torch.tensor([t[:nblk] + [0] * (nblk - len(t[:nblk])) for t, _ in dec_seqs])
@@ -141,7 +141,7 @@ class ModelRunner:
             attn.decode_cache_rows = self._cache_rows(tables)
             pad = torch.arange(width)[None, :] >= lens[:, None]
             bias = torch.zeros(pad.shape, dtype=self.dtype).masked_fill_(pad, float("-inf"))
-            attn.decode_bias = bias[:, None, None, :].expand(-1, self.spec.n_kv_heads, 1, -1).reshape(-1, 1, width).to(dev)
+            attn.decode_bias = bias.repeat_interleave(self.spec.n_kv_heads, dim=0)[:, None, :].to(dev)
         for row, n, start, blocks in prefill_specs:
             mask = None
             if start > 0:  # query i (position start+i) sees keys 0..start+i

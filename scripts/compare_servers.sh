@@ -9,9 +9,9 @@
 # under OUT_ROOT/compare-<timestamp>/, one report.html comparing them and compare.md (output tok/s over the
 # steady-state window, TPOT p50, TTFT p50). ROUNDS > 1 repeats the three servers in turn (reference,
 # llama-server, vLLM, reference, ...), so that a drift of the machine's speed hits all of them alike, and
-# adds the median per server and concurrency over the rounds (run ids get a -rN suffix). vLLM is left out, with a line saying so, until
-# scripts/setup_vllm.sh has built its venv (it needs the network once); llama-server comes from
-# $SERVELAB_LLAMA_SERVER, PATH or scripts/build_llama_server.sh's cache.
+# adds the median per server and concurrency over the rounds (run ids get a -rN suffix). vLLM is left
+# out, with a line saying so, until scripts/setup_vllm.sh has built its venv (it needs the network once);
+# llama-server comes from $SERVELAB_LLAMA_SERVER, PATH or scripts/build_llama_server.sh's cache.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BENCH=".venv/bin/bench"
