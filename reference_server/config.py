@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+KERNELS = ("auto", "native", "torch")
+
 
 @dataclass
 class EngineConfig:
@@ -15,6 +17,7 @@ class EngineConfig:
     device: str = "auto"  # "auto" -> cuda when available, else cpu
     dtype: str = "auto"  # "auto" -> bf16 on CPUs with AVX512-BF16 and on CUDA, else fp32
     threads: int | None = None  # torch intra-op threads on CPU (None: all cores if idle at start, else 1)
+    kernels: str = "auto"  # CPU bf16: native (paged decode attention, RMSNorm, RoPE + KV write, SiLU; native.py) | torch | auto
     block_size: int = 16
     num_kv_blocks: int = 2048  # KV pool size in blocks (2048 x 16 = 32k tokens)
     max_num_batched_tokens: int = 512  # token budget of one engine step
@@ -42,5 +45,7 @@ class EngineConfig:
         for name in ("block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "iteration_log_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"unknown kernels {self.kernels!r}: choose one of {', '.join(KERNELS)}")
         if self.max_waiting < 0 or (self.threads is not None and self.threads < 1):
             raise ValueError("max_waiting must be >= 0 and threads >= 1")

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from reference_server.gguf_loader import ModelSpec
+from reference_server.native import CpuKernels
 
 
 @dataclass
@@ -24,7 +25,8 @@ class PrefillGroup:
 class AttnBatch:
     """Per-step attention metadata, built once per step and shared by all layers.
 
-    Keys and values are gathered by whole blocks from the cache viewed as ``[KVH * blocks, block_size * D]``:
+    Without the native kernel (and for every prefill chunk), keys and values are gathered by whole blocks
+    from the cache viewed as ``[KVH * blocks, block_size * D]``:
     row ``h * num_blocks + b`` is block ``b`` of KV head ``h``. One dim-0 ``index_select`` over those rows
     (a memcpy per row) is ~40 % faster than selecting blocks along dim 1 of ``[KVH, blocks, ...]`` (measured
     here: a layer's decode attention at 16 x 128 tokens 753 -> 464 us; a whole decode step at 16 streams
@@ -32,10 +34,15 @@ class AttnBatch:
     order the matmuls want."""
 
     slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
-    decode_rows: torch.Tensor | None  # rows with exactly one new token
-    decode_cache_rows: torch.Tensor | None  # [B * KVH * nblk] block tables padded to the longest, as cache rows
-    decode_bias: torch.Tensor | None  # [B * KVH, 1, maxctx] in the model's dtype: 0 = attend, -inf = padding
     prefills: list[PrefillGroup]
+    decode_rows: torch.Tensor | None = None  # rows with exactly one new token
+    # decode rows by the native kernel (native.py): it reads the blocks in place
+    decode_kernel: CpuKernels | None = None
+    decode_tables: torch.Tensor | None = None  # [B, nblk] int64 block tables padded to the longest
+    decode_lens: torch.Tensor | None = None  # [B] int64 context lengths
+    # decode rows by PyTorch ops: blocks gathered, padding masked
+    decode_cache_rows: torch.Tensor | None = None  # [B * KVH * nblk] the padded block tables as cache rows
+    decode_bias: torch.Tensor | None = None  # [B * KVH, 1, maxctx] in the model's dtype: 0 = attend, -inf = padding
 
 
 class Linear(torch.nn.Module):
@@ -60,20 +67,23 @@ class Linear(torch.nn.Module):
 
 
 class RMSNorm(torch.nn.Module):
-    """``x / sqrt(mean(x^2) + eps) * w``, computed as LayerNorm over ``[x, -x]``: that row has zero mean by
-    construction, so LayerNorm's variance is ``mean(x^2)`` and its first half is exactly the RMS norm. On CPU
-    ``F.rms_norm`` is a composite of ~9 kernels; this is 2 (measured here at 16 x 576 in bf16, norm + the next
-    matmul: 110 -> 95 us; outputs bit-identical). The returned tensor is a strided view, which the matmuls
-    read in place."""
+    """``x / sqrt(mean(x^2) + eps) * w``: the native kernel when given, else LayerNorm over ``[x, -x]``: that
+    row has zero mean by construction, so LayerNorm's variance is ``mean(x^2)`` and its first half is exactly
+    the RMS norm. On CPU ``F.rms_norm`` is a composite of ~9 kernels; this is 2 (measured here at 16 x 576 in
+    bf16, norm + the next matmul: 110 -> 95 us; outputs bit-identical). The returned tensor is then a
+    strided view, which the matmuls read in place."""
 
-    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+    def __init__(self, weight: torch.Tensor, eps: float, native: CpuKernels | None = None) -> None:
         super().__init__()
-        self.weight2 = torch.nn.Parameter(torch.cat((weight, weight)), requires_grad=False)
+        self.weight = torch.nn.Parameter(weight if native else torch.cat((weight, weight)), requires_grad=False)
         self.eps = eps
+        self.native = native
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return self.native.rms_norm(x, self.weight, self.eps)
         n = x.shape[-1]
-        return F.layer_norm(torch.cat((x, -x), dim=-1), (2 * n,), self.weight2, None, self.eps)[..., :n]
+        return F.layer_norm(torch.cat((x, -x), dim=-1), (2 * n,), self.weight, None, self.eps)[..., :n]
 
 
 class Layer(torch.nn.Module):
@@ -81,12 +91,13 @@ class Layer(torch.nn.Module):
     output projections, and the attention scale 1/sqrt(head_dim) into the Q rows of the QKV weight
     (a power of two for head_dim 64, 256, ...: exact in any dtype)."""
 
-    def __init__(self, spec: ModelSpec, w: dict[str, torch.Tensor], i: int, dtype: torch.dtype) -> None:
+    def __init__(self, spec: ModelSpec, w: dict[str, torch.Tensor], i: int, dtype: torch.dtype,
+                 native: CpuKernels | None = None) -> None:
         super().__init__()
         p = f"blk.{i}."
         self.spec = spec
-        self.attn_norm = RMSNorm(w[p + "attn_norm.weight"].to(dtype), spec.rms_eps)
-        self.ffn_norm = RMSNorm(w[p + "ffn_norm.weight"].to(dtype), spec.rms_eps)
+        self.attn_norm = RMSNorm(w[p + "attn_norm.weight"].to(dtype), spec.rms_eps, native)
+        self.ffn_norm = RMSNorm(w[p + "ffn_norm.weight"].to(dtype), spec.rms_eps, native)
         q_scaled = w[p + "attn_q.weight"].float() * spec.head_dim**-0.5
         self.qkv = Linear(torch.cat([q_scaled, w[p + "attn_k.weight"].float(), w[p + "attn_v.weight"].float()]).to(dtype))
         self.o = Linear(w[p + "attn_output.weight"].to(dtype))
@@ -94,6 +105,7 @@ class Layer(torch.nn.Module):
         self.down = Linear(w[p + "ffn_down.weight"].to(dtype))
         self.q_size = spec.n_heads * spec.head_dim
         self.kv_size = spec.n_kv_heads * spec.head_dim
+        self.native = native
 
     def forward(
         self,
@@ -107,15 +119,21 @@ class Layer(torch.nn.Module):
         s = self.spec
         t = x.shape[0]
         qkv = self.qkv(self.attn_norm(x))
-        # one RoPE over the Q and K heads together (fewer kernels per layer: dispatch dominates at this size)
-        qk = _rope(qkv[:, : self.q_size + self.kv_size].view(t, s.n_heads + s.n_kv_heads, s.head_dim), cos, sin)
-        q, k = qk.split([s.n_heads, s.n_kv_heads], dim=1)
-        v = qkv[:, self.q_size + self.kv_size :].view(t, s.n_kv_heads, s.head_dim)
-        k_cache.view(s.n_kv_heads, -1, s.head_dim).index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
-        v_cache.view(s.n_kv_heads, -1, s.head_dim).index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
+        if self.native is not None:  # Q rotated in place, K rotated and V copied into the cache: one call
+            self.native.rope_write_kv(qkv, cos, sin, batch.slot_mapping, k_cache, v_cache, s.n_heads)
+            q = qkv[:, : self.q_size].view(t, s.n_heads, s.head_dim)
+        else:  # one RoPE over the Q and K heads together (fewer kernels: dispatch dominates at this size)
+            qk = _rope(qkv[:, : self.q_size + self.kv_size].view(t, s.n_heads + s.n_kv_heads, s.head_dim), cos, sin)
+            q, k = qk.split([s.n_heads, s.n_kv_heads], dim=1)
+            v = qkv[:, self.q_size + self.kv_size :].view(t, s.n_kv_heads, s.head_dim)
+            k_cache.view(s.n_kv_heads, -1, s.head_dim).index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
+            v_cache.view(s.n_kv_heads, -1, s.head_dim).index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
         attn = _attention(q, k_cache, v_cache, batch)
         x = self.o(attn.reshape(t, self.q_size), residual=x)
-        gate, up = self.gate_up(self.ffn_norm(x)).chunk(2, dim=-1)
+        gate_up = self.gate_up(self.ffn_norm(x))
+        if self.native is not None:
+            return self.down(self.native.silu_mul(gate_up), residual=x)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down(F.silu(gate) * up, residual=x)
 
 
@@ -126,28 +144,34 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttnBatch) -> torch.Tensor:
-    """Gather each sequence's keys/values from the paged cache ``[KVH, blocks, block_size, D]`` (GQA).
-    ``q`` comes pre-scaled by 1/sqrt(D) (folded into the weights).
+    """Attention over the paged cache ``[KVH, blocks, block_size, D]`` (GQA); ``q`` comes pre-scaled by
+    1/sqrt(D) (folded into the weights).
 
-    All single-token (decode) rows run as two batched matmuls over (sequence, KV head): the block gather is
-    ordered so that it already is ``[B * KVH, ctx, D]``, which makes the queries' ``[B, H, D]`` a free view
-    ``[B * KVH, G, D]`` and the output come back as ``[B, H, D]`` with no permuted copy.
-    Each prefill chunk runs as its own SDPA call (causal within the chunk, full view of its cached prefix)."""
+    All single-token (decode) rows go in one call: the native kernel when the batch carries it (it reads
+    the blocks in place, see native.py), else two batched matmuls over (sequence, KV head) on gathered
+    blocks: the gather is ordered so that it already is ``[B * KVH, ctx, D]``, which makes the queries'
+    ``[B, H, D]`` a free view ``[B * KVH, G, D]`` and the output come back as ``[B, H, D]`` with no permuted
+    copy. Each prefill chunk runs as its own SDPA call on its gathered blocks (causal within the chunk,
+    full view of its cached prefix)."""
     decode_only = not batch.prefills
     out = q if decode_only else torch.empty_like(q)
     kvh, nb, bs, d = k_cache.shape
     k_rows, v_rows = k_cache.view(kvh * nb, bs * d), v_cache.view(kvh * nb, bs * d)
     if batch.decode_rows is not None:
-        assert batch.decode_cache_rows is not None and batch.decode_bias is not None
         qd = q if decode_only else q.index_select(0, batch.decode_rows)  # [B, H, D]
-        b, h, _ = qd.shape
-        kd = k_rows.index_select(0, batch.decode_cache_rows).view(b * kvh, -1, d)  # [B * KVH, ctx, D]
-        vd = v_rows.index_select(0, batch.decode_cache_rows).view(b * kvh, -1, d)
-        # one query per sequence and head: two batched matmuls beat SDPA's flash kernel (built for long queries);
-        # the padding bias (0 or -inf) is added by the matmul
-        scores = torch.baddbmm(batch.decode_bias, qd.reshape(b * kvh, h // kvh, d), kd.transpose(1, 2))
-        probs = torch.softmax(scores, dim=-1)  # computed in float32 inside the kernel, written in the model's dtype
-        o = torch.bmm(probs, vd).view(b, h, d)
+        if batch.decode_kernel is not None:
+            assert batch.decode_tables is not None and batch.decode_lens is not None
+            o = batch.decode_kernel.paged_attention(qd, k_cache, v_cache, batch.decode_tables, batch.decode_lens)
+        else:
+            assert batch.decode_cache_rows is not None and batch.decode_bias is not None
+            b, h, _ = qd.shape
+            kd = k_rows.index_select(0, batch.decode_cache_rows).view(b * kvh, -1, d)  # [B * KVH, ctx, D]
+            vd = v_rows.index_select(0, batch.decode_cache_rows).view(b * kvh, -1, d)
+            # one query per sequence and head: two batched matmuls beat SDPA's flash kernel (built for long
+            # queries); the padding bias (0 or -inf) is added by the matmul
+            scores = torch.baddbmm(batch.decode_bias, qd.reshape(b * kvh, h // kvh, d), kd.transpose(1, 2))
+            probs = torch.softmax(scores, dim=-1)  # float32 inside the kernel, written in the model's dtype
+            o = torch.bmm(probs, vd).view(b, h, d)
         if decode_only:
             return o
         out.index_copy_(0, batch.decode_rows, o)
@@ -164,16 +188,18 @@ def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ba
 
 
 class LlamaModel(torch.nn.Module):
-    """Llama with tied (or separate) output head; weights converted once to ``dtype``."""
+    """Llama with tied (or separate) output head; weights converted once to ``dtype``. ``native``: the CPU
+    kernels (native.py) for the norms; decode attention takes them from the step's AttnBatch."""
 
-    def __init__(self, spec: ModelSpec, w: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    def __init__(self, spec: ModelSpec, w: dict[str, torch.Tensor], dtype: torch.dtype,
+                 native: CpuKernels | None = None) -> None:
         super().__init__()
         self.spec = spec
         self.dtype = dtype
         self.embed = torch.nn.Parameter(w["token_embd.weight"].to(dtype), requires_grad=False)
         self.lm_head = Linear(w.get("output.weight", w["token_embd.weight"]).to(dtype))
-        self.layers = torch.nn.ModuleList(Layer(spec, w, i, dtype) for i in range(spec.n_layers))
-        self.norm = RMSNorm(w["output_norm.weight"].to(dtype), spec.rms_eps)
+        self.layers = torch.nn.ModuleList(Layer(spec, w, i, dtype, native) for i in range(spec.n_layers))
+        self.norm = RMSNorm(w["output_norm.weight"].to(dtype), spec.rms_eps, native)
         # cos/sin for every position, computed once in float64 (gathered per step, not recomputed)
         inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float64) / spec.head_dim))
         freqs = torch.arange(spec.context_length, dtype=torch.float64)[:, None] * inv_freq[None, :]

@@ -11,6 +11,7 @@ import torch
 from reference_server.config import EngineConfig
 from reference_server.gguf_loader import ModelSpec, load_gguf
 from reference_server.model import AttnBatch, LlamaModel, PrefillGroup
+from reference_server.native import CpuKernels, cpu_kernels, supports
 from reference_server.sampler import sample
 from reference_server.scheduler import ScheduledBatch
 from reference_server.sequence import Sequence
@@ -59,6 +60,27 @@ def _cpu_has_bf16() -> bool:
         return False
 
 
+def pick_kernels(choice: str, device: torch.device, dtype: torch.dtype, spec: ModelSpec,
+                 block_size: int) -> tuple[CpuKernels | None, str]:
+    """The native CPU kernels when ``choice`` allows them and they can run here, else None (PyTorch ops
+    only). Also returns a line saying which, and why."""
+    if choice == "torch":
+        return None, "torch (--kernels torch)"
+    why: str | None = None
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        why = f"the native kernels are for bf16 on CPU, this is {str(dtype).removeprefix('torch.')} on {device.type}"
+    else:
+        why = supports(spec.head_dim, spec.n_heads, spec.n_kv_heads, block_size)
+    if why is None:
+        kernels = cpu_kernels()
+        if not isinstance(kernels, str):
+            return kernels, "native"
+        why = kernels
+    if choice == "native":
+        raise ValueError(f"--kernels native is unavailable: {why}; use --kernels torch or auto")
+    return None, f"torch ({why})"
+
+
 class ModelRunner:
     """Owns the weights and the per-layer KV cache tensors ``[kv_heads, num_blocks, block_size, head_dim]``."""
 
@@ -75,8 +97,9 @@ class ModelRunner:
             torch.set_num_threads(self.threads)
         self.block_size = config.block_size
         self.num_blocks = config.num_kv_blocks
+        self.native, self.kernels = pick_kernels(config.kernels, self.device, self.dtype, spec, config.block_size)
         with torch.device(self.device):
-            self.model = LlamaModel(spec, weights, self.dtype).eval()
+            self.model = LlamaModel(spec, weights, self.dtype, self.native).eval()
         shape = (spec.n_kv_heads, self.num_blocks, self.block_size, spec.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -127,21 +150,20 @@ class ModelRunner:
             pos.append(p)
             slots.extend(self._slots(seq, p, p + 1))
         dev = self.device
-        attn = AttnBatch(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            decode_rows=None, decode_cache_rows=None, decode_bias=None, prefills=[],
-        )
-        if dec_rows:  # keys of all decode rows: block tables padded to the longest, as cache rows
+        attn = AttnBatch(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), prefills=[])
+        if dec_rows:  # keys of all decode rows: block tables padded to the longest
             bs = self.block_size
             nblk = max(-(-ctx // bs) for _, ctx in dec_seqs)
             tables = torch.tensor([t[:nblk] + [0] * (nblk - len(t[:nblk])) for t, _ in dec_seqs])
             lens = torch.tensor([ctx for _, ctx in dec_seqs])
-            width = nblk * bs
             attn.decode_rows = torch.tensor(dec_rows, dtype=torch.long, device=dev)
-            attn.decode_cache_rows = self._cache_rows(tables)
-            pad = torch.arange(width)[None, :] >= lens[:, None]
-            bias = torch.zeros(pad.shape, dtype=self.dtype).masked_fill_(pad, float("-inf"))
-            attn.decode_bias = bias.repeat_interleave(self.spec.n_kv_heads, dim=0)[:, None, :].to(dev)
+            if self.native is not None:  # read in place through the tables
+                attn.decode_kernel, attn.decode_tables, attn.decode_lens = self.native, tables, lens
+            else:  # gathered as cache rows, padding masked by a bias
+                attn.decode_cache_rows = self._cache_rows(tables)
+                pad = torch.arange(nblk * bs)[None, :] >= lens[:, None]
+                bias = torch.zeros(pad.shape, dtype=self.dtype).masked_fill_(pad, float("-inf"))
+                attn.decode_bias = bias.repeat_interleave(self.spec.n_kv_heads, dim=0)[:, None, :].to(dev)
         for row, n, start, blocks in prefill_specs:
             mask = None
             if start > 0:  # query i (position start+i) sees keys 0..start+i

@@ -1,0 +1,216 @@
+/* Paged decode attention over a bf16 KV cache, for x86-64 CPUs with AVX512-BF16.
+ *
+ * One query token per sequence attends to its whole context, read in place from the paged cache through
+ * its block table: no gathered copy of K/V, one pass with an online softmax (running max and sum), the
+ * next tile's K and V prefetched (its address comes from the block table, which the hardware prefetcher
+ * cannot follow). Work items are (sequence, KV head) pairs; the G = H / KVH query heads of a KV head share
+ * every K/V load (GQA). Scores and the weighted sum are accumulated in float32 (QK^T by VDPBF16PS, exact
+ * bf16 products), the output is rounded to bf16 once.
+ *
+ * Built by reference_server/native.py with the system C compiler; OpenMP is the same libgomp that
+ * PyTorch loaded, so the kernel runs on PyTorch's thread team (torch.set_num_threads applies). */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define TILE 16 /* tokens per score vector: one zmm of float32 */
+#define MAXG 16
+#define MAXD 256
+
+/* lane t of the result = the sum of the 16 lanes of v[t] (a transpose folded into the reduction) */
+static inline __m512 sum16(const __m512 v[16]) {
+    __m512 r[8], u[4], w[2];
+    for (int i = 0; i < 8; i++)
+        r[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        u[i] = _mm512_add_ps(_mm512_shuffle_ps(r[2 * i], r[2 * i + 1], 0x44), _mm512_shuffle_ps(r[2 * i], r[2 * i + 1], 0xEE));
+    for (int i = 0; i < 2; i++)
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+/* e^x, x clamped to [-87, 88] (e^-87 ~ 1e-38); relative error ~2e-7. */
+static inline __m512 exp_ps(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n); /* 2^t = 2^n * 2^f, f in [0, 1) */
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+static inline __m512 load_bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as PyTorch */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline void prefetch(const uint16_t *p, int n) {
+    for (int i = 0; i < n; i += 32) _mm_prefetch((const char *)(p + i), _MM_HINT_T0);
+}
+
+/* q: [B, H, D] with row stride q_stride (elements) and heads contiguous; out: [B, H, D] contiguous.
+ * k_cache, v_cache: [KVH, NB, BS, D] contiguous. tables: [B, max_blocks] block ids; lens: [B] context
+ * lengths (the new token included, its K/V already written). q comes scaled by 1/sqrt(D).
+ * Returns 0, or -1 when the shapes are outside what this kernel handles (nothing is written then). */
+int paged_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                                const uint16_t *v_cache, const int64_t *tables, const int64_t *lens,
+                                uint16_t *out, int B, int H, int KVH, int D, int NB, int BS, int max_blocks) {
+    if (B < 0 || KVH < 1 || H % KVH || H / KVH > MAXG || D % 32 || D > MAXD || BS % TILE || BS < TILE) return -1;
+    for (int b = 0; b < B; b++)
+        if (lens[b] < 1 || lens[b] > (int64_t)max_blocks * BS) return -1;
+    const int G = H / KVH, nd = D / 16;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int item = 0; item < B * KVH; item++) {
+        const int b = item / KVH, h = item % KVH;
+        const uint16_t *qh = q + (size_t)b * q_stride + (size_t)h * G * D;
+        const int64_t *table = tables + (size_t)b * max_blocks;
+        const int64_t ctx = lens[b];
+        __m512 acc[MAXG][MAXD / 16];
+        float m[MAXG], l[MAXG], p[MAXG][TILE];
+        for (int g = 0; g < G; g++) {
+            for (int c = 0; c < nd; c++) acc[g][c] = _mm512_setzero_ps();
+            m[g] = -1e30f;
+            l[g] = 0.f;
+        }
+        for (int64_t start = 0; start < ctx; start += TILE) {
+            const int n = ctx - start < TILE ? (int)(ctx - start) : TILE;
+            const __mmask16 valid = (__mmask16)((1u << n) - 1u);
+            const size_t tile = ((size_t)h * NB + (size_t)table[start / BS]) * BS + (size_t)(start % BS);
+            const uint16_t *kt = k_cache + tile * D, *vt = v_cache + tile * D;
+            if (start + TILE < ctx) {
+                const int64_t s2 = start + TILE;
+                const size_t next = (((size_t)h * NB + (size_t)table[s2 / BS]) * BS + (size_t)(s2 % BS)) * D;
+                prefetch(k_cache + next, TILE * D);
+                prefetch(v_cache + next, TILE * D);
+            }
+            for (int g = 0; g < G; g++) { /* scores of the tile, then the online-softmax update */
+                const uint16_t *qg = qh + (size_t)g * D;
+                __m512 part[TILE];
+                for (int t = 0; t < TILE; t++) {
+                    __m512 a = _mm512_setzero_ps();
+                    if (t < n)
+                        for (int c = 0; c < D; c += 32)
+                            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(kt + (size_t)t * D + c),
+                                                 (__m512bh)_mm512_loadu_si512(qg + c));
+                    part[t] = a;
+                }
+                const __m512 s = sum16(part);
+                const float tile_max = _mm512_mask_reduce_max_ps(valid, s);
+                const float m_new = tile_max > m[g] ? tile_max : m[g];
+                const float rescale = _mm512_cvtss_f32(exp_ps(_mm512_set1_ps(m[g] - m_new)));
+                const __m512 e = _mm512_maskz_mov_ps(valid, exp_ps(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+                l[g] = l[g] * rescale + _mm512_reduce_add_ps(e);
+                m[g] = m_new;
+                for (int c = 0; c < nd; c++) acc[g][c] = _mm512_mul_ps(acc[g][c], _mm512_set1_ps(rescale));
+                _mm512_storeu_ps(p[g], e);
+            }
+            for (int t = 0; t < n; t++) { /* acc += p * V, V converted once for all G heads */
+                __m512 v[MAXD / 16];
+                for (int c = 0; c < nd; c++) v[c] = load_bf16x16(vt + (size_t)t * D + 16 * c);
+                for (int g = 0; g < G; g++) {
+                    const __m512 pg = _mm512_set1_ps(p[g][t]);
+                    for (int c = 0; c < nd; c++) acc[g][c] = _mm512_fmadd_ps(pg, v[c], acc[g][c]);
+                }
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            const __m512 inv = _mm512_set1_ps(1.f / l[g]);
+            uint16_t *o = out + ((size_t)b * H + (size_t)h * G + g) * D;
+            for (int c = 0; c < nd; c++)
+                _mm256_storeu_si256((__m256i *)(o + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][c], inv)));
+        }
+    }
+    return 0;
+}
+
+/* RMSNorm: out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w, in float32, rounded to bf16 once (as PyTorch's
+ * bf16 LayerNorm/RMSNorm on CPU). x: [T, N] with row stride x_stride; w, out: contiguous. */
+void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint16_t *out, int T, int N, float eps) {
+#pragma omp parallel for if (T >= 64)
+    for (int t = 0; t < T; t++) {
+        const uint16_t *xr = x + (size_t)t * x_stride;
+        uint16_t *o = out + (size_t)t * N;
+        float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+        for (int i = 0; i < N; i++) {
+            const float v = bf16_to_f32(xr[i]);
+            ss += v * v;
+        }
+        const float r = 1.f / sqrtf(ss / (float)N + eps);
+#pragma omp simd
+        for (int i = 0; i < N; i++) o[i] = f32_to_bf16(bf16_to_f32(xr[i]) * r * bf16_to_f32(w[i]));
+    }
+}
+
+/* RoPE on the Q and K heads of the fused QKV matmul output, and the new K/V into the cache, in one pass.
+ * qkv: [T, (H + 2 KVH) * D] contiguous; Q heads are rotated in place, K heads rotated into the cache, V
+ * heads copied into it. cos, sin: [T, D] for each row's position (rotate-half form, the sign of the first
+ * half folded into sin: x' = x * cos + roll(x, D/2) * sin). Caches: [KVH, cache_tokens, D]; slots: [T].
+ * Returns 0, or -1 (nothing written) when a slot is outside the cache. */
+int rope_write_kv_bf16(uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, const int64_t *slots,
+                       uint16_t *k_cache, uint16_t *v_cache, int T, int H, int KVH, int D, int64_t cache_tokens) {
+    if (D % 2 || D > MAXD) return -1;
+    for (int t = 0; t < T; t++)
+        if (slots[t] < 0 || slots[t] >= cache_tokens) return -1;
+    const int half = D / 2;
+#pragma omp parallel for if (T >= 64)
+    for (int t = 0; t < T; t++) {
+        uint16_t *row = qkv + (size_t)t * (H + 2 * KVH) * D;
+        const uint16_t *c = cos + (size_t)t * D, *s = sin + (size_t)t * D;
+        for (int head = 0; head < H + KVH; head++) {
+            uint16_t *x = row + (size_t)head * D;
+            uint16_t *dst = head < H ? x : k_cache + ((size_t)(head - H) * cache_tokens + (size_t)slots[t]) * D;
+            float xf[MAXD];
+            for (int i = 0; i < D; i++) xf[i] = bf16_to_f32(x[i]);
+            for (int i = 0; i < D; i++) {
+                const float rolled = xf[i < half ? i + half : i - half];
+                dst[i] = f32_to_bf16(xf[i] * bf16_to_f32(c[i]) + rolled * bf16_to_f32(s[i]));
+            }
+        }
+        for (int h = 0; h < KVH; h++)
+            memcpy(v_cache + ((size_t)h * cache_tokens + (size_t)slots[t]) * D, row + (size_t)(H + KVH + h) * D,
+                   (size_t)D * sizeof(uint16_t));
+    }
+    return 0;
+}
+
+/* SwiGLU activation: out[t] = silu(gate[t]) * up[t] for gate_up [T, 2 I] = [gate | up], in float32.
+ * Returns -1 (nothing written) unless I is a multiple of 16. */
+int silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int T, int I) {
+    if (I % 16) return -1;
+#pragma omp parallel for if (T >= 64)
+    for (int t = 0; t < T; t++) {
+        const uint16_t *g = gate_up + (size_t)t * 2 * I, *u = g + I;
+        uint16_t *o = out + (size_t)t * I;
+        for (int i = 0; i < I; i += 16) {
+            const __m512 gv = load_bf16x16(g + i);
+            const __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f),
+                                                                              exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+            const __m512 r = _mm512_mul_ps(_mm512_mul_ps(gv, sig), load_bf16x16(u + i));
+            _mm256_storeu_si256((__m256i *)(o + i), (__m256i)_mm512_cvtneps_pbh(r));
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,160 @@
+"""Native CPU kernels (``csrc/cpu_kernels.c``) for the bf16 model: built on first use, loaded with ctypes.
+
+* Paged decode attention. Through PyTorch ops, decode attention first gathers every sequence's blocks
+  into a padded copy (``index_select``), then runs ``baddbmm`` / ``softmax`` / ``bmm`` on it: ~6 kernels per
+  layer and a write plus a re-read of all the context's K/V. The kernel reads the blocks in place through
+  the block table, in one pass (measured here, 16 sequences of ~110 tokens, 30 layers with cold caches:
+  4.3-5.7 ms vs 10.7-13.4 ms; a whole decode step at 16 streams 12 % shorter, steps interleaved).
+* RMSNorm, RoPE + the K/V cache write, and SiLU-and-multiply, each in one call instead of 2-6 small
+  PyTorch kernels (at 16 rows the dispatch, not the arithmetic, is their cost: RMSNorm 10 vs 35 us here).
+
+They need an x86-64 CPU with AVX512-BF16 (the bf16 model dtype's own condition) and a C compiler (``$CC``,
+else ``cc``). The shared object is cached under ``$SERVELAB_CACHE/native`` (default
+``~/.cache/servelab``), keyed by the source, flags and compiler, so the build (~1 s) happens once. Where
+any of this is missing, :func:`cpu_kernels` says why and the engine keeps the PyTorch ops. ctypes drops
+the GIL during each call; the kernels' OpenMP loops run on PyTorch's own thread team (same libgomp)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
+
+
+class CpuKernels:
+    """The loaded kernels. Tensors are bf16 on CPU; block ids must come from the block manager (< blocks)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        ptr = ctypes.c_void_p
+        self._attn = lib.paged_decode_attention_bf16
+        self._attn.restype = ctypes.c_int
+        self._attn.argtypes = [ptr, ctypes.c_int64, ptr, ptr, ptr, ptr, ptr] + [ctypes.c_int] * 7
+        self._norm = lib.rms_norm_bf16
+        self._norm.restype = None
+        self._norm.argtypes = [ptr, ctypes.c_int64, ptr, ptr, ctypes.c_int, ctypes.c_int, ctypes.c_float]
+        self._rope = lib.rope_write_kv_bf16
+        self._rope.restype = ctypes.c_int
+        self._rope.argtypes = [ptr] * 6 + [ctypes.c_int] * 4 + [ctypes.c_int64]
+        self._silu = lib.silu_mul_bf16
+        self._silu.restype = ctypes.c_int
+        self._silu.argtypes = [ptr, ptr, ctypes.c_int, ctypes.c_int]
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim of ``x`` [T, N] (rows may be strided)."""
+        t, n = x.shape
+        if not (x.dtype == weight.dtype == torch.bfloat16 and x.stride(1) == 1 and weight.shape == (n,)
+                and weight.is_contiguous()):
+            raise ValueError("rms_norm: unexpected tensor layout or dtype")
+        out = torch.empty((t, n), dtype=x.dtype)
+        self._norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), t, n, eps)
+        return out
+
+    def rope_write_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int) -> None:
+        """RoPE on the Q heads of ``qkv`` [T, (H + 2 KVH) * D] in place; the rotated K and the V heads into
+        the caches [KVH, blocks, block_size, D] at ``slots`` [T] (int64). ``cos``/``sin``: [T, 1, D], the
+        model's rotate-half tables (sign folded into ``sin``)."""
+        kvh, nb, bs, d = k_cache.shape
+        t = qkv.shape[0]
+        if not (qkv.dtype == cos.dtype == sin.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16
+                and qkv.is_contiguous() and qkv.shape[1] == (n_heads + 2 * kvh) * d and cos.is_contiguous()
+                and sin.is_contiguous() and cos.numel() == sin.numel() == t * d and slots.dtype == torch.int64
+                and slots.is_contiguous() and slots.shape == (t,) and k_cache.is_contiguous()
+                and v_cache.is_contiguous() and v_cache.shape == k_cache.shape):
+            raise ValueError("rope_write_kv: unexpected tensor layout or dtype")
+        if self._rope(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
+                      v_cache.data_ptr(), t, n_heads, kvh, d, nb * bs) != 0:
+            raise ValueError(f"rope_write_kv: a slot outside the cache ({nb * bs} slots) or head_dim {d} unsupported")
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``gate_up`` [T, 2 I] = [gate | up]."""
+        t, i2 = gate_up.shape
+        if not (gate_up.dtype == torch.bfloat16 and gate_up.is_contiguous() and i2 % 32 == 0):
+            raise ValueError("silu_mul: unexpected tensor layout or dtype (the width must be a multiple of 32)")
+        out = torch.empty((t, i2 // 2), dtype=gate_up.dtype)
+        self._silu(gate_up.data_ptr(), out.data_ptr(), t, i2 // 2)
+        return out
+
+    def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                 lens: torch.Tensor) -> torch.Tensor:
+        """Decode attention, one new token per sequence: ``q`` [B, H, D] (rows may be strided, heads
+        contiguous), caches [KVH, blocks, block_size, D] contiguous, ``tables`` [B, n] int64 block ids,
+        ``lens`` [B] int64 context lengths (the new token included, its K/V already in the cache)."""
+        b, h, d = q.shape
+        kvh, nb, bs, _ = k_cache.shape
+        if not (q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16 and q.stride()[1:] == (d, 1)
+                and k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
+                and tables.dtype == lens.dtype == torch.int64 and tables.is_contiguous() and lens.is_contiguous()
+                and tables.shape[0] == lens.shape[0] == b and k_cache.shape[3] == d):
+            raise ValueError("paged attention: unexpected tensor layout or dtype")
+        out = torch.empty((b, h, d), dtype=q.dtype)
+        rc = self._attn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                      lens.data_ptr(), out.data_ptr(), b, h, kvh, d, nb, bs, tables.shape[1])
+        if rc != 0:
+            raise ValueError(f"paged attention: shapes not supported (heads {h}/{kvh}, head_dim {d}, block {bs}) "
+                             "or a context length outside its block table")
+        return out
+
+
+def supports(head_dim: int, n_heads: int, n_kv_heads: int, block_size: int) -> str | None:
+    """Why the attention kernel cannot serve this model shape, or None when it can."""
+    if head_dim % 32 or head_dim > 256:
+        return f"head_dim {head_dim} (the kernel needs a multiple of 32, at most 256)"
+    if n_heads % n_kv_heads or n_heads // n_kv_heads > 16:
+        return f"{n_heads} query heads over {n_kv_heads} KV heads (at most 16 per KV head)"
+    if block_size % 16:
+        return f"block size {block_size} (the kernel needs a multiple of 16)"
+    return None
+
+
+@functools.cache
+def cpu_kernels() -> CpuKernels | str:
+    """The kernels, or the reason they are unavailable here (compiled and loaded once per process)."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"needs Linux on x86-64 (this is {platform.system()} on {platform.machine()})"
+    try:
+        cpu = Path("/proc/cpuinfo").read_text().split()
+    except OSError as e:
+        return f"cannot read /proc/cpuinfo: {e}"
+    missing = [f for f in CPU_FLAGS if f not in cpu]
+    if missing:
+        return f"the CPU lacks {', '.join(missing)}"
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    if cc is None:
+        return f"no C compiler ({os.environ.get('CC', 'cc')!r} not found; install gcc or set CC)"
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        src = SOURCE.read_bytes()
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"cannot run {cc}: {e}"
+    key = hashlib.sha256(src + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
+    out_dir = Path(os.environ.get("SERVELAB_CACHE") or Path.home() / ".cache" / "servelab") / "native"
+    so = out_dir / f"cpu_kernels-{key}.so"
+    if not so.exists():
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)  # build aside, then one atomic rename
+            os.close(fd)
+            res = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+            if res.returncode != 0:
+                os.unlink(tmp)
+                return f"{cc} failed to build {SOURCE.name}: {res.stderr.strip()[-500:]}"
+            os.replace(tmp, so)
+        except (OSError, subprocess.SubprocessError) as e:
+            return f"cannot build {SOURCE.name} into {out_dir}: {e}"
+    try:
+        return CpuKernels(ctypes.CDLL(str(so)))
+    except OSError as e:
+        return f"cannot load {so}: {e}"
