@@ -7,6 +7,7 @@
   4.3-5.7 ms vs 10.7-13.4 ms; a whole decode step at 16 streams 12 % shorter, steps interleaved).
 * RMSNorm, RoPE + the K/V cache write, and SiLU-and-multiply, each in one call instead of 2-6 small
   PyTorch kernels (at 16 rows the dispatch, not the arithmetic, is their cost: RMSNorm 10 vs 35 us here).
+* Greedy argmax over the logits rows (``torch.argmax`` took 0.68 ms for 16 x 49152 float32 here).
 
 They need an x86-64 CPU with AVX512-BF16 (the bf16 model dtype's own condition) and a C compiler (``$CC``,
 else ``cc``). The shared object is cached under ``$SERVELAB_CACHE/native`` (default
@@ -47,6 +48,9 @@ class CpuKernels:
         self._rope = lib.rope_write_kv_bf16
         self._rope.restype = ctypes.c_int
         self._rope.argtypes = [ptr] * 6 + [ctypes.c_int] * 4 + [ctypes.c_int64]
+        self._argmax = lib.argmax_rows_f32
+        self._argmax.restype = None
+        self._argmax.argtypes = [ptr, ptr, ctypes.c_int, ctypes.c_int]
         self._silu = lib.silu_mul_bf16
         self._silu.restype = ctypes.c_int
         self._silu.argtypes = [ptr, ptr, ctypes.c_int, ctypes.c_int]
@@ -86,6 +90,14 @@ class CpuKernels:
         out = torch.empty((t, i2 // 2), dtype=gate_up.dtype)
         self._silu(gate_up.data_ptr(), out.data_ptr(), t, i2 // 2)
         return out
+
+    def argmax(self, logits: torch.Tensor) -> list[int]:
+        """Row-wise argmax of float32 ``logits`` [B, V], as ``torch.argmax`` (first maximum; first NaN)."""
+        if not (logits.dtype == torch.float32 and logits.dim() == 2 and logits.is_contiguous()):
+            raise ValueError("argmax: unexpected tensor layout or dtype")
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        self._argmax(logits.data_ptr(), out.data_ptr(), logits.shape[0], logits.shape[1])
+        return out.tolist()
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                  lens: torch.Tensor) -> torch.Tensor:

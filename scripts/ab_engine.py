@@ -25,14 +25,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _copy_revision(rev: str, dest: Path) -> None:
-    """``reference_server/`` at ``rev`` as package ``rs_base`` under ``dest``."""
-    pkg = dest / "rs_base"
-    pkg.mkdir()
-    names = subprocess.check_output(["git", "ls-tree", "--name-only", rev, "reference_server/"], cwd=ROOT, text=True)
+    """``reference_server/`` at ``rev`` (with its ``csrc/`` kernel sources) as package ``rs_base`` under ``dest``."""
+    names = subprocess.check_output(["git", "ls-tree", "-r", "--name-only", rev, "reference_server/"], cwd=ROOT,
+                                    text=True)
     for name in names.split():
-        if name.endswith(".py"):
+        if name.endswith((".py", ".c")):
             src = subprocess.check_output(["git", "show", f"{rev}:{name}"], cwd=ROOT, text=True)
-            (pkg / Path(name).name).write_text(src.replace("reference_server.", "rs_base."))
+            target = dest / "rs_base" / Path(name).relative_to("reference_server")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(src.replace("reference_server.", "rs_base.") if name.endswith(".py") else src)
 
 
 def _engine(pkg: str, concurrency: int) -> tuple[Any, Any]:
@@ -80,7 +81,8 @@ def main(argv: list[str] | None = None) -> None:
                 if len(dt) == 2:
                     ratios.append(dt["new"] / dt["base"])
     for k in engines:
-        print(f"{k:4s} ({args.rev if k == 'base' else 'working tree'}): mean decode step "
+        kernels = getattr(engines[k][0].runner, "kernels", "torch")  # revisions before the native kernels
+        print(f"{k:4s} ({args.rev if k == 'base' else 'working tree'}, kernels {kernels}): mean decode step "
               f"{total[k] / steps[k] * 1000:6.2f} ms over {steps[k]} steps")
     mean_ratio = (total["new"] / steps["new"]) / (total["base"] / steps["base"])
     print(f"new/base step time: ratio of means {mean_ratio:.3f}, median of paired ratios {statistics.median(ratios):.3f}")

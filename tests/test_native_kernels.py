@@ -148,6 +148,19 @@ def test_silu_mul_matches_float32():
         kernels().silu_mul(torch.zeros(2, 48, dtype=torch.bfloat16))
 
 
+def test_argmax_matches_torch_with_ties_and_nan():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(16, 49152, generator=g)
+    x[1, 10] = x[1, 20] = x[1].max() + 1  # a tie: the first one wins
+    x[2] = 0.0  # all equal
+    x[3, 77] = float("nan")  # NaN counts as the maximum
+    x[4, -1] = float("inf")
+    assert kernels().argmax(x) == x.argmax(dim=-1).tolist()
+    assert kernels().argmax(x)[1:5] == [10, 0, 77, 49151]
+    with pytest.raises(ValueError, match="layout or dtype"):
+        kernels().argmax(x.bfloat16())
+
+
 def test_pick_kernels_says_which_and_why():
     spec, _ = _weights()
     cpu = torch.device("cpu")
