@@ -101,14 +101,16 @@ def meets_slo(r: Record, slo: dict[str, float]) -> bool:
 
 def steady_window(records: Sequence[Record]) -> tuple[float, float]:
     """[first send, last send] of measured requests, starting instead when the last warm-up request ended
-    if that is later: a warm-up request still in flight holds a slot (closed loop) or batch seat whose
-    tokens the window would not count. The whole run span when the window is degenerate."""
+    if that falls in the first half of it: a warm-up request still in flight holds a slot (closed loop)
+    or batch seat whose tokens the window would not count. (Warm-ups that end later, as in a short run of
+    one wave, would leave too short a window; it is kept whole.) The whole run span when the window is
+    degenerate."""
     measured = [r for r in records if not r["warmup"]]
     if not measured:
         return (0.0, 0.0)
     a, b = min(r["sent"] for r in measured), max(r["sent"] for r in measured)
     warm_end = max((r["end"] for r in records if r["warmup"]), default=a)
-    if a < warm_end < b - 1e-3:
+    if a < warm_end <= (a + b) / 2:
         a = warm_end
     if b - a <= 1e-3:
         b = max(r["end"] for r in measured)

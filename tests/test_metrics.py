@@ -73,13 +73,13 @@ def test_steady_window_starts_after_the_last_warmup_request():
     # closed loop of 2: one slot runs a 3 s warm-up request, the other measured 1 s requests from t=0;
     # while the warm-up is in flight only half the load is measured, so the window starts at its end
     warm = {**rec(0.0, [(0.1 * (j + 1), 1) for j in range(30)], 3.0), "warmup": True}
-    recs = [warm] + [rec(float(i), [(i + 0.1 * (j + 1), 1) for j in range(10)], i + 1.0) for i in range(6)]
+    recs = [warm] + [rec(float(i), [(i + 0.1 * (j + 1), 1) for j in range(10)], i + 1.0) for i in range(8)]
     s = metrics.summarize(recs, {"process": "closed", "concurrency": 2})
-    assert s["window"] == [3.0, 5.0]
-    assert s["throughput"]["steady"]["output_tok_per_s"] == pytest.approx(21 / 2)  # events at t in [3, 5], ends included
-    # a warm-up that outlasts every measured send leaves the window as it was
-    long_warm = {**warm, "end": 9.0}
-    assert metrics.summarize([long_warm] + recs[1:])["window"] == [0.0, 5.0]
+    assert s["window"] == [3.0, 7.0]
+    assert s["throughput"]["steady"]["output_tok_per_s"] == pytest.approx(41 / 4)  # events at t in [3, 7], ends included
+    # a warm-up that ends in the second half of the window (or outlasts it) leaves the window as it was
+    for end in (3.6, 9.0):
+        assert metrics.summarize([{**warm, "end": end}] + recs[1:])["window"] == [0.0, 7.0]
 
 
 def test_warmup_excluded_and_errors_by_kind():
