@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_reference_engine import PROMPTS, _codec, _weights
+from test_reference_engine import PROMPTS, _codec, _weights, capture_logits, dense_logits
 
 from reference_server import native
 from reference_server.config import EngineConfig
 from reference_server.engine import Engine
 from reference_server.model import RMSNorm
 from reference_server.model_runner import ModelRunner, pick_kernels
-from reference_server.scheduler import ScheduledBatch
-from reference_server.sequence import SamplingParams, Sequence
+from reference_server.sequence import SamplingParams
 from reference_server.tokenizer import default_model_path
 
 BF16_ULP = 2.0**-7  # relative spacing of bf16 numbers: one rounding step
@@ -185,16 +184,7 @@ def _logit_errors(kernels_choice: str, dense: Engine) -> tuple[torch.Tensor, flo
                        max_num_batched_tokens=20)
     engine = Engine(cfg, ModelRunner(cfg, spec, w), _codec())
     assert (engine.runner.native is not None) == (kernels_choice == "native")
-    captured: list[tuple[list[list[int]], torch.Tensor]] = []
-    forward = engine.runner.forward
-
-    def spy(batch: ScheduledBatch, *a: object, **kw: object) -> torch.Tensor:
-        rows = [list(s.token_ids) for s, n in batch.items if s.num_computed_tokens + n == s.num_tokens]
-        out = forward(batch, *a, **kw)
-        captured.append((rows, out))
-        return out
-
-    engine.runner.forward = spy  # type: ignore[method-assign]
+    captured = capture_logits(engine)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     seqs = [engine.add_request(_codec().encode(p), params) for p in PROMPTS]
     for _ in range(3):
@@ -206,10 +196,7 @@ def _logit_errors(kernels_choice: str, dense: Engine) -> tuple[torch.Tensor, flo
     errors, agree = [], 0
     for rows, logits in captured:
         for tokens, got in zip(rows, logits, strict=True):
-            seq = Sequence(tokens, params)
-            dense.scheduler.add(seq)
-            want = dense.runner.forward(dense.scheduler.schedule())[0]
-            dense.scheduler.finish(seq, "abort")
+            want = dense_logits(dense, tokens, params)
             errors.append((got - want).abs().max().item())
             agree += int(got.argmax() == want.argmax())
     mixed = any(r.prefill_tokens and r.decode_tokens for r in engine.iterations)

@@ -50,6 +50,31 @@ def check_invariants(engine: Engine) -> None:
         assert (block.ref_count == 0) == (block.block_id in bm.free)
 
 
+def capture_logits(engine: Engine) -> list[tuple[list[list[int]], torch.Tensor]]:
+    """Wrap ``engine.runner.forward``; the returned list fills with (token ids of each row that got
+    logits, those logits) per step."""
+    captured: list[tuple[list[list[int]], torch.Tensor]] = []
+    forward = engine.runner.forward
+
+    def spy(batch: ScheduledBatch, *a: object, **kw: object) -> torch.Tensor:
+        rows = [list(s.token_ids) for s, n in batch.items if s.num_computed_tokens + n == s.num_tokens]
+        out = forward(batch, *a, **kw)
+        captured.append((rows, out))
+        return out
+
+    engine.runner.forward = spy  # type: ignore[method-assign]
+    return captured
+
+
+def dense_logits(dense: Engine, tokens: list[int], params: SamplingParams) -> torch.Tensor:
+    """Last-position logits of ``tokens`` by one fresh forward over the whole sequence; frees its blocks."""
+    seq = Sequence(tokens, params)
+    dense.scheduler.add(seq)
+    want = dense.runner.forward(dense.scheduler.schedule())[0]
+    dense.scheduler.finish(seq, "abort")
+    return want
+
+
 PROMPTS = [
     "<|im_start|>user\nWrite one sentence about the sea.<|im_end|>\n<|im_start|>assistant\n",
     "<|im_start|>user\nWrite one sentence about the sea and the sky.<|im_end|>\n<|im_start|>assistant\n",
@@ -102,16 +127,7 @@ def test_paged_chunked_prefix_forward_equals_dense_recompute():
     """Logits of every sampled row of a chunked, prefix-cached, mixed batch == a fresh dense forward."""
     engine = make_engine(block_size=4, num_kv_blocks=128, max_num_batched_tokens=9)
     dense = make_engine(num_kv_blocks=64, max_num_batched_tokens=4096, enable_prefix_caching=False)
-    captured: list[tuple[list[list[int]], torch.Tensor]] = []
-    forward = engine.runner.forward
-
-    def spy(batch: ScheduledBatch, *a: object, **kw: object) -> torch.Tensor:
-        rows = [list(s.token_ids) for s, n in batch.items if s.num_computed_tokens + n == s.num_tokens]
-        out = forward(batch, *a, **kw)
-        captured.append((rows, out))
-        return out
-
-    engine.runner.forward = spy  # type: ignore[method-assign]
+    captured = capture_logits(engine)
     codec = _codec()
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     first = engine.add_request(codec.encode(PROMPTS[0]), params)
@@ -123,15 +139,9 @@ def test_paged_chunked_prefix_forward_equals_dense_recompute():
     checked = 0
     for rows, logits in captured:
         for tokens, got in zip(rows, logits, strict=True):
-            bm, sch = dense.block_manager, dense.scheduler
-            seq = Sequence(tokens, params)
-            sch.add(seq)
-            batch = sch.schedule()
-            want = dense.runner.forward(batch)[0]
-            sch.finish(seq, "abort")
-            torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+            torch.testing.assert_close(got, dense_logits(dense, tokens, params), atol=2e-4, rtol=1e-4)
             checked += 1
-            assert bm.num_used == 0
+            assert dense.block_manager.num_used == 0
     assert checked >= 12
 
 
