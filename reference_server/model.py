@@ -37,7 +37,6 @@ class AttnBatch:
     prefills: list[PrefillGroup]
     decode_rows: torch.Tensor | None = None  # rows with exactly one new token
     # decode rows by the native kernel (native.py): it reads the blocks in place
-    decode_kernel: CpuKernels | None = None
     decode_tables: torch.Tensor | None = None  # [B, nblk] int64 block tables padded to the longest
     decode_lens: torch.Tensor | None = None  # [B] int64 context lengths
     # decode rows by PyTorch ops: blocks gathered, padding masked
@@ -128,7 +127,7 @@ class Layer(torch.nn.Module):
             v = qkv[:, self.q_size + self.kv_size :].view(t, s.n_kv_heads, s.head_dim)
             k_cache.view(s.n_kv_heads, -1, s.head_dim).index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
             v_cache.view(s.n_kv_heads, -1, s.head_dim).index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
-        attn = _attention(q, k_cache, v_cache, batch)
+        attn = _attention(q, k_cache, v_cache, batch, self.native)
         x = self.o(attn.reshape(t, self.q_size), residual=x)
         gate_up = self.gate_up(self.ffn_norm(x))
         if self.native is not None:
@@ -143,12 +142,13 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
-def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttnBatch) -> torch.Tensor:
+def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttnBatch,
+               native: CpuKernels | None = None) -> torch.Tensor:
     """Attention over the paged cache ``[KVH, blocks, block_size, D]`` (GQA); ``q`` comes pre-scaled by
     1/sqrt(D) (folded into the weights).
 
-    All single-token (decode) rows go in one call: the native kernel when the batch carries it (it reads
-    the blocks in place, see native.py), else two batched matmuls over (sequence, KV head) on gathered
+    All single-token (decode) rows go in one call: the native kernel when given (it reads the blocks in
+    place, see native.py), else two batched matmuls over (sequence, KV head) on gathered
     blocks: the gather is ordered so that it already is ``[B * KVH, ctx, D]``, which makes the queries'
     ``[B, H, D]`` a free view ``[B * KVH, G, D]`` and the output come back as ``[B, H, D]`` with no permuted
     copy. Each prefill chunk runs as its own SDPA call on its gathered blocks (causal within the chunk,
@@ -159,9 +159,9 @@ def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ba
     k_rows, v_rows = k_cache.view(kvh * nb, bs * d), v_cache.view(kvh * nb, bs * d)
     if batch.decode_rows is not None:
         qd = q if decode_only else q.index_select(0, batch.decode_rows)  # [B, H, D]
-        if batch.decode_kernel is not None:
+        if native is not None:
             assert batch.decode_tables is not None and batch.decode_lens is not None
-            o = batch.decode_kernel.paged_attention(qd, k_cache, v_cache, batch.decode_tables, batch.decode_lens)
+            o = native.paged_attention(qd, k_cache, v_cache, batch.decode_tables, batch.decode_lens)
         else:
             assert batch.decode_cache_rows is not None and batch.decode_bias is not None
             b, h, _ = qd.shape
@@ -189,7 +189,7 @@ def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ba
 
 class LlamaModel(torch.nn.Module):
     """Llama with tied (or separate) output head; weights converted once to ``dtype``. ``native``: the CPU
-    kernels (native.py) for the norms; decode attention takes them from the step's AttnBatch."""
+    kernels (native.py) for the norms, RoPE + KV write, decode attention and SiLU-and-multiply."""
 
     def __init__(self, spec: ModelSpec, w: dict[str, torch.Tensor], dtype: torch.dtype,
                  native: CpuKernels | None = None) -> None:

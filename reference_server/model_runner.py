@@ -158,7 +158,7 @@ class ModelRunner:
             lens = torch.tensor([ctx for _, ctx in dec_seqs])
             attn.decode_rows = torch.tensor(dec_rows, dtype=torch.long, device=dev)
             if self.native is not None:  # read in place through the tables
-                attn.decode_kernel, attn.decode_tables, attn.decode_lens = self.native, tables, lens
+                attn.decode_tables, attn.decode_lens = tables, lens
             else:  # gathered as cache rows, padding masked by a bias
                 attn.decode_cache_rows = self._cache_rows(tables)
                 pad = torch.arange(nblk * bs)[None, :] >= lens[:, None]
