@@ -1,0 +1,19 @@
+"""Exit codes of every ``bench`` command: the one table (documented in README.md and docs/architecture.md).
+
+A script can trust them: 0 only when the run did what was asked and met its checks.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    FAILED = 1  # ran, but failed its checks: error rate above --max-error-rate, a point failed, a gate regression
+    USAGE = 2  # bad usage or bad input (nothing was run)
+    SERVER_GONE = 3  # the server was unreachable or went away mid-run (the point is marked aborted)
+    SLO_UNREACHABLE = 4  # bench capacity: the SLOs fail already at the lowest load
+    NOT_SATURATED = 5  # bench capacity: the SLOs still hold at the highest load the budget allowed
+    INTERRUPTED = 130  # SIGINT (Ctrl-C): partial results written
+    TERMINATED = 143  # SIGTERM: partial results written
