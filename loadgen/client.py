@@ -380,3 +380,16 @@ def _classify(exc: BaseException, got_headers: bool) -> str:
     if got_headers:
         return "disconnect"
     return "connect"
+
+
+async def probe(base_url: str, path: str = "/health", timeout: float = 5.0) -> bool:
+    """Is a server still there? Any HTTP answer (even 404 or 503) or a slow one (it accepted the
+    connection) says yes; a refused, reset or closed connection says no."""
+    try:
+        async with httpx.AsyncClient(trust_env=False, timeout=timeout) as c:
+            await c.get(base_url + path)
+    except httpx.TimeoutException as exc:
+        return not isinstance(exc, httpx.ConnectTimeout)
+    except (httpx.HTTPError, OSError):
+        return False
+    return True

@@ -62,11 +62,14 @@ async def test_every_fault_is_recorded_with_its_kind_and_the_run_completes(null_
     assert "injected server error" in by_id["r1"]["error"]["message"]
 
 
-async def test_connection_refused_is_a_connect_error(tmp_path):
+async def test_connection_refused_is_a_connect_error_and_aborts_the_point(tmp_path):
+    """Nobody listening: the first request is a connect error, the health probes confirm it, and the
+    point stops there (aborted) instead of spinning through the other requests as instant errors."""
     url = f"http://127.0.0.1:{free_port()}"
-    s, recs = await point(url, tmp_path, LoadSpec("closed", concurrency=1, num_requests=2))
+    s, recs = await point(url, tmp_path, LoadSpec("closed", concurrency=2, num_requests=50))
     assert [r["error"]["kind"] for r in recs] == ["connect", "connect"]
-    assert recs[0]["status"] is None
+    assert recs[0]["status"] is None and recs[0]["retries"] == 0  # a fresh connection is never retried
+    assert s["status"] == "aborted" and "stopped accepting connections" in s["aborted"]["reason"]
 
 
 @pytest.mark.parametrize("continuous", [True, False])
