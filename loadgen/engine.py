@@ -298,6 +298,9 @@ async def run_point(
         conns = load.concurrency if load.process == "closed" else load.max_inflight
         client = make_client(client_kind, max_connections=conns or 1, stall_timeout=load.stall_timeout)
     writer = RecordWriter(out_dir / "requests.jsonl")
+    pid = point_id or load.point_id()
+    plan = {"point_id": pid, "load": load.describe(), "workload": workload.describe(), "labels": labels or {}}
+    (out_dir / "point.json").write_text(json.dumps(plan, indent=1, default=str))  # a killed point's summary needs it
     d = _Dispatch(backend, workload, load, clock, client, writer, progress)
     for sc in sidecars:
         sc.start(clock, out_dir)
@@ -318,10 +321,7 @@ async def run_point(
         if own_client:
             await client.aclose()
     records = read_records(out_dir / "requests.jsonl")
-    summary: dict[str, Any] = {
-        "point_id": point_id or load.point_id(), "load": load.describe(), "workload": workload.describe(),
-        "labels": labels or {}, "t_start": d.t_start, "t_end": clock.now(), "status": "complete",
-    }  # fmt: skip
+    summary: dict[str, Any] = {**plan, "t_start": d.t_start, "t_end": clock.now(), "status": "complete"}
     summary.update(metrics.summarize(records, load.describe(), slo, client_cpu=cpu, client_wait=wait))
     if early is not None:
         summary.update(early)

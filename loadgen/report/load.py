@@ -1,6 +1,7 @@
 """Read result directories (docs/architecture.md layout) into plain, array-friendly structures.
 
-Only ``summary.json`` and ``points/<id>/requests.jsonl`` are required; every other series is optional
+Only ``points/<id>/requests.jsonl`` is required (without ``summary.json`` the summary is recomputed from
+the records: :func:`loadgen.results.read_summary`); every other series is optional
 and simply absent from the report when its file is missing or empty.
 """
 
@@ -13,6 +14,8 @@ from typing import Any
 
 import numpy as np
 import orjson
+
+from loadgen.results import read_summary
 
 
 class ReportInputError(ValueError):
@@ -136,7 +139,12 @@ def load_run(path: Path) -> RunData:
     path = Path(path)
     if not path.is_dir():
         raise ReportInputError(f"{path} is not a directory: pass a results/<run_id> directory")
-    summary = _read_json(path / "summary.json")
+    try:
+        summary, _ = read_summary(path)
+    except FileNotFoundError as exc:
+        raise ReportInputError(str(exc)) from None
+    except ValueError as exc:
+        raise ReportInputError(f"{path / 'summary.json'}: {exc}") from None
     if not isinstance(summary, dict):
         raise ReportInputError(f"{path / 'summary.json'} must hold a JSON object")
     run = _read_json(path / "run.json") if (path / "run.json").is_file() else {}
