@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from test_robust_runs import default_cli_run  # tests/ is on sys.path
 from typer.testing import CliRunner
 
 from backends.base import GenRequest
@@ -78,6 +79,23 @@ def run(backend, workload, out_dir, n, concurrency=1, sidecars=()):
     load = LoadSpec(concurrency=concurrency, num_requests=n, timeout=60, stall_timeout=30)
     summary = run_async(run_point(backend, workload, load, out_dir, RunClock(), sidecars))
     return summary, read_records(out_dir / "requests.jsonl")
+
+
+@pytest.fixture(scope="module")
+def server16(tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("llama16") / "server.log"
+    with ServerProcess(render_command(SERVER, {"np": "16"}, port), port, log, health_timeout_s=60) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("concurrency", [4, 16])
+def test_default_bench_run_has_no_errors(server16, tmp_path, concurrency):
+    """Issue 17: llama-server closes kept-alive connections after a stream while the client reuses
+    them; with the default backend (auto -> llamacpp) and client, 100 requests of exactly 128 tokens
+    finishing in waves lose none."""
+    recs = default_cli_run(server16.base_url, tmp_path, concurrency, backend="llamacpp")
+    assert all(r["extra"]["timings"]["predicted_n"] == 128 for r in recs)
 
 
 def test_native_stream_exact_counts(server, tmp_path):

@@ -24,6 +24,36 @@ from loadgen.nullserver import NullServerProcess
 from loadgen.records import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
+WAVES = """
+[[classes]]
+name = "waves"
+prompt = { dist = "fixed", value = 32 }
+output = { dist = "fixed", value = 128 }
+"""
+
+
+def default_cli_run(url: str, tmp_path: Path, concurrency: int, backend: str, n: int = 100) -> list[dict]:
+    """`bench run` as a user types it (default backend and client) at ``concurrency``: ``n`` requests of
+    32 prompt tokens and exactly 128 output tokens, so finishes arrive in synchronised waves (the
+    keep-alive race at its worst). Asserts 0 errors, exact counts and the detected ``backend``."""
+    from typer.testing import CliRunner
+
+    from loadgen.cli import app
+
+    (tmp_path / "waves.toml").write_text(WAVES)
+    rid = f"waves-c{concurrency}"
+    res = CliRunner().invoke(app, ["run", "--url", url, "--workload", str(tmp_path / "waves.toml"),
+                                   "--concurrency", str(concurrency), "--num-requests", str(n),
+                                   "--output-dir", str(tmp_path), "--run-id", rid])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    run_dir = tmp_path / rid
+    assert json.loads((run_dir / "run.json").read_text())["backend_detection"]["backend"] == backend
+    (point,) = json.loads((run_dir / "summary.json").read_text())["points"]
+    recs = read_records(run_dir / "points" / point["point_id"] / "requests.jsonl")
+    assert point["counts"]["errors"] == 0 and len(recs) == n, point["errors"]
+    assert all(r["error"] is None and r["output_tokens"] == 128 for r in recs)
+    assert point["status"] == "complete"
+    return recs
 
 
 def run(url: str, out: Path, client: str, n: int, concurrency: int = 4, bodies: list | None = None):
