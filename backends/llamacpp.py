@@ -33,10 +33,6 @@ LLAMACPP_PROFILE = ServerProfile(
 )
 
 _FINISH = {"limit": "length", "eos": "stop", "word": "stop"}
-# llama-server's HTTP layer (cpp-httplib, keep-alive timeout 5 s) may close a kept-alive connection
-# after a long response while the client already reuses it ("cannot write request body"); one fresh
-# loopback connection per request costs ~0.1 ms.
-NO_KEEPALIVE = {"Connection": "close"}
 
 
 def timings_extra(timings: dict[str, Any]) -> dict[str, Any]:
@@ -69,7 +65,7 @@ class LlamaCppNativeBackend(NativeBackend):
         if req.seed is not None:
             body["seed"] = req.seed
         body.update(self.body_extras(req.extra_body))
-        return HttpCall(path="/completion", body=body, headers={**self.auth_headers(), **NO_KEEPALIVE})
+        return HttpCall(path="/completion", body=body, headers=self.auth_headers())
 
     def parse(self, data: str, state: ParseState) -> list[Delta]:
         obj = loads_json(data)
@@ -108,11 +104,6 @@ class LlamaCppBackend(OpenAIBackend):
 
     name: ClassVar[str] = "llamacpp"
     server: ClassVar[ServerProfile] = LLAMACPP_PROFILE
-
-    def build(self, req: GenRequest) -> HttpCall:
-        call = super().build(req)
-        call.headers.update(NO_KEEPALIVE)
-        return call
 
     def parse(self, data: str, state: ParseState) -> list[Delta]:
         if data == "[DONE]" or ('"usage"' not in data and '"timings"' not in data):

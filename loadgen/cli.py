@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -578,6 +579,9 @@ def calibrate(
 
 
 def main() -> None:
+    # SIGTERM outside a load loop (e.g. while a server starts) unwinds like Ctrl-C, so a server bench
+    # started is stopped; inside one, run_async turns it into an interrupted point.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(ExitCode.TERMINATED))
     app()
 
 
