@@ -143,8 +143,8 @@ def load_run(path: Path) -> RunData:
         summary, _ = read_summary(path)
     except FileNotFoundError as exc:
         raise ReportInputError(str(exc)) from None
-    except ValueError as exc:
-        raise ReportInputError(f"{path / 'summary.json'}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ReportInputError(f"{path / 'summary.json'} is not valid JSON ({exc.msg} at line {exc.lineno})") from exc
     if not isinstance(summary, dict):
         raise ReportInputError(f"{path / 'summary.json'} must hold a JSON object")
     run = _read_json(path / "run.json") if (path / "run.json").is_file() else {}
