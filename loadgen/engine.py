@@ -70,11 +70,19 @@ class Signals:
         self.event = asyncio.Event()
 
     def receive(self, signum: int) -> None:
-        if self.signum is not None:  # the second one: leave now (every finished record is on disk)
-            print(f"\n{signal.Signals(signum).name} again: exiting now", file=sys.stderr, flush=True)
-            os._exit(128 + signum)
+        if self.signum is not None:
+            _exit_now(signum)
         self.signum = signum
         self.event.set()
+        name = signal.Signals(signum).name
+        print(f"\n{name}: stopping; writing the partial summary and report ({name} again exits at once)",
+              file=sys.stderr, flush=True)  # fmt: skip
+
+
+def _exit_now(signum: int, *_: object) -> None:
+    """The second signal: leave at once (every finished record is already on disk)."""
+    print(f"\n{signal.Signals(signum).name} again: exiting now", file=sys.stderr, flush=True)
+    os._exit(128 + signum)
 
 
 _SIGNALS: ContextVar[Signals | None] = ContextVar("servelab_signals", default=None)
@@ -455,6 +463,8 @@ async def _with_signals(coro: Coroutine[Any, Any, T]) -> T:
         _SIGNALS.reset(token)
         for sig in installed:
             loop.remove_signal_handler(sig)
+            if signals.signum is not None:  # stopping already (summary, report): the next one exits now
+                signal.signal(sig, _exit_now)
 
 
 def interrupted_by() -> int | None:

@@ -244,3 +244,27 @@ def test_error_rate_above_the_limit_fails_with_the_top_kinds(tmp_path, null_serv
     assert res.exit_code == ExitCode.FAILED, res.output
     said = " ".join(res.output.split())
     assert "no request succeeded" in said and "http_5xx: 20" in said, res.output
+
+
+def test_second_ctrl_c_exits_at_once(tmp_path, null_server):
+    """Two Ctrl-Cs in a row: the second does not wait for the partial summary, it exits 130 now
+    (every finished record is already on disk)."""
+    args = ["run", "--url", null_server, "--concurrency", "4", "--num-requests", "100000", "--output-dir",
+            str(tmp_path), "--run-id", "twice", "--poll-hz", "0", "--telemetry-hz", "0",
+            "--extra-body", '{"nullserver": {"itl": 0.01}}']  # fmt: skip
+    proc = _bench(args, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    reqs = tmp_path / "twice" / "points" / "c004" / "requests.jsonl"
+    _wait_records(reqs, 10, proc)
+    proc.send_signal(signal.SIGINT)
+    seen = b""
+    assert proc.stdout is not None
+    while b"again exits at once" not in seen:  # the first one is being handled: the second comes now
+        line = proc.stdout.readline()
+        assert line, seen.decode()
+        seen += line
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=30)
+    out = seen + out
+    assert proc.returncode == ExitCode.INTERRUPTED and "SIGINT again: exiting now" in out.decode(), out.decode()
+    lines = reqs.read_bytes().split(b"\n")
+    assert lines[-1] == b"" and all(json.loads(x)["id"] for x in lines[:-1])  # no torn record
