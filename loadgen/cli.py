@@ -140,11 +140,11 @@ def detect_server(url: str, api_key: str | None) -> Detection:
 
 def make_backend(
     name: str, url: str, model: str | None, api: str | None, api_key: str | None, continuous_usage: bool,
-    extra_body: str | None, detection: Detection | None = None,
+    extra_body: str | None,
 ) -> Backend:  # fmt: skip
-    """The backend ``name`` for ``url``; ``auto`` takes the one ``detection`` (or a fresh one) names."""
+    """The backend ``name`` for ``url``; ``auto`` asks the server (:func:`detect_server`)."""
     if name == "auto":
-        name = (detection or detect_server(url, api_key)).backend
+        name = detect_server(url, api_key).backend
     try:
         extra = json.loads(extra_body) if extra_body else {}
     except json.JSONDecodeError as exc:
@@ -377,10 +377,10 @@ def _go(
 
     def go(target: str, gp: GridPoint | None = None, previous: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         det = detect_server(target, api_key)
-        name = det.backend if backend == "auto" else backend
-        how = f"auto: {det.server}" if backend == "auto" and det.server else "auto: unknown server, plain OpenAI"
-        if backend != "auto":
-            how = f"forced; the server looks like {det.server}" if det.server else "forced"
+        if backend == "auto":
+            name, how = det.backend, f"auto: {det.server}" if det.server else "auto: unknown server, plain OpenAI"
+        else:
+            name, how = backend, f"forced; the server looks like {det.server}" if det.server else "forced"
         console.print(f"[dim]backend: {name} ({how}; {det.evidence})[/]")
         be = make_backend(name, target, model, api, api_key, continuous_usage, extra_body)
         todo = plans if gp is None else [
