@@ -33,6 +33,11 @@ LLAMACPP_PROFILE = ServerProfile(
 )
 
 _FINISH = {"limit": "length", "eos": "stop", "word": "stop"}
+# One connection per request. llama-server closes kept-alive connections after a stream while the client
+# may already reuse them; the client's retry (loadgen/client.py) makes that harmless for any backend, but
+# keep-alive still measured slower against llama-server: c=16, 3 interleaved rounds of 64 x 128-token
+# requests (scripts/keepalive_ab.py), median 54 vs 68 output tok/s, TTFT p50 5.2 vs 3.2 s (docs/backends.md).
+NO_KEEPALIVE = {"Connection": "close"}
 
 
 def timings_extra(timings: dict[str, Any]) -> dict[str, Any]:
@@ -65,7 +70,7 @@ class LlamaCppNativeBackend(NativeBackend):
         if req.seed is not None:
             body["seed"] = req.seed
         body.update(self.body_extras(req.extra_body))
-        return HttpCall(path="/completion", body=body, headers=self.auth_headers())
+        return HttpCall(path="/completion", body=body, headers={**self.auth_headers(), **NO_KEEPALIVE})
 
     def parse(self, data: str, state: ParseState) -> list[Delta]:
         obj = loads_json(data)
@@ -104,6 +109,11 @@ class LlamaCppBackend(OpenAIBackend):
 
     name: ClassVar[str] = "llamacpp"
     server: ClassVar[ServerProfile] = LLAMACPP_PROFILE
+
+    def build(self, req: GenRequest) -> HttpCall:
+        call = super().build(req)
+        call.headers.update(NO_KEEPALIVE)
+        return call
 
     def parse(self, data: str, state: ParseState) -> list[Delta]:
         if data == "[DONE]" or ('"usage"' not in data and '"timings"' not in data):

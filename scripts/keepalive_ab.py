@@ -2,9 +2,9 @@
 
     .venv/bin/python scripts/keepalive_ab.py --rounds 3 --concurrency 16 --num-requests 64
 
-Side ``keepalive``: the ``llamacpp`` backend as it is (pooled connections, the client's one retry on a
-connection the server closed). Side ``close``: the same backend sending ``Connection: close`` (one fresh
-connection per request, the former workaround). Same server, workload (32-token prompts, exactly 128
+Side ``close``: the ``llamacpp`` backend as it is (``Connection: close``: one fresh connection per
+request). Side ``keepalive``: the same backend without that header (pooled connections, with the client's
+one retry when llama-server has closed the pooled connection). Same server, workload (32-token prompts, exactly 128
 output tokens) and client; rounds alternate the order. Prints one JSON line per run and the medians.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from backends.base import GenRequest, HttpCall
 from backends.launcher import ServerProcess, free_port, render_command
-from backends.llamacpp import LlamaCppBackend
+from backends.llamacpp import NO_KEEPALIVE, LlamaCppBackend
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, run_async, run_point
 from loadgen.records import read_records
@@ -33,12 +33,13 @@ output = { dist = "fixed", value = 128 }
 """
 
 
-class ClosingLlamaCpp(LlamaCppBackend):
-    """The former workaround: no keep-alive."""
+class KeepAliveLlamaCpp(LlamaCppBackend):
+    """The backend with pooled keep-alive connections."""
 
     def build(self, req: GenRequest) -> HttpCall:
         call = super().build(req)
-        call.headers["Connection"] = "close"
+        for name in NO_KEEPALIVE:
+            call.headers.pop(name)
         return call
 
 
@@ -55,8 +56,8 @@ def main() -> None:
     port = free_port()
     rows: dict[str, list[dict[str, float]]] = {"keepalive": [], "close": []}
     with ServerProcess(render_command(SERVER, {}, port), port, tmp / "server.log", health_timeout_s=120) as srv:
-        sides = {"keepalive": LlamaCppBackend(srv.base_url, model="smol"),
-                 "close": ClosingLlamaCpp(srv.base_url, model="smol")}  # fmt: skip
+        sides = {"keepalive": KeepAliveLlamaCpp(srv.base_url, model="smol"),
+                 "close": LlamaCppBackend(srv.base_url, model="smol")}  # fmt: skip
         for k in range(args.rounds):
             for side in ("keepalive", "close") if k % 2 == 0 else ("close", "keepalive"):
                 out = tmp / f"{side}-{k}"
