@@ -91,9 +91,8 @@ def server16(tmp_path_factory):
 
 @pytest.mark.parametrize("concurrency", [4, 16])
 def test_default_bench_run_has_no_errors(server16, tmp_path, concurrency):
-    """Issue 17: llama-server closes kept-alive connections after a stream while the client reuses
-    them; with the default backend (auto -> llamacpp) and client, 100 requests of exactly 128 tokens
-    finishing in waves lose none."""
+    """Issue 17: as a user types it (auto -> llamacpp, default client), 100 requests of exactly 128
+    tokens finishing in waves (where llama-server's keep-alive closes bit) lose none."""
     recs = default_cli_run(server16.base_url, tmp_path, concurrency, backend="llamacpp")
     assert all(r["extra"]["timings"]["predicted_n"] == 128 for r in recs)
 
