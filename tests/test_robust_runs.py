@@ -32,10 +32,13 @@ output = { dist = "fixed", value = 128 }
 """
 
 
-def default_cli_run(url: str, tmp_path: Path, concurrency: int, backend: str, n: int = 100) -> list[dict]:
+def default_cli_run(
+    url: str, tmp_path: Path, concurrency: int, backend: str, n: int = 100, args: tuple[str, ...] = (),
+) -> list[dict]:  # fmt: skip
     """`bench run` as a user types it (default backend and client) at ``concurrency``: ``n`` requests of
     32 prompt tokens and exactly 128 output tokens, so finishes arrive in synchronised waves (the
-    keep-alive race at its worst). Asserts 0 errors, exact counts and the detected ``backend``."""
+    keep-alive race at its worst). Asserts 0 errors, exact counts and the detected ``backend``; ``args``
+    are extra CLI options."""
     from typer.testing import CliRunner
 
     from loadgen.cli import app
@@ -44,7 +47,7 @@ def default_cli_run(url: str, tmp_path: Path, concurrency: int, backend: str, n:
     rid = f"waves-c{concurrency}"
     res = CliRunner().invoke(app, ["run", "--url", url, "--workload", str(tmp_path / "waves.toml"),
                                    "--concurrency", str(concurrency), "--num-requests", str(n),
-                                   "--output-dir", str(tmp_path), "--run-id", rid])  # fmt: skip
+                                   "--output-dir", str(tmp_path), "--run-id", rid, *args])  # fmt: skip
     assert res.exit_code == 0, res.output
     run_dir = tmp_path / rid
     assert json.loads((run_dir / "run.json").read_text())["backend_detection"]["backend"] == backend
