@@ -38,9 +38,10 @@ _ERROR_BODY_LIMIT = 64 * 1024
 class StaleConnection(Exception):
     """A reused keep-alive connection failed before the server sent any byte of a response.
 
-    The server closed the idle connection (llama-server does right after a stream ends) while the
-    client was already reusing it; the request never reached the server's handler, so it is safe to
-    send it again on a fresh connection. The cause is the transport's own exception."""
+    Almost always the server closed the idle connection (llama-server does right after a stream ends)
+    while the client was already reusing it, so the request never reached a handler; as browsers do,
+    it is sent once more on a fresh connection. A server that really drops a request fails the fresh
+    attempt too, and that error is recorded. The cause is the transport's own exception."""
 
 
 class _Attempt:
