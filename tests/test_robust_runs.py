@@ -279,3 +279,60 @@ def test_second_ctrl_c_exits_at_once(tmp_path, null_server):
     assert proc.returncode == ExitCode.INTERRUPTED and "SIGINT again: exiting now" in out.decode(), out.decode()
     lines = reqs.read_bytes().split(b"\n")
     assert lines[-1] == b"" and all(json.loads(x)["id"] for x in lines[:-1])  # no torn record
+
+
+def test_sweep_stops_at_a_dead_server_and_exits_with_the_worst_point(tmp_path):
+    """c=1 runs clean, the server dies during c=2: that point is aborted, c=4 never runs (a sweep stops
+    by default), and the sweep exits SERVER_GONE, the worst of its points."""
+    from typer.testing import CliRunner
+
+    from loadgen.cli import app
+    from loadgen.exitcodes import worst
+
+    assert worst([ExitCode.OK, ExitCode.FAILED, ExitCode.SERVER_GONE]) == ExitCode.SERVER_GONE
+    assert worst([ExitCode.SERVER_GONE, ExitCode.INTERRUPTED]) == ExitCode.INTERRUPTED and worst([]) == ExitCode.OK
+    with NullServerProcess(die_after=16, itl=0.01) as url:
+        res = CliRunner().invoke(app, ["sweep", "--url", url, "--concurrency", "1,2,4", "--num-requests", "10",
+                                       "--warmup", "0", "--output-dir", str(tmp_path), "--run-id", "s",
+                                       "--poll-hz", "0", "--telemetry-hz", "0"])  # fmt: skip
+    assert res.exit_code == ExitCode.SERVER_GONE, res.output
+    points = json.loads((tmp_path / "s" / "summary.json").read_text())["points"]
+    assert [(p["point_id"], p["status"]) for p in points] == [("c001", "complete"), ("c002", "aborted")]
+    assert points[0]["counts"]["errors"] == 0 and "server gone" in res.output
+
+
+def test_sweep_waits_for_the_server_with_wait_for_server(tmp_path):
+    """--wait-for-server: after the aborted point the sweep waits for the server (restarted here on the
+    same port) and goes on with the next point; the exit code still reports the aborted point."""
+    import threading
+
+    from typer.testing import CliRunner
+
+    from loadgen.cli import app
+
+    first = NullServerProcess(die_after=16, itl=0.01)
+    url = first.start()
+    second = NullServerProcess(itl=0.01)
+    second.port = first.port
+
+    def restart() -> None:
+        assert first.proc is not None
+        first.proc.wait(120)
+        time.sleep(2)  # gone for a while
+        second.start()
+
+    t = threading.Thread(target=restart)
+    t.start()
+    try:
+        res = CliRunner().invoke(app, ["sweep", "--url", url, "--concurrency", "1,2,4", "--num-requests", "10",
+                                       "--warmup", "0", "--output-dir", str(tmp_path), "--run-id", "w",
+                                       "--poll-hz", "0", "--telemetry-hz", "0", "--wait-for-server", "60"])  # fmt: skip
+    finally:
+        t.join()
+        first.stop()
+        second.stop()
+    assert res.exit_code == ExitCode.SERVER_GONE, res.output
+    points = json.loads((tmp_path / "w" / "summary.json").read_text())["points"]
+    assert [(p["point_id"], p["status"]) for p in points] == [
+        ("c001", "complete"), ("c002", "aborted"), ("c004", "complete")]
+    assert points[2]["counts"]["errors"] == 0 and points[2]["counts"]["ok"] == 10
