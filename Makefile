@@ -17,12 +17,14 @@ sweep: setup
 	$(VENV)/bin/bench sweep
 
 # What the suite needs beyond the venv: llama-server (built once from source into ~/.cache/servelab; instant
-# once cached) and a headless Chromium for the report's browser tests (a missing browser fails them, it does
-# not skip). Chromium comes from apt when it is missing and we may install (root, or passwordless sudo).
+# once cached), a headless Chromium for the report's browser tests and tmux for the live display's terminal
+# test (missing tools fail tests, they do not skip them). Debian packages come from apt when missing.
 test-deps:
 	@bash scripts/build_llama_server.sh >/dev/null
-	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || [ -n "$$CHROMIUM" ] \
-	  || bash scripts/install_chromium.sh
+	@missing=""; \
+	  { command -v chromium || command -v chromium-browser || [ -n "$$CHROMIUM" ]; } >/dev/null || missing="chromium"; \
+	  command -v tmux >/dev/null || missing="$$missing tmux"; \
+	  [ -z "$$missing" ] || bash scripts/apt_install.sh $$missing
 
 test: setup test-deps
 	SERVELAB_LLAMA_SERVER="$$(bash scripts/build_llama_server.sh)" $(VENV)/bin/pytest -q

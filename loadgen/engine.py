@@ -25,6 +25,7 @@ import asyncio
 import gc
 import json
 import time
+from collections import deque
 from collections.abc import Coroutine, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -96,6 +97,20 @@ class Progress:
     output_tokens: int = 0
     t_start: float = 0.0
     error_kinds: dict[str, int] = field(default_factory=dict)
+    warmup_done: int = 0
+    # live latency samples of measured successful requests (seconds): every TTFT, the latest ITL gaps
+    ttft: list[float] = field(default_factory=list)
+    itl: deque[float] = field(default_factory=lambda: deque(maxlen=50_000))
+
+    def observe(self, rec: RequestRecord) -> None:
+        """Take one finished request's first-token time and inter-chunk gaps for the live display."""
+        if rec.warmup:
+            self.warmup_done += 1
+        if rec.warmup or rec.error is not None or not rec.events:
+            return
+        d = rec.to_dict()
+        self.ttft.append(metrics.ttft(d) or 0.0)
+        self.itl.extend(metrics.itl(d).tolist())
 
 
 class _Dispatch:
@@ -161,6 +176,7 @@ class _Dispatch:
                     prog.errors += 1
                     kind = rec.error["kind"]
                     prog.error_kinds[kind] = prog.error_kinds.get(kind, 0) + 1
+                prog.observe(rec)
                 self.writer.write(rec)
             if rec.error is not None:
                 return
