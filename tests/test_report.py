@@ -349,7 +349,7 @@ def test_sweep_draws_only_panels_with_data(run_dir, tmp_path):
     assert "xaxis3" not in fig["layout"] and fig["layout"]["xaxis2"]["domain"][1] > 0.9
     assert [a["text"] for a in fig["layout"]["annotations"]] == [
         "<b>throughput vs load</b>",
-        "<b>latency vs throughput</b>",
+        "<b>latency vs throughput (solid line: p50 · dashed line: p99)</b>",
     ]
 
 

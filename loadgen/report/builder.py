@@ -176,12 +176,52 @@ def _point_views(r: int, run: RunData, figs: dict[str, Any]) -> str:
     return "".join(parts)
 
 
+def _ms(v: Any) -> str:
+    return f"{v * 1e3:,.1f}" if isinstance(v, (int, float)) else "–"
+
+
+def answer_first(runs: list[RunData]) -> str:
+    """The one-screen summary at the top: per point, throughput, latency percentiles, errors, warnings."""
+    header = ["point", "requests ok", "errors", "output tokens/s", "requests/s", "TTFT p50 / p99 (ms)",
+              "ITL p50 / p99 (ms)", "E2E p50 / p99 (ms)"]  # fmt: skip
+    rows, notes = [], []
+    for run in runs:
+        for p in run.summary.get("points") or []:
+            if not isinstance(p, dict) or "counts" not in p:
+                continue
+            pid = html.escape((f"{run.run_id} " if len(runs) > 1 else "") + str(p.get("point_id", "")))
+            counts, lat = p.get("counts") or {}, p.get("latency") or {}
+            thr = (p.get("throughput") or {}).get("steady") or {}
+            kinds = ((p.get("errors") or {}).get("by_kind")) or {}
+            err = ", ".join(f"{html.escape(k)} {n}" for k, n in kinds.items()) or str(counts.get("errors", 0))
+            if counts.get("incomplete"):
+                err += f"; {counts['incomplete']} incomplete"
+            pair = {k: f"{_ms((lat.get(k) or {}).get('p50'))} / {_ms((lat.get(k) or {}).get('p99'))}"
+                    for k in ("ttft", "itl", "e2e")}  # fmt: skip
+            tok, req = thr.get("output_tok_per_s"), thr.get("req_per_s")
+            rows.append([pid, str(counts.get("ok", "–")), f'<span class="{"up" if kinds else ""}">{err}</span>',
+                         f"{tok:,.1f}" if isinstance(tok, (int, float)) else "–",
+                         f"{req:,.2f}" if isinstance(req, (int, float)) else "–",
+                         pair["ttft"], pair["itl"], pair["e2e"]])  # fmt: skip
+            notes += [f"{pid}: the client may be limiting this point: {html.escape(str(w))}"
+                      for w in (p.get("client") or {}).get("warnings") or []]  # fmt: skip
+    if not rows:
+        return ""
+    warn = "".join(f'<li class="up">{n}</li>' for n in notes)
+    return ('<div class="answer"><h2>Summary</h2>'
+            + _table(header, rows, "answer")
+            + (f"<ul>{warn}</ul>" if warn else '<p class="note">No client warning: the load generator kept up.</p>')
+            + '<p class="note">Throughput over the steady-state window; latencies over successful measured '
+            "requests (docs/metrics.md).</p></div>")  # fmt: skip
+
+
 def build_html(runs: list[RunData], plotly: str = "inline") -> str:
     figs: dict[str, Any] = {}
     body: list[str] = []
     title = "servelab report: " + ", ".join(r.run_id for r in runs)
     body.append(f"<h1>{html.escape(title)}</h1>")
     body.append('<p class="meta">' + " · ".join(html.escape(str(r.path)) for r in runs) + "</p>")
+    body.append(answer_first(runs))
 
     sweep = figures.sweep(runs)
     if sweep is not None or len(runs) > 1:
