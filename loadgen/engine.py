@@ -98,19 +98,23 @@ class Progress:
     t_start: float = 0.0
     error_kinds: dict[str, int] = field(default_factory=dict)
     warmup_done: int = 0
-    # live latency samples of measured successful requests (seconds): every TTFT, the latest ITL gaps
+    # for the live display, over measured successful requests: every TTFT (s), and the latest requests'
+    # events, whose ITLs are computed only when the display asks (a few µs per request here, not per token)
     ttft: list[float] = field(default_factory=list)
-    itl: deque[float] = field(default_factory=lambda: deque(maxlen=50_000))
+    recent: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=128))
 
     def observe(self, rec: RequestRecord) -> None:
-        """Take one finished request's first-token time and inter-chunk gaps for the live display."""
         if rec.warmup:
             self.warmup_done += 1
         if rec.warmup or rec.error is not None or not rec.events:
             return
-        d = rec.to_dict()
-        self.ttft.append(metrics.ttft(d) or 0.0)
-        self.itl.extend(metrics.itl(d).tolist())
+        r = {"sent": rec.sent, "events": rec.events}
+        self.ttft.append(metrics.ttft(r) or 0.0)
+        self.recent.append(r)
+
+    def itl(self) -> list[float]:
+        """Inter-token latencies (s) of the latest (up to 128) measured successful requests."""
+        return [g for r in list(self.recent) for g in metrics.itl(r).tolist()]
 
 
 class _Dispatch:

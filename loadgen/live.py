@@ -2,7 +2,7 @@
 
 Per point: its place in the sweep (server configuration j of m, point i of n), a progress bar against the
 request count (or the duration) with elapsed time and time left, requests in flight, live output tok/s,
-TTFT and ITL p50/p99 of the measured requests so far (ITL over the latest 50,000 gaps), and errors by kind.
+TTFT p50/p99 of the measured requests so far and ITL p50/p99 of the latest 128 of them, and errors by kind.
 On a terminal it is a rich Live panel refreshed twice a second; otherwise (CI logs, pipes) the same facts
 go out as one plain line every ``plain_every_s`` seconds and one when the point ends.
 """
@@ -88,7 +88,7 @@ def status(plan: PointPlan, p: Progress, now: float, where: str) -> Status:
     return Status(
         where=where, done=measured, total=total, elapsed_s=elapsed, left_s=left, fraction=fraction,
         inflight=p.inflight, out_tok_s=p.output_tokens / elapsed if elapsed > 0 else 0.0,
-        ttft_ms=_p50_p99(p.ttft), itl_ms=_p50_p99(p.itl), errors=dict(p.error_kinds),
+        ttft_ms=_p50_p99(p.ttft), itl_ms=_p50_p99(p.itl()), errors=dict(p.error_kinds),
     )  # fmt: skip
 
 
