@@ -91,7 +91,7 @@ def _lanes(records: list[dict[str, Any]]) -> list[int]:
     return out
 
 
-def _requests(b: _Builder, pid: int, records: list[dict[str, Any]]) -> dict[str, int]:
+def _requests(b: _Builder, pid: int, records: list[dict[str, Any]], tokens: bool) -> dict[str, int]:
     records = sorted(records, key=lambda r: (min(r["intended"] or r["sent"], r["sent"]), r["sent"]))
     lanes = _lanes(records)
     for lane in sorted(set(lanes)):
@@ -118,7 +118,7 @@ def _requests(b: _Builder, pid: int, records: list[dict[str, Any]]) -> dict[str,
         if first is not None:
             b.slice(pid, tid, "streaming", first, r["end"], {"chunks": len(events)})
         total = 0
-        for t, n in events:
+        for t, n in events if tokens else ():
             total += int(n or 0)
             b.instant(pid, tid, "tokens", t, {"tokens": n, "total": total})
             counts["tokens"] += 1
@@ -186,8 +186,11 @@ def _telemetry(b: _Builder, pid: int, samples: list[dict[str, Any]]) -> int:
     return n
 
 
-def build_trace(results_dir: Path, points: list[str] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The trace of a results directory (all points, or those named) and per-point counts of what is in it."""
+def build_trace(
+    results_dir: Path, points: list[str] | None = None, tokens: bool = True,
+) -> tuple[dict[str, Any], dict[str, Any]]:  # fmt: skip
+    """The trace of a results directory (all points, or those named) and per-point counts of what is in it;
+    ``tokens=False`` leaves out the per-chunk instants (the bulk of a long run's trace)."""
     root = results_dir / "points"
     if not root.is_dir():
         raise FileNotFoundError(f"{results_dir} has no points/ directory (is it a bench run/sweep results dir?)")
@@ -206,7 +209,7 @@ def build_trace(results_dir: Path, points: list[str] | None = None) -> tuple[dic
         if points and point_id not in points:
             continue
         b.meta(pid, f"point {point_id}", sort=pid)
-        c = _requests(b, pid, list(iter_records(d / "requests.jsonl")))
+        c = _requests(b, pid, list(iter_records(d / "requests.jsonl")), tokens)
         c["engine_steps"] = _iterations(b, pid, list(_jsonl(d / "iterations.jsonl")))
         c["server_samples"] = _server_state(b, pid, list(_jsonl(d / "server_state.jsonl")))
         c["telemetry_samples"] = _telemetry(b, pid, list(_jsonl(d / "telemetry.jsonl")))
@@ -263,6 +266,8 @@ def trace_command(
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Trace file, .json or .json.gz "
                       "(default: RESULTS_DIR/trace.json).")] = None,
     point: Annotated[list[str] | None, typer.Option(help="Only this point id (repeat for several).")] = None,
+    tokens: Annotated[bool, typer.Option(help="An instant per streamed chunk (--no-tokens: smaller file for "
+                      "long runs).")] = True,
 ) -> None:  # fmt: skip
     """Write a Perfetto / chrome://tracing timeline of a run: requests, engine steps, server and host series."""
     out = output or results_dir / "trace.json"
@@ -270,7 +275,7 @@ def trace_command(
         typer.echo(f"error: -o must end in .json or .json.gz (Chrome JSON trace format), got {out.name}", err=True)
         raise typer.Exit(2)
     try:
-        trace, counts = build_trace(results_dir, point)
+        trace, counts = build_trace(results_dir, point, tokens)
     except (FileNotFoundError, KeyError) as exc:
         typer.echo(f"error: {exc.args[0] if exc.args else exc}", err=True)
         raise typer.Exit(2) from None

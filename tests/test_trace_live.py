@@ -100,6 +100,12 @@ def test_live_display_in_a_terminal(tmux_run):
 
 def test_trace_of_a_real_run_reads_back(tmux_run):
     d, _, _ = tmux_run
+    res = CliRunner().invoke(app, ["trace", str(d / "r"), "--point", "c009"])
+    assert res.exit_code == 2 and "no such point(s): c009; points here: c002, c003" in res.output
+    res = CliRunner().invoke(app, ["trace", str(d / "r"), "--point", "c003", "--no-tokens", "-o", str(d / "t.json")])
+    small = json.loads((d / "t.json").read_text())
+    assert res.exit_code == 0 and not any(e["ph"] == "i" for e in small["traceEvents"])
+    assert {e["args"]["name"] for e in small["traceEvents"] if e["name"] == "process_name"} == {"point c003"}
     res = CliRunner().invoke(app, ["trace", str(d / "r"), "-o", str(d / "run.json.gz")])
     assert res.exit_code == 0, res.output
     trace = json.loads(gzip.decompress((d / "run.json.gz").read_bytes()))
@@ -161,6 +167,10 @@ def test_check_rejects_what_importers_would_drop():
         check({"traceEvents": [{"ph": "Q", "pid": 1}]})
     with pytest.raises(FileNotFoundError):
         build_trace(Path("/nonexistent"))
+    res = CliRunner().invoke(app, ["trace", "/nonexistent"])
+    assert res.exit_code == 2 and "no points/ directory" in res.output
+    res = CliRunner().invoke(app, ["trace", "/nonexistent", "-o", "x.perfetto-trace"])
+    assert res.exit_code == 2 and "must end in .json or .json.gz" in res.output
 
 
 def test_plain_lines_when_not_a_terminal():
