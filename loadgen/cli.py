@@ -508,6 +508,9 @@ app.add_typer(workloads_app, name="workloads")
 from loadgen.report.cli import auto_report, report_command  # noqa: E402, I001
 
 app.command("report")(report_command)
+from loadgen.trace import trace_command  # noqa: E402, I001
+
+app.command("trace")(trace_command)
 
 
 @app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
@@ -516,6 +519,3 @@ def serve_command(ctx: typer.Context) -> None:
     from reference_server.server import serve  # torch loads only for this command
 
     serve(ctx.args, prog="bench serve")
-from loadgen.trace import trace_command  # noqa: E402, I001
-
-app.command("trace")(trace_command)

@@ -178,7 +178,8 @@ def test_plain_lines_when_not_a_terminal():
     console = Console(file=buf, force_terminal=False, width=300)
     clock = RunClock()
     plan = PointPlan("c004", None, LoadSpec(process="closed", concurrency=4, num_requests=4))  # type: ignore[arg-type]
-    live = LiveDisplay(console, clock, plain_every_s=0.05).points([PointPlan("c001", None, plan.load), plan])  # type: ignore[arg-type]
+    live = LiveDisplay(console, clock, plain_every_s=0.05).points([PointPlan("c001", None, plan.load), plan],
+                                                                  config=(2, 3, "np4"))  # type: ignore[arg-type]
     p = Progress(t_start=clock.now())
     with live(plan, p):
         for i in range(4):
@@ -195,6 +196,6 @@ def test_plain_lines_when_not_a_terminal():
     lines = buf.getvalue().splitlines()
     assert len(lines) >= 2 and all("\x1b" not in x for x in lines)  # periodic plain lines, no escapes
     last = lines[-1]
-    assert last.startswith("point 2/2 c004  done 4/4 100%")
+    assert last.startswith("config 2/3 np4 · point 2/2 c004  done 4/4 100%")
     assert "TTFT p50/p99 100.0/100.0 ms" in last and "ITL p50/p99 100.0/100.0 ms" in last
     assert "errors http_5xx 1" in last
