@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup sweep test lint
+.PHONY: setup test-deps sweep test lint
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -16,8 +16,18 @@ $(VENV)/.installed: pyproject.toml
 sweep: setup
 	$(VENV)/bin/bench sweep
 
-test: setup
-	$(VENV)/bin/pytest -q
+# What the suite needs beyond the venv: llama-server (built once from source into ~/.cache/servelab; instant
+# once cached), a headless Chromium for the report's browser tests and tmux for the live display's terminal
+# test (missing tools fail tests, they do not skip them). Debian packages come from apt when missing.
+test-deps:
+	@bash scripts/build_llama_server.sh >/dev/null
+	@missing=""; \
+	  { command -v chromium || command -v chromium-browser || [ -n "$$CHROMIUM" ]; } >/dev/null || missing="chromium"; \
+	  command -v tmux >/dev/null || missing="$$missing tmux"; \
+	  [ -z "$$missing" ] || bash scripts/apt_install.sh $$missing
+
+test: setup test-deps
+	SERVELAB_LLAMA_SERVER="$$(bash scripts/build_llama_server.sh)" $(VENV)/bin/pytest -q
 
 lint: setup
 	$(VENV)/bin/ruff check .

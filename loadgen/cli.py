@@ -24,7 +24,6 @@ from typing import Annotated, Any
 import httpx
 import typer
 from rich.console import Console, Group
-from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
@@ -35,8 +34,9 @@ from backends.poller import ServerStatePoller, profile_of
 from backends.registry import available, get_backend
 from loadgen import telemetry
 from loadgen.clock import RunClock, Sidecar
-from loadgen.engine import PROCESSES, LoadSpec, Progress, run_async
+from loadgen.engine import PROCESSES, LoadSpec, run_async
 from loadgen.exitcodes import ExitCode, worst
+from loadgen.live import LiveDisplay
 from loadgen.nullserver import free_port
 from loadgen.results import ResultsDir, new_run_id
 from loadgen.sweep import PointPlan, loads_from, plan_points, run_sweep
@@ -210,21 +210,6 @@ def embedded_server(log_path: Path, timeout: float = 600.0) -> Iterator[str]:
                 proc.wait()
 
 
-class _LiveView:
-    def __init__(self, plan: PointPlan, progress: Progress, clock: RunClock) -> None:
-        self.plan, self.p, self.clock = plan, progress, clock
-
-    def __rich__(self) -> Text:
-        p = self.p
-        dt = max(self.clock.now() - p.t_start, 1e-9) if p.t_start else 0.0
-        tps = p.output_tokens / dt if dt else 0.0
-        err = f"  [red]errors {p.errors}[/]" if p.errors else ""
-        return Text.from_markup(
-            f"[bold]{self.plan.point_id}[/]  done {p.done}  in-flight {p.inflight}  "
-            f"{tps:,.0f} out tok/s  {dt:,.1f} s{err}"
-        )
-
-
 def _fmt(v: float | None, scale: float = 1e3, digits: int = 1) -> str:
     return "-" if v is None else f"{v * scale:,.{digits}f}"
 
@@ -373,6 +358,7 @@ def _go(
         "tokenizer": tokenizer, "max_error_rate": max_error_rate, "wait_for_server": wait_for_server,
     }  # fmt: skip
     clock = RunClock()
+    display = LiveDisplay(console, clock)
     console.print(f"[dim]{telemetry.header_line(telemetry_hz, telemetry_url)}[/]")
 
     def go(target: str, gp: GridPoint | None = None, previous: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
@@ -391,13 +377,10 @@ def _go(
             polls = [ServerStatePoller(target, profile_of(be), poll_hz)] if poll_hz > 0 else []
             return [*polls, *telemetry.sidecars(target, telemetry_hz, telemetry_url)]
 
-        @contextmanager
-        def live(plan: PointPlan, progress: Progress) -> Iterator[None]:
-            with Live(_LiveView(plan, progress, clock), console=console, refresh_per_second=2, transient=True):
-                yield
-
+        where = (grid_points.index(gp) + 1, len(grid_points), gp.label) if gp is not None else None
         return run_async(run_sweep(be, todo, results, clock, config, pollers, slo=slo_s, client_kind=client,
-                                   live=live, previous=previous or [], wait_for_server=0 if gp else wait_for_server,
+                                   live=display.points(todo, where), previous=previous or [],
+                                   wait_for_server=0 if gp else wait_for_server,
                                    run_extra={"backend_detection": {"requested": backend, **det.describe()}}))  # fmt: skip
 
     log = results.path / "server.log" if url is None and not server else None  # the embedded server's
@@ -601,6 +584,9 @@ app.add_typer(workloads_app, name="workloads")
 from loadgen.report.cli import auto_report, report_command  # noqa: E402, I001
 
 app.command("report")(report_command)
+from loadgen.trace import trace_command  # noqa: E402, I001
+
+app.command("trace")(trace_command)
 
 
 @app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
@@ -608,4 +594,4 @@ def serve_command(ctx: typer.Context) -> None:
     """Start the bundled reference server; all flags go to it (bench serve --help lists them)."""
     from reference_server.server import serve  # torch loads only for this command
 
-    serve(ctx.args)
+    serve(ctx.args, prog="bench serve")

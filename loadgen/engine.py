@@ -40,6 +40,7 @@ import os
 import signal
 import sys
 import time
+from collections import deque
 from collections.abc import Coroutine, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -141,6 +142,24 @@ class Progress:
     output_tokens: int = 0
     t_start: float = 0.0
     error_kinds: dict[str, int] = field(default_factory=dict)
+    warmup_done: int = 0
+    # for the live display, over measured successful requests: every TTFT (s), and the latest requests'
+    # events, whose ITLs are computed only when the display asks (a few µs per request here, not per token)
+    ttft: list[float] = field(default_factory=list)
+    recent: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=128))
+
+    def observe(self, rec: RequestRecord) -> None:
+        if rec.warmup:
+            self.warmup_done += 1
+        if rec.warmup or rec.error is not None or not rec.events:
+            return
+        r = {"sent": rec.sent, "events": rec.events}
+        self.ttft.append(metrics.ttft(r) or 0.0)
+        self.recent.append(r)
+
+    def itl(self) -> list[float]:
+        """Inter-token latencies (s) of the latest (up to 128) measured successful requests."""
+        return [g for r in list(self.recent) for g in metrics.itl(r).tolist()]
 
 
 class _Dispatch:
@@ -213,6 +232,7 @@ class _Dispatch:
                     prog.errors += 1
                     kind = rec.error["kind"]
                     prog.error_kinds[kind] = prog.error_kinds.get(kind, 0) + 1
+                prog.observe(rec)
                 self.writer.write(rec)
             if rec.error is not None:
                 if rec.error["kind"] in _CONNECTION_LOST:

@@ -369,32 +369,97 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
 
 
 # -- command line ---------------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m reference_server", description=__doc__)
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model", type=Path, default=None, help="Llama GGUF file (default: bundled SmolLM2-135M)")
-    p.add_argument("--served-model-name", default=None, help="model id in the API (default: the file's stem)")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+# Flag groups in --help order; every EngineConfig field is a flag (``--field-name``) and needs an entry in
+# FLAG_HELP: (group, help). Choices come from the modules that check them; defaults from EngineConfig.
+FLAG_GROUPS = {
+    "model": "which model is served, and how it is computed",
+    "engine": "KV cache and engine bookkeeping",
+    "batching": "how requests are batched into engine steps",
+    "scheduling": "which waiting request runs next, and admission",
+    "speculation": "speculative decoding",
+    "server": "HTTP front end",
+}
+FLAG_HELP: dict[str, tuple[str, str]] = {
+    "device": ("model", "where the model runs: auto (CUDA when available, else CPU), cpu, cuda, cuda:N"),
+    "dtype": ("model", "weight/activation dtype: auto (bf16 on CPUs with AVX512-BF16 and on CUDA, else "
+                       "fp32), bf16, fp16 or fp32"),
+    "threads": ("model", "torch intra-op threads on CPU (default: all cores when the machine is idle at "
+                         "start, else 1)"),
+    "kernels": ("model", "CPU bf16 kernels: native (paged decode attention, RMSNorm, RoPE + KV write, SiLU), "
+                         "torch, or auto (native when the CPU has AVX-512 BF16)"),
+    "block_size": ("engine", "tokens per KV-cache block (paged KV)"),
+    "num_kv_blocks": ("engine", "KV pool size in blocks; tokens held = blocks x block size"),
+    "max_model_len": ("engine", "longest prompt + output in tokens (default: the model's context length)"),
+    "enable_prefix_caching": ("engine", "reuse the KV blocks of a shared prompt prefix (hash of full blocks)"),
+    "iteration_log_size": ("engine", "per-step records kept for GET /v1/iterations"),
+    "batching": ("batching", "continuous: requests join and leave every step; dynamic: batches start when full "
+                             "or after --batch-max-delay-ms; static: a batch runs until all its requests end"),
+    "batch_size": ("batching", "requests per batch (dynamic and static batching)"),
+    "batch_max_delay_ms": ("batching", "dynamic batching: start a partial batch after this wait, ms"),
+    "max_num_batched_tokens": ("batching", "token budget of one engine step (prefill chunks + decodes)"),
+    "max_num_seqs": ("batching", "most requests running at once"),
+    "enable_chunked_prefill": ("batching", "split long prompts across steps so decodes keep running"),
+    "policy": ("scheduling", "order of the waiting queue: fifo, sjf (shortest prompt first) or priority "
+                             "(the request's `priority` field)"),
+    "aging_s": ("scheduling", "sjf/priority: seconds of waiting that count as one priority level (or 64 "
+                              "prompt tokens), so nothing starves"),
+    "max_waiting": ("scheduling", "bound of the waiting queue; beyond it requests get HTTP 429"),
+    "spec": ("speculation", "speculative decoding: off, ngram (prompt lookup), draft (a smaller GGUF, "
+                            "--draft-model) or self (the model's first --self-draft-layers layers)"),
+    "spec_k": ("speculation", "most draft tokens proposed per step"),
+    "spec_adaptive": ("speculation", "adapt the draft length per request (grow after full acceptance, "
+                                     "shrink after a rejection)"),
+    "spec_max_batch": ("speculation", "speculate only while at most this many requests decode"),
+    "draft_model": ("speculation", "GGUF of the draft model for --spec draft (same vocabulary as the model)"),
+    "self_draft_layers": ("speculation", "--spec self: how many of the model's layers draft"),
+}
+_HIDDEN = ("model", "step_sleep_ms")  # --model is added by hand; step_sleep_ms is a test-only env knob
+
+
+def _choices() -> dict[str, tuple[str, ...]]:
+    from reference_server.batching import BATCHING
+    from reference_server.config import KERNELS
+    from reference_server.policies import POLICIES
+    from reference_server.spec_decode import SPEC_METHODS
+
+    return {"kernels": KERNELS, "batching": BATCHING, "policy": POLICIES, "spec": SPEC_METHODS}
+
+
+def build_parser(prog: str = "python -m reference_server") -> argparse.ArgumentParser:
+    """The server's flags, grouped, each with its meaning, choices and default."""
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    groups = {name: p.add_argument_group(name, desc) for name, desc in FLAG_GROUPS.items()}
+    model, server = groups["model"], groups["server"]
+    model.add_argument("--model", type=Path, default=None, help="Llama-architecture GGUF file (default: the "
+                       "bundled SmolLM2-135M-Instruct Q4_1)")  # fmt: skip
+    model.add_argument("--served-model-name", default=None, help="model id in the API (default: the file's stem)")
+    server.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, loopback only)")
+    server.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
+    server.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                        help="server log level (default: %(default)s)")  # fmt: skip
     defaults = EngineConfig(model=Path("."))
+    choices = _choices()
     for f in fields(EngineConfig):
-        if f.name in ("model", "step_sleep_ms"):
+        if f.name in _HIDDEN:
             continue
+        group, text = FLAG_HELP.get(f.name, ("engine", ""))  # a missing entry fails tests/test_server_help.py
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
+        shown = "" if default is None or "default:" in text else " (default: %(default)s)"
         if isinstance(default, bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            groups[group].add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text + shown)
         else:
             kind = {"threads": int, "max_model_len": int}.get(f.name, type(default))
-            p.add_argument(flag, type=kind, default=default)
+            groups[group].add_argument(flag, type=kind, default=default, choices=choices.get(f.name),
+                                       help=text + shown)  # fmt: skip
     return p
 
 
-def serve(argv: list[str] | None = None) -> None:
+def serve(argv: list[str] | None = None, prog: str = "python -m reference_server") -> None:
     """Parse ``argv``, load the model, then serve until interrupted (``python -m reference_server``)."""
     from reference_server.tokenizer import default_model_path
 
-    args = build_parser().parse_args(argv)
+    args = build_parser(prog).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model = args.model or default_model_path()
     if not model.is_file():
@@ -402,7 +467,7 @@ def serve(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     try:
         config = EngineConfig(model=model, **{f.name: getattr(args, f.name) for f in fields(EngineConfig)
-                                               if f.name not in ("model", "step_sleep_ms")})
+                                               if f.name not in _HIDDEN})
         engine = Engine.on_own_thread(config)
     except ValueError as e:  # bad flag values (batching, policy, speculation) are reported, not raised
         raise SystemExit(f"error: {e}") from None

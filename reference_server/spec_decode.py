@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal, Protocol, get_args
 
 import numpy as np
 import torch
@@ -26,6 +26,7 @@ from reference_server.scheduler import ScheduledBatch
 from reference_server.sequence import Sequence
 
 SpecMethod = Literal["off", "ngram", "draft", "self"]
+SPEC_METHODS: tuple[str, ...] = get_args(SpecMethod)
 
 
 @dataclass
@@ -42,8 +43,8 @@ class SpecConfig:
     self_draft_layers: int = 8  # method "self": first N target layers + the target's norm and head
 
     def __post_init__(self) -> None:
-        if self.method not in ("off", "ngram", "draft", "self"):
-            raise ValueError(f"unknown speculation method {self.method!r}: off, ngram, draft or self")
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"unknown speculation method {self.method!r}: choose one of {', '.join(SPEC_METHODS)}")
         if self.num_draft < 1 or self.max_batch < 1:
             raise ValueError("num_draft and spec max_batch must be >= 1")
         if not 1 <= self.ngram_min <= self.ngram_max:

@@ -152,13 +152,29 @@ def test_summary_tables_equal_summary_json(run_dir, report_html):
 
 
 def test_report_is_self_contained(report_html):
-    from plotly.offline import get_plotlyjs
+    from loadgen.report.builder import plotly_js
 
-    js = get_plotlyjs()
+    js = plotly_js()
+    assert "plotly.js (basic - minified) v" in js[:200]  # the vendored partial bundle, not the full one
     assert report_html.count(js[:400]) == 1  # plotly.js inlined exactly once
     outside = report_html.replace(js.replace("</script", "<\\/script"), "")
     assert not re.search(r"<(script|img|link|iframe)[^>]+(src|href)=", outside, re.I)
     assert "default-src 'none'" in outside  # CSP: the page may not fetch anything
+    assert len(report_html.encode()) < len(js) + 400_000  # the rest (data, tables) of a 3-point sweep is small
+
+
+def test_report_with_plotly_from_the_cdn(run_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from loadgen.cli import app
+    from loadgen.report.builder import PLOTLY_CDN
+
+    page = write_report([run_dir], tmp_path / "cdn.html", plotly="cdn").read_text()
+    assert page.count(f'<script src="{PLOTLY_CDN}"') == 1 and "plotly.js (basic" not in page
+    assert "script-src 'unsafe-inline' 'unsafe-eval' https://cdn.plot.ly;" in page  # CSP lets only that in
+    assert len(page.encode()) < 400_000
+    res = CliRunner().invoke(app, ["report", str(run_dir), "-o", str(tmp_path / "x.html"), "--plotly", "web"])
+    assert res.exit_code == 2 and "--plotly must be one of inline, cdn" in res.output
 
 
 def test_timeline_rows_share_one_x_axis_and_follow_the_data(run_dir):
@@ -333,7 +349,7 @@ def test_sweep_draws_only_panels_with_data(run_dir, tmp_path):
     assert "xaxis3" not in fig["layout"] and fig["layout"]["xaxis2"]["domain"][1] > 0.9
     assert [a["text"] for a in fig["layout"]["annotations"]] == [
         "<b>throughput vs load</b>",
-        "<b>latency vs throughput</b>",
+        "<b>latency vs throughput (solid line: p50 · dashed line: p99)</b>",
     ]
 
 

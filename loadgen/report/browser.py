@@ -41,6 +41,8 @@ _CHECK_JS = """
     traces: (div.data || []).length,
     empty_traces: (div.data || []).filter(t => !((t.x || []).some(v => v !== null) && (t.y || []).some(v => v !== null))).map(t => t.name),
     values: (div.data || []).reduce((n, t) => n + (t.x || []).filter(v => v !== null).length, 0),
+    axis_titles: Array.from(div.querySelectorAll('.g-xtitle, .g-ytitle, [class^="g-x"][class$="title"], [class^="g-y"][class$="title"]'))
+      .map(el => el.textContent).filter((t, i, a) => t && a.indexOf(t) === i),
   }));
 })()
 """

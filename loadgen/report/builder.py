@@ -1,8 +1,13 @@
 """Assemble the self-contained HTML report: tables rendered here, charts as plotly specs in one JSON
-blob, plotly.js inlined once from the installed ``plotly`` package (no CDN, no network at all)."""
+blob, plotly.js once per report: inlined by default (no network at all), or from the plotly CDN.
+
+The plotly.js is the official "basic" partial bundle (scatter, bar, pie: every trace type the report
+draws; 1.2 MB instead of the full bundle's 4.8 MB), vendored gzipped from npm's
+``plotly.js-basic-dist-min`` by ``scripts/vendor_plotly.sh``."""
 
 from __future__ import annotations
 
+import gzip
 import html
 import json
 import math
@@ -18,10 +23,24 @@ from loadgen.report.load import RunData, load_run
 SIG_DIGITS = 6  # chart data only; tables show summary.json's numbers verbatim
 
 
-def plotly_js() -> str:
-    from plotly.offline import get_plotlyjs
+PLOTLY_VERSION = "4.1.1"  # of assets/plotly-basic.min.js.gz (scripts/vendor_plotly.sh)
+PLOTLY_CDN = f"https://cdn.plot.ly/plotly-basic-{PLOTLY_VERSION}.min.js"
+PLOTLY_MODES = ("inline", "cdn")
 
-    return get_plotlyjs()
+
+def plotly_js() -> str:
+    """The vendored plotly.js basic bundle's source."""
+    data = resources.files("loadgen.report").joinpath("assets/plotly-basic.min.js.gz").read_bytes()
+    return gzip.decompress(data).decode("utf-8")
+
+
+def _plotly_tag(mode: str) -> tuple[str, str]:
+    """The <script> that loads plotly.js and the CSP script source it needs."""
+    if mode == "cdn":
+        return f'<script src="{PLOTLY_CDN}" charset="utf-8"></script>', "https://cdn.plot.ly"
+    if mode != "inline":
+        raise ValueError(f"plotly mode must be one of {', '.join(PLOTLY_MODES)}, got {mode!r}")
+    return "<script>" + plotly_js().replace("</script", "<\\/script") + "</script>", ""
 
 
 def _jsonable(obj: Any) -> Any:
@@ -157,12 +176,52 @@ def _point_views(r: int, run: RunData, figs: dict[str, Any]) -> str:
     return "".join(parts)
 
 
-def build_html(runs: list[RunData]) -> str:
+def _ms(v: Any) -> str:
+    return f"{v * 1e3:,.1f}" if isinstance(v, (int, float)) else "–"
+
+
+def answer_first(runs: list[RunData]) -> str:
+    """The one-screen summary at the top: per point, throughput, latency percentiles, errors, warnings."""
+    header = ["point", "requests ok", "errors", "output tokens/s", "requests/s", "TTFT p50 / p99 (ms)",
+              "ITL p50 / p99 (ms)", "E2E p50 / p99 (ms)"]  # fmt: skip
+    rows, notes = [], []
+    for run in runs:
+        for p in run.summary.get("points") or []:
+            if not isinstance(p, dict) or "counts" not in p:
+                continue
+            pid = html.escape((f"{run.run_id} " if len(runs) > 1 else "") + str(p.get("point_id", "")))
+            counts, lat = p.get("counts") or {}, p.get("latency") or {}
+            thr = (p.get("throughput") or {}).get("steady") or {}
+            kinds = ((p.get("errors") or {}).get("by_kind")) or {}
+            err = ", ".join(f"{html.escape(k)} {n}" for k, n in kinds.items()) or str(counts.get("errors", 0))
+            if counts.get("incomplete"):
+                err += f"; {counts['incomplete']} incomplete"
+            pair = {k: f"{_ms((lat.get(k) or {}).get('p50'))} / {_ms((lat.get(k) or {}).get('p99'))}"
+                    for k in ("ttft", "itl", "e2e")}  # fmt: skip
+            tok, req = thr.get("output_tok_per_s"), thr.get("req_per_s")
+            rows.append([pid, str(counts.get("ok", "–")), f'<span class="{"up" if kinds else ""}">{err}</span>',
+                         f"{tok:,.1f}" if isinstance(tok, (int, float)) else "–",
+                         f"{req:,.2f}" if isinstance(req, (int, float)) else "–",
+                         pair["ttft"], pair["itl"], pair["e2e"]])  # fmt: skip
+            notes += [f"{pid}: the client may be limiting this point: {html.escape(str(w))}"
+                      for w in (p.get("client") or {}).get("warnings") or []]  # fmt: skip
+    if not rows:
+        return ""
+    warn = "".join(f'<li class="up">{n}</li>' for n in notes)
+    return ('<div class="answer"><h2>Summary</h2>'
+            + _table(header, rows, "answer")
+            + (f"<ul>{warn}</ul>" if warn else '<p class="note">No client warning: the load generator kept up.</p>')
+            + '<p class="note">Throughput over the steady-state window; latencies over successful measured '
+            "requests (docs/metrics.md).</p></div>")  # fmt: skip
+
+
+def build_html(runs: list[RunData], plotly: str = "inline") -> str:
     figs: dict[str, Any] = {}
     body: list[str] = []
     title = "servelab report: " + ", ".join(r.run_id for r in runs)
     body.append(f"<h1>{html.escape(title)}</h1>")
     body.append('<p class="meta">' + " · ".join(html.escape(str(r.path)) for r in runs) + "</p>")
+    body.append(answer_first(runs))
 
     sweep = figures.sweep(runs)
     if sweep is not None or len(runs) > 1:
@@ -182,22 +241,25 @@ def build_html(runs: list[RunData]) -> str:
         body.append("<h3>Summary (summary.json)</h3>" + summary_tables(run) + _meta_table(run))
     data = json.dumps({"figs": _jsonable(figs)}, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
     template = resources.files("loadgen.report").joinpath("assets/report.html").read_text(encoding="utf-8")
+    tag, src = _plotly_tag(plotly)
     return (
         template.replace("__TITLE__", html.escape(title))
+        .replace("__CSP_SCRIPT__", src)
         .replace("__BODY__", "\n".join(body))
         .replace("__DATA__", data)
-        .replace("__PLOTLY__", plotly_js().replace("</script", "<\\/script"))
+        .replace("__PLOTLY__", tag)
     )
 
 
-def write_report(result_dirs: list[Path], out: Path) -> Path:
-    """Write one self-contained HTML report of ``result_dirs`` (one run, or several compared) to ``out``."""
+def write_report(result_dirs: list[Path], out: Path, plotly: str = "inline") -> Path:
+    """Write one HTML report of ``result_dirs`` (one run, or several compared) to ``out``; ``plotly``:
+    ``inline`` (self-contained, works offline) or ``cdn`` (smaller file, needs the network to draw)."""
     if not result_dirs:
         raise ValueError("write_report needs at least one results directory")
     runs = [load_run(Path(d)) for d in result_dirs]
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(build_html(runs), encoding="utf-8")
+    tmp.write_text(build_html(runs, plotly), encoding="utf-8")
     tmp.replace(out)
     return out

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from loadgen.report.builder import write_report
+from loadgen.report.builder import PLOTLY_MODES, write_report
 from loadgen.report.load import ReportInputError
 
 console = Console(stderr=True)
@@ -29,14 +29,21 @@ def report_command(
             "-o", "--output", help="HTML file (default: <dir>/report.html, ./report.html for several)."
         ),
     ] = None,
-) -> None:
-    """Write one self-contained HTML report (timelines, distributions, sweep curves; works offline)."""
+    plotly: Annotated[
+        str, typer.Option(help="plotly.js: inline (self-contained, works offline) or cdn (smaller file, needs "
+                          "the network to draw the charts).")
+    ] = "inline",
+) -> None:  # fmt: skip
+    """Write one HTML report (summary first, then sweep curves, timelines, distributions)."""
+    if plotly not in PLOTLY_MODES:
+        console.print(f"[red]error[/]: --plotly must be one of {', '.join(PLOTLY_MODES)}, got {plotly!r}")
+        raise typer.Exit(2)
     for d in results_dirs:
         if d.is_dir() and not (d / "summary.json").is_file() and (d / "points").is_dir():
             console.print(f"[yellow]note[/]: {d} has no summary.json (the run ended before writing it): "
                           "recomputing it from requests.jsonl")  # fmt: skip
     try:
-        out = write_report(results_dirs, output or default_output(results_dirs))
+        out = write_report(results_dirs, output or default_output(results_dirs), plotly)
     except ReportInputError as exc:
         console.print(f"[red]error[/]: {exc}")
         raise typer.Exit(2) from None

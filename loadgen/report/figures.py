@@ -338,6 +338,11 @@ def _gantt(req: Requests) -> tuple[str, list[dict[str, Any]], float]:
     return title, traces, 2.5
 
 
+# y-axis title (unit) of each timeline row, by the start of the row's title
+_ROW_UNITS = (("requests (client)", "requests"), ("server batch", "requests"), ("tokens per engine step", "tokens"),
+              ("KV cache", "percent of the pool"), ("utilisation", "percent busy"), ("output tokens/s", "tokens/s"))  # fmt: skip
+
+
 def _stack(rows: list[tuple[str, list[dict[str, Any]], float]], title: str) -> Fig:
     """Rows stacked on one x axis: each row its own y axis with a domain slice."""
     gap = 0.035
@@ -363,7 +368,9 @@ def _stack(rows: list[tuple[str, list[dict[str, Any]], float]], title: str) -> F
             "anchor": "x",
             "rangemode": "tozero",
             "automargin": True,
-        }
+            "title": {"text": next((u for start, u in _ROW_UNITS if row_title.startswith(start)), ""),
+                      "font": {"size": 10}},
+        }  # fmt: skip
         layout["annotations"].append(
             {
                 "text": f"<b>{row_title}</b>",
@@ -400,7 +407,8 @@ def distributions(point: PointData) -> Fig | None:
         return None
     classes = sorted(set(req.cls[ok]))
     groups = [("all", None)] + ([(c, c) for c in classes] if len(classes) > 1 else [])
-    panels = [("TTFT (s)", "ttft"), ("ITL (s)", "itl"), ("TPOT (s)", "tpot"), ("E2E latency (s)", "e2e")]
+    panels = [("time to first token, TTFT (s)", "ttft"), ("inter-token latency, ITL (s)", "itl"),
+              ("time per output token, TPOT (s)", "tpot"), ("end-to-end latency (s)", "e2e")]  # fmt: skip
     data: list[dict[str, Any]] = []
     layout: dict[str, Any] = {
         "title": {"text": f"{point.point_id}: latency distributions (CDF)", "x": 0.01},
@@ -422,7 +430,7 @@ def distributions(point: PointData) -> Fig | None:
             "domain": [0.56 - row * 0.56, 1.0 - row * 0.56],
             "anchor": f"x{ax}",
             "range": [0, 1.02],
-            "title": {"text": "fraction" if col == 0 else ""},
+            "title": {"text": "fraction of requests" if col == 0 else ""},
         }
         for g, (gname, cls) in enumerate(groups):
             if key == "itl":
@@ -482,6 +490,28 @@ LOAD_KEYS = (r"load\.concurrency", r"load\.rate", r"load\.speedup")
 THROUGHPUT_KEYS = (r"throughput\.steady\.output_tok_per_s", r"throughput\.whole\.output_tok_per_s")
 GOODPUT_KEYS = (r"goodput\.req_per_s", r"goodput\.req_per_s_whole")
 LATENCY_KEYS = {q: (rf"latency\.e2e\.{q}", rf"latency\.ttft\.{q}") for q in ("p50", "p99")}
+
+
+# The one place a summary key gets its axis title (words and unit); latencies are seconds in summary.json.
+AXIS_TITLES = {
+    "load.concurrency": "concurrency (requests in flight)",
+    "load.rate": "offered load (requests/s)",
+    "load.speedup": "trace replay speed-up (x)",
+    "throughput.steady.output_tok_per_s": "output throughput, steady state (tokens/s)",
+    "throughput.whole.output_tok_per_s": "output throughput, whole point (tokens/s)",
+    "goodput.req_per_s": "goodput, steady state (requests/s within SLOs)",
+    "goodput.req_per_s_whole": "goodput, whole point (requests/s within SLOs)",
+    "latency.e2e": "end-to-end latency (s)",
+    "latency.ttft": "time to first token (s)",
+}
+LINE_STYLES = "solid line: p50 · dashed line: p99"
+
+
+def axis_title(key: str | None) -> str:
+    """Words with a unit for a summary key; several keys on one axis (mixed load kinds) joined by " / "."""
+    if not key:
+        return ""
+    return " / ".join(AXIS_TITLES.get(k, k.replace("_", " ").replace(".", " ")) for k in key.split(" / "))
 
 
 def sweep_rows(run: RunData) -> list[dict[str, Any]]:
@@ -613,23 +643,20 @@ def sweep(runs: list[RunData]) -> Fig | None:
             )
     if not data:
         return None
+    load_t, thr_t = axis_title(labels.get("load")), axis_title(labels.get("throughput"))
     axes = [
-        ("x", "y", labels.get("load"), labels.get("throughput"), "throughput vs load"),
-        (
-            "x2",
-            "y2",
-            labels.get("throughput"),
-            (labels.get("latency") or "latency") + " p50 (solid) / p99 (dash)",
-            "latency vs throughput",
-        ),
-        ("x3", "y3", labels.get("load"), labels.get("goodput"), "goodput vs load"),
-    ]
+        ("x", "y", load_t, thr_t, "throughput vs load"),
+        ("x2", "y2", thr_t, axis_title(labels.get("latency") or "latency.e2e"),
+         f"latency vs throughput ({LINE_STYLES})"),
+        ("x3", "y3", load_t, axis_title(labels.get("goodput")), "goodput vs load"),
+    ]  # fmt: skip
     layout: dict[str, Any] = {
         "title": {"text": "sweep", "x": 0.01},
-        "height": 420,
+        "height": 440,
         "annotations": [],
         "margin": {"l": 60, "r": 20, "t": 70, "b": 60},
         "hovermode": "closest",
+        "legend": {"title": {"text": f"colour: run / curve<br>{LINE_STYLES}"}},
     }
     used = [a for a in axes if any(t["xaxis"] == a[0] for t in data)]  # no empty panel (e.g. no --slo)
     step = 1.0 / len(used)

@@ -1,0 +1,134 @@
+"""Write the Grafana dashboards in docs/grafana/: one per server (the bundled reference server, vLLM,
+llama.cpp's llama-server), the same panels in the same places, each with that server's own metric names.
+
+    .venv/bin/python scripts/make_grafana.py        # rewrites docs/grafana/*.json
+
+A panel a server has no metric for is left out of its dashboard. tests/test_grafana.py checks that the files
+are this script's output and that every metric they query is one the server really exports (a live scrape
+of the reference server and of llama-server; vLLM's names as read from its source, docs/grafana/README.md).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent.parent / "docs" / "grafana"
+SEL = '{instance=~"$instance"}'
+SERVERS = {  # server -> (dashboard title, a metric every scrape has: feeds the instance picker)
+    "servelab": ("servelab reference server", "servelab_requests_running"),
+    "vllm": ("vLLM", "vllm:num_requests_running"),
+    "llamacpp": ("llama.cpp llama-server", "llamacpp:requests_processing"),
+}
+
+
+def _rate(name: str) -> str:
+    return f"rate({name}{SEL}[1m])"
+
+
+def _quantiles(hist: str) -> list[tuple[str, str]]:
+    return [(f"histogram_quantile({q}, sum by (le) (rate({hist}_bucket{SEL}[1m])))", f"p{int(q * 100)}")
+            for q in (0.5, 0.99)]  # fmt: skip
+
+
+def _ratio(num: str, den: str) -> str:
+    return f"{_rate(num)} / {_rate(den)}"
+
+
+# (title, Grafana unit, {server: [(PromQL, legend)]}); the order is the layout (two panels per row)
+PANELS: list[tuple[str, str, dict[str, list[tuple[str, str]]]]] = [
+    ("Requests running / waiting", "short", {
+        "servelab": [(f"servelab_requests_running{SEL}", "running"), (f"servelab_requests_waiting{SEL}", "waiting")],
+        "vllm": [(f"vllm:num_requests_running{SEL}", "running"), (f"vllm:num_requests_waiting{SEL}", "waiting")],
+        "llamacpp": [(f"llamacpp:requests_processing{SEL}", "running"),
+                     (f"llamacpp:requests_deferred{SEL}", "waiting (deferred)")],
+    }),
+    ("KV cache used", "percentunit", {
+        "servelab": [(f"servelab_kv_blocks_used{SEL} / servelab_kv_blocks_total{SEL}", "blocks used")],
+        "vllm": [(f"vllm:kv_cache_usage_perc{SEL}", "used")],
+    }),
+    ("Output tokens/s", "short", {
+        "servelab": [(_rate("servelab_generation_tokens_total"), "generated")],
+        "vllm": [(_rate("vllm:generation_tokens_total"), "generated")],
+        "llamacpp": [(_rate("llamacpp:tokens_predicted_total"), "generated")],
+    }),
+    ("Prompt tokens/s (prefill)", "short", {
+        "servelab": [(_rate("servelab_prompt_tokens_total"), "computed")],
+        "vllm": [(_rate("vllm:prompt_tokens_total"), "prompt")],
+        "llamacpp": [(_rate("llamacpp:prompt_tokens_total"), "computed")],
+    }),
+    ("Time to first token", "s", {
+        "servelab": _quantiles("servelab_time_to_first_token_seconds"),
+        "vllm": _quantiles("vllm:time_to_first_token_seconds"),
+    }),
+    ("Inter-token latency", "s", {
+        "servelab": _quantiles("servelab_inter_token_latency_seconds"),
+        "vllm": _quantiles("vllm:inter_token_latency_seconds"),
+    }),
+    ("Finished requests/s", "reqps", {
+        "servelab": [(f"sum by (finish_reason) ({_rate('servelab_requests_finished_total')})", "{{finish_reason}}")],
+        "vllm": [(f"sum by (finished_reason) ({_rate('vllm:request_success_total')})", "{{finished_reason}}")],
+    }),
+    ("Engine steps/s", "short", {
+        "servelab": [(_rate("servelab_iterations_total"), "steps")],
+        "vllm": [(_rate("vllm:iteration_tokens_total_count"), "steps")],
+        "llamacpp": [(_rate("llamacpp:n_decode_total"), "decode calls")],
+    }),
+    ("Prefix cache hit rate", "percentunit", {
+        "servelab": [(_ratio("servelab_prefix_cache_hits_total", "servelab_prefix_cache_queries_total"), "hits / queried tokens")],
+        "vllm": [(_ratio("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"), "hits / queried tokens")],
+        "llamacpp": [(_ratio("llamacpp:prompt_tokens_cached_total", "llamacpp:prompt_tokens_total"),
+                      "cached / prompt tokens")],
+    }),
+    ("Preemptions/s", "short", {
+        "servelab": [(_rate("servelab_preemptions_total"), "preempted")],
+        "vllm": [(_rate("vllm:num_preemptions_total"), "preempted")],
+    }),
+    ("Speculative decoding: accepted / drafted tokens", "percentunit", {
+        "servelab": [(_ratio("servelab_spec_accepted_tokens_total", "servelab_spec_draft_tokens_total"), "acceptance")],
+        "vllm": [(_ratio("vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_draft_tokens_total"),
+                  "acceptance")],
+        "llamacpp": [(_ratio("llamacpp:spec_decode_num_accepted_tokens_total",
+                             "llamacpp:spec_decode_num_draft_tokens_total"), "acceptance")],
+    }),
+]  # fmt: skip
+
+
+def dashboard(server: str) -> dict[str, object]:
+    title, probe = SERVERS[server]
+    ds = {"type": "prometheus", "uid": "${datasource}"}
+    panels = []
+    for i, (ptitle, unit, by_server) in enumerate(p for p in PANELS if server in p[2]):
+        targets = [{"refId": chr(65 + j), "datasource": ds, "expr": expr, "legendFormat": legend}
+                   for j, (expr, legend) in enumerate(by_server[server])]  # fmt: skip
+        panels.append({
+            "id": i + 1, "type": "timeseries", "title": ptitle, "datasource": ds,
+            "gridPos": {"h": 8, "w": 12, "x": 12 * (i % 2), "y": 8 * (i // 2)},
+            "fieldConfig": {"defaults": {"unit": unit}, "overrides": []}, "targets": targets,
+        })  # fmt: skip
+    return {
+        "title": f"{title} (servelab)", "uid": f"servelab-{server}", "tags": ["servelab", server],
+        "schemaVersion": 39, "version": 1, "editable": True, "refresh": "5s",
+        "time": {"from": "now-15m", "to": "now"},
+        "templating": {"list": [
+            {"name": "datasource", "label": "Prometheus", "type": "datasource", "query": "prometheus"},
+            {"name": "instance", "label": "server", "type": "query", "datasource": ds, "refresh": 2,
+             "query": f"label_values({probe}, instance)", "includeAll": True, "multi": True},
+        ]},
+        "panels": panels,
+    }  # fmt: skip
+
+
+def render(server: str) -> str:
+    return json.dumps(dashboard(server), indent=1) + "\n"
+
+
+def main() -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    for server in SERVERS:
+        (OUT / f"{server}.json").write_text(render(server))
+        print(OUT / f"{server}.json")
+
+
+if __name__ == "__main__":
+    main()
