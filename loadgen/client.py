@@ -126,7 +126,11 @@ async def execute(
 
 
 class _StreamReader:
-    """Turns chunks into events on the record; ``feed`` returns True when reading should stop."""
+    """Turns chunks into events on the record; ``feed`` returns True when reading should stop: at an
+    error or at the end marker (``[DONE]`` or the protocol's final event), whatever follows it.
+
+    Every event parsed from one chunk (one socket read) gets that read's timestamp; the metrics merge
+    them (:func:`loadgen.metrics.reads`), as no time passed between them on the client."""
 
     __slots__ = ("backend", "rec", "clock", "parser", "state", "texts", "usage_out", "usage_prompt",
                  "chunk_prompt", "stated_source", "done")
@@ -187,8 +191,6 @@ class _StreamReader:
             if name == "error":
                 rec.set_error("stream_error", data or "error event")
                 return True
-            if self.done:
-                continue  # anything after the end marker is ignored
             for d in parse(data, state):
                 if d.error is not None:
                     rec.set_error("stream_error", d.error)
@@ -209,6 +211,8 @@ class _StreamReader:
                     rec.extra.update(d.extra)
                 if d.done:
                     self.done = True
+            if self.done:
+                return True  # stop at the end marker: a proxy holding the finished stream open is no stall
         return False
 
     def finish(self, req: GenRequest) -> str:

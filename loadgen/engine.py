@@ -14,7 +14,10 @@ Load: ``closed`` keeps ``concurrency`` sessions in flight (a slot's next session
 one ends; ``intended`` is that moment); ``constant``/``poisson``/``gamma`` send on a seeded schedule
 regardless of responses, and a session with ``at`` set (trace replay) is sent at ``at / speedup``
 instead (``trace`` uses only ``at``). Multi-turn sessions send the next turn ``think`` seconds after the
-previous response. The first ``warmup`` sessions are marked warm-up. Dispatch stops after
+previous response. The first ``warmup`` sessions are marked warm-up and run first, as their own phase
+under the same load (closed: at most ``concurrency`` at once; open: on the arrival schedule), and all of
+them end before measured dispatch starts (as vLLM's ``bench serve`` and AIPerf do): no measured request
+shares the server with a warm-up, and the measured schedule starts afresh after them. Dispatch stops after
 ``num_requests`` measured requests and/or ``duration`` seconds; requests still in flight then get
 ``drain`` seconds to end before they are cancelled (recorded as ``cancelled``).
 """
@@ -27,7 +30,7 @@ import json
 import time
 from collections.abc import Coroutine, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -108,12 +111,13 @@ class _Dispatch:
         self.sessions: Iterator[Session] = iter(workload.sessions(load.seed))
         self.n_sessions = 0
         self.measured = 0
+        self.warming = False  # the warm-up phase: only the first ``warmup`` sessions, no duration bound
         self.t_start = 0.0
         self.stop = asyncio.Event()
         self.tasks: set[asyncio.Task[None]] = set()
 
     def next_session(self) -> tuple[Session, bool] | None:
-        if self.stop.is_set():
+        if self.stop.is_set() or (self.warming and self.n_sessions >= self.load.warmup):
             return None
         sess = next(self.sessions, None)
         if sess is None:  # workload exhausted: dispatch ends, started sessions go on
@@ -126,11 +130,11 @@ class _Dispatch:
         load = self.load
         if self.stop.is_set():
             return False
+        if warmup:
+            return True
         if load.duration is not None and self.clock.now() - self.t_start > load.duration:
             self.stop.set()
             return False
-        if warmup:
-            return True
         if load.num_requests is not None and self.measured >= load.num_requests:
             self.stop.set()
             return False
@@ -171,6 +175,9 @@ class _Dispatch:
             turn += 1
             intended = rec.end + think
             await _sleep_until(self.clock, intended)
+
+    def dispatch(self) -> Coroutine[Any, Any, None]:
+        return self.closed() if self.load.process == "closed" else self.open()
 
     async def closed(self) -> None:
         async def slot() -> None:
@@ -233,11 +240,15 @@ async def run_point(
     for sc in sidecars:
         sc.start(clock, out_dir)
     cpu0, wait0, wall0 = time.process_time(), _cpu_wait(), time.perf_counter()
-    d.t_start = progress.t_start = clock.now()
-    main = asyncio.ensure_future(d.closed() if load.process == "closed" else d.open())
+    t0 = d.t_start = progress.t_start = clock.now()
     try:
         with _run_gc():
-            await _bounded(main, d, load)
+            if load.warmup:  # its own phase: every warm-up ends before the first measured send
+                d.warming = True
+                await _bounded(asyncio.ensure_future(d.dispatch()), d, replace(load, duration=None))
+                d.warming = False
+                d.t_start = progress.t_start = clock.now()
+            await _bounded(asyncio.ensure_future(d.dispatch()), d, load)
     finally:
         wall = max(time.perf_counter() - wall0, 1e-9)
         cpu = (time.process_time() - cpu0) / wall
@@ -249,7 +260,7 @@ async def run_point(
     records = read_records(out_dir / "requests.jsonl")
     summary: dict[str, Any] = {
         "point_id": point_id or load.point_id(), "load": load.describe(), "workload": workload.describe(),
-        "labels": labels or {}, "t_start": d.t_start, "t_end": clock.now(),
+        "labels": labels or {}, "t_start": t0, "t_measured": d.t_start, "t_end": clock.now(),
     }  # fmt: skip
     summary.update(metrics.summarize(records, load.describe(), slo, client_cpu=cpu, client_wait=wait))
     window = (summary["window"][0], summary["window"][1])

@@ -96,6 +96,21 @@ async def test_closed_loop_warmup_and_count(null_server, tmp_path):
     assert len(recs) == 14 and sum(r["warmup"] for r in recs) == 4
     assert s["counts"]["requests"] == 10 and s["counts"]["warmup"] == 4
     assert all(0 <= r["sent"] - r["intended"] < 0.5 for r in recs)  # closed loop: sent when the slot freed
+    # isolated: every warm-up ends before the first measured send (vLLM bench serve, AIPerf)
+    warm, measured = [r for r in recs if r["warmup"]], [r for r in recs if not r["warmup"]]
+    assert max(r["end"] for r in warm) <= min(r["sent"] for r in measured) == pytest.approx(s["t_measured"], abs=0.05)
+    assert s["errors"]["rate"] == 0
+
+
+@pytest.mark.parametrize("process", ["constant", "poisson"])
+async def test_open_loop_warmups_end_before_the_measured_schedule_starts(null_server, tmp_path, process):
+    wl = FixedWorkload(max_tokens=20, extra_bodies=[ns(itl=0.01)])  # 0.2 s responses at 50 req/s: overlapping
+    load = LoadSpec(process, rate=50.0, num_requests=10, warmup=5)
+    s, recs = await point(null_server, tmp_path, load, wl)
+    warm, measured = [r for r in recs if r["warmup"]], [r for r in recs if not r["warmup"]]
+    assert len(warm) == 5 and len(measured) == 10 and s["counts"]["errors"] == 0
+    assert max(r["end"] for r in warm) <= min(r["intended"] for r in measured)
+    assert min(r["intended"] for r in measured) - s["t_measured"] < 0.2  # a fresh schedule from the phase's start
 
 
 async def test_open_loop_constant_schedule(null_server, tmp_path):
