@@ -226,9 +226,10 @@ async def run_point(
     backend: Backend, workload: Workload, load: LoadSpec, out_dir: Path, clock: RunClock,
     sidecars: Sequence[Sidecar] = (), *, point_id: str | None = None, labels: dict[str, Any] | None = None,
     slo: dict[str, float] | None = None, client: HttpClient | None = None, client_kind: str = "aiohttp",
-    progress: Progress | None = None,
+    progress: Progress | None = None, slo_from: str = "sent",
 ) -> dict[str, Any]:
-    """Run one load point into ``out_dir``; returns its PointSummary (also written to summary.json)."""
+    """Run one load point into ``out_dir``; returns its PointSummary (also written to summary.json).
+    ``slo_from="intended"`` judges the SLOs' TTFT and E2E from the intended send time."""
     out_dir.mkdir(parents=True, exist_ok=True)
     progress = progress or Progress()
     own_client = client is None
@@ -262,7 +263,7 @@ async def run_point(
         "point_id": point_id or load.point_id(), "load": load.describe(), "workload": workload.describe(),
         "labels": labels or {}, "t_start": t0, "t_measured": d.t_start, "t_end": clock.now(),
     }  # fmt: skip
-    summary.update(metrics.summarize(records, load.describe(), slo, client_cpu=cpu, client_wait=wait))
+    summary.update(metrics.summarize(records, load.describe(), slo, client_cpu=cpu, client_wait=wait, slo_from=slo_from))
     window = (summary["window"][0], summary["window"][1])
     for sc in sidecars:
         try:

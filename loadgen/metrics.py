@@ -54,7 +54,7 @@ def stats(values: Iterable[float] | np.ndarray) -> dict[str, float | int | None]
     }  # fmt: skip
 
 
-def _tokens(event: Sequence[float | None]) -> int:
+def tokens_of(event: Sequence[float | None]) -> int:
     """An event's token delta; ``None`` (count not stated, not yet resolved from a total) counts as one."""
     k = event[1]
     return 1 if k is None else int(k)
@@ -65,7 +65,7 @@ def reads(r: Record) -> list[tuple[float, int]]:
     one socket read) merged into one: they arrived together, so no time passed between them."""
     out: list[tuple[float, int]] = []
     for e in r["events"]:
-        t, k = float(e[0]), _tokens(e)  # type: ignore[arg-type]
+        t, k = float(e[0]), tokens_of(e)  # type: ignore[arg-type]
         if out and out[-1][0] == t:
             out[-1] = (t, out[-1][1] + k)
         else:
@@ -274,7 +274,7 @@ def _steady(ok: Sequence[Record], w: Window) -> dict[str, Any]:
     prompt = np.asarray([r["prompt_tokens"] or 0 for r in ok], dtype=float)
     inflight = sum(max(0.0, min(r["end"], b) - max(r["sent"], a)) for r in ok) / wlen
     mean_len = float(np.mean([r["end"] - r["sent"] for r in ok]))
-    events = sum(_tokens(e) for r in ok for e in r["events"] if a < e[0] <= b)
+    events = sum(tokens_of(e) for r in ok for e in r["events"] if a < e[0] <= b)
     return {
         "seconds": wlen, "req_per_s": float(share.sum()) / wlen, "output_tok_per_s": float(share @ out) / wlen,
         "total_tok_per_s": float(share @ (out + prompt)) / wlen,

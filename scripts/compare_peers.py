@@ -145,11 +145,11 @@ def main(argv: list[str] | None = None) -> int:
                 for c in concs:
                     n = REQUESTS.get(c, 2 * c)
                     tag = f"{server}-c{c}-r{rnd}"
-                    tools = [("vllm", lambda: run_vllm(python, hf_dir, srv.base_url, model, c, n,
-                                                       args.out / f"{tag}-vllm.json")),
-                             ("bench", lambda: run_bench(srv.base_url, c, n, workload, args.out / f"{tag}-bench"))]
-                    for tool, fn in tools if rnd % 2 == 0 else tools[::-1]:
-                        got = fn()
+                    for tool in ("vllm", "bench") if rnd % 2 == 0 else ("bench", "vllm"):
+                        if tool == "vllm":
+                            got = run_vllm(python, hf_dir, srv.base_url, model, c, n, args.out / f"{tag}-vllm.json")
+                        else:
+                            got = run_bench(srv.base_url, c, n, workload, args.out / f"{tag}-bench")
                         rows.setdefault(server, {}).setdefault(str(c), {}).setdefault(tool, []).append(got)
                         print(f"{tag} {tool}: " + ", ".join(f"{k} {v:.2f}" for k, v in got.items()), flush=True)
     return report(rows, args.out, args.tolerance, args.rounds)
