@@ -19,8 +19,10 @@ definitions (docs/metrics.md, "Agreement with vLLM's bench serve"):
 * ITL: vLLM's is the gap between consecutive chunks with choices: ours `chunk_gap` (and `itl`, per token);
 * output tok/s: vLLM's total output tokens / benchmark duration = our `throughput.whole`.
 
-Writes ``peers.json`` and ``peers.md`` (the table) under ``--out``; exits 1 when a request failed or a
-figure differs by more than ``--tolerance`` (3 %). ``--lock`` holds that file (flock) while a server runs.
+Writes every measurement to ``rows.jsonl`` as it is taken, then ``peers.json`` and ``peers.md`` (the
+table) under ``--out`` (``--report-only`` redoes them from ``rows.jsonl``); exits 1 when a request failed
+or a figure differs by more than ``--tolerance`` (3 %). ``--lock`` holds that file (flock) while a server
+runs; SIGTERM stops the server it started.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import argparse
 import fcntl
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -43,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 from backends.launcher import ServerProcess, bundled_model, free_port, llama_server_binary  # noqa: E402
 
 PROMPT, OUTPUT = 32, 128
-REQUESTS = {1: 6, 4: 12, 16: 32}  # per concurrency: a few waves each, short enough for several rounds
+REQUESTS = {1: 3, 4: 8, 16: 32}  # per concurrency: 2-3 waves, short enough for several rounds on 2 busy cores
 FIGURES = ("ttft_ms", "tpot_ms", "itl_ms", "output_tok_s")
 WORKLOAD = f"""description = "Peer agreement: {PROMPT}-token prompts, exactly {OUTPUT} output tokens."
 api = "completions"
@@ -124,13 +127,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "results" / time.strftime("peers-%Y%m%dT%H%M%SZ", time.gmtime()))
     ap.add_argument("--lock", type=Path, default=None, help="hold this file (flock) while a server runs")
     ap.add_argument("--tolerance", type=float, default=0.03)
+    ap.add_argument("--report-only", action="store_true", help="only redo the table from --out/rows.jsonl")
     args = ap.parse_args(argv)
+    rows_path = args.out / "rows.jsonl"
+    if args.report_only:
+        return report(rows_path, args.out, args.tolerance)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the servers started here are stopped
     concs = [int(c) for c in args.concurrency.split(",")]
     python, hf_dir = vllm_setup()
     args.out.mkdir(parents=True, exist_ok=True)
     workload = args.out / "peer.toml"
     workload.write_text(WORKLOAD)
-    rows: dict[str, dict[str, dict[str, list[dict[str, float]]]]] = {}
     for server in args.servers.split(","):
         with ExitStack() as stack:
             if args.lock:
@@ -140,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             srv = stack.enter_context(ServerProcess(server_argv(server, port), port, args.out / f"{server}.log",
                                                     health_timeout_s=600))  # fmt: skip
             model = model_id(srv.base_url)
-            run_bench(srv.base_url, 4, 8, workload, args.out / f"{server}-warmup")  # warm the server up once
+            run_bench(srv.base_url, 4, 4, workload, args.out / f"{server}-warmup")  # warm the server up once
             for rnd in range(args.rounds):
                 for c in concs:
                     n = REQUESTS.get(c, 2 * c)
@@ -150,12 +157,19 @@ def main(argv: list[str] | None = None) -> int:
                             got = run_vllm(python, hf_dir, srv.base_url, model, c, n, args.out / f"{tag}-vllm.json")
                         else:
                             got = run_bench(srv.base_url, c, n, workload, args.out / f"{tag}-bench")
-                        rows.setdefault(server, {}).setdefault(str(c), {}).setdefault(tool, []).append(got)
+                        row = {"server": server, "c": c, "round": rnd, "tool": tool, **got}
+                        with rows_path.open("a") as f:
+                            f.write(json.dumps(row) + "\n")
                         print(f"{tag} {tool}: " + ", ".join(f"{k} {v:.2f}" for k, v in got.items()), flush=True)
-    return report(rows, args.out, args.tolerance, args.rounds)
+    return report(rows_path, args.out, args.tolerance)
 
 
-def report(rows: dict, out: Path, tol: float, rounds: int) -> int:
+def report(rows_path: Path, out: Path, tol: float) -> int:
+    rows: dict[str, dict[str, dict[str, list[dict[str, float]]]]] = {}
+    for line in rows_path.read_text().splitlines():
+        r = json.loads(line)
+        rows.setdefault(r["server"], {}).setdefault(str(r["c"]), {}).setdefault(r["tool"], []).append(r)
+    rounds = max(len(t) for per_c in rows.values() for tools in per_c.values() for t in tools.values())
     lines = ["| server | c | figure | vLLM bench serve | bench run | diff |", "|---|---|---|---|---|---|"]
     failed = False
     summary: dict = {}
