@@ -199,7 +199,8 @@ def summarize(
     window = steady_window(records)
     out = _core(records, window, slo, slo_from)
     out["window"] = [window.start, window.end]
-    out["client"] = client_health(records, (window.start, window.end), load or {}, client_cpu, client_wait)
+    out["client"] = client_health(records, (window.start, window.end), load or {}, client_cpu, client_wait,
+                                  steady=window.valid)
     classes = sorted({r["cls"] for r in records if not r["warmup"]})
     out["per_class"] = {c: _core([r for r in records if r["cls"] == c], window, slo, slo_from) for c in classes}
     return out
@@ -302,9 +303,11 @@ def _rates(requests: int, out_tokens: int, in_tokens: int, seconds: float) -> di
 
 def client_health(
     records: Sequence[Record], window: tuple[float, float], load: dict[str, Any], client_cpu: float | None = None,
-    client_wait: float | None = None,
+    client_wait: float | None = None, steady: bool = True,
 ) -> dict[str, Any]:
-    """Is the client keeping its schedule? Schedule lag, achieved vs requested load, warnings."""
+    """Is the client keeping its schedule? Schedule lag, achieved vs requested load, warnings. Without a
+    steady state (``steady`` false: the window is the whole run, ramp and drain included) the achieved
+    concurrency is reported but not judged."""
     measured = sorted((r for r in records if not r["warmup"]), key=lambda r: r["sent"])
     lag = stats(r["sent"] - r["intended"] for r in measured)
     a, b = window
@@ -332,7 +335,7 @@ def client_health(
         if out["achieved_rate"] < SHORTFALL * out["scheduled_rate"]:
             warnings.append(f"achieved {out['achieved_rate']:.1f} req/s of {out['scheduled_rate']:.1f} scheduled")
     req_c, got_c = out["requested_concurrency"], out["achieved_concurrency"]
-    if req_c and got_c is not None and got_c < SHORTFALL * req_c and not load.get("think_time"):
+    if steady and req_c and got_c is not None and got_c < SHORTFALL * req_c and not load.get("think_time"):
         warnings.append(f"achieved concurrency {got_c:.1f} of {req_c} requested")
     if client_cpu is not None and client_cpu > 0.9:
         warnings.append(f"client process used {client_cpu:.0%} of a CPU core")

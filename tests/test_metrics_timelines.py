@@ -58,6 +58,9 @@ def test_one_wave_has_no_steady_state_and_reports_the_whole_run():
     assert st["valid"] is False and "less than one request length" in st["reason"]
     assert st["req_per_s"] == pytest.approx(64 / 5.019, rel=1e-6) == s["throughput"]["whole"]["req_per_s"]
     assert st["output_tok_per_s"] == pytest.approx(64 * 128 / 5.019, rel=1e-6)  # 1,632 tok/s, not 0
+    # no steady state: the whole run's concurrency (ramp and drain included) is not judged as client-limited
+    c = metrics.summarize(recs, {"process": "closed", "concurrency": 64})["client"]
+    assert c["achieved_concurrency"] < 64 and c["warnings"] == []
 
 
 def test_open_loop_constant_rate_starts_after_the_fill():
