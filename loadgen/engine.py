@@ -176,9 +176,6 @@ class _Dispatch:
             intended = rec.end + think
             await _sleep_until(self.clock, intended)
 
-    def dispatch(self) -> Coroutine[Any, Any, None]:
-        return self.closed() if self.load.process == "closed" else self.open()
-
     async def closed(self) -> None:
         async def slot() -> None:
             while (item := self.next_session()) is not None:
@@ -210,6 +207,9 @@ class _Dispatch:
             task.add_done_callback(lambda tk: (self.tasks.discard(tk), limit.release()))
         if self.tasks:
             await asyncio.gather(*list(self.tasks))
+
+    def dispatch(self) -> Coroutine[Any, Any, None]:
+        return self.closed() if self.load.process == "closed" else self.open()
 
 
 async def _sleep_until(clock: RunClock, t: float) -> None:
