@@ -4,7 +4,7 @@
         [--rounds 3] [--out results/peers-<time>] [--lock /work/coord/heavy.lock]
 
 For each server (the bundled reference server and llama-server, started here on a free loopback port
-with 2 threads) it runs, per round and concurrency, vLLM's `bench serve` (``vllm.benchmarks.serve.main``
+with 2 threads; ``null``, loadgen.nullserver pacing a known stream, checks the definitions alone) it runs, per round and concurrency, vLLM's `bench serve` (``vllm.benchmarks.serve.main``
 in the venv of scripts/setup_vllm.sh: random 32-token prompts, exactly 128 output tokens with
 ``--ignore-eos``, ``--max-concurrency c``) and `bench run` (a workload of 32-token prompts, 128 output
 tokens, EOS ignored, closed loop at c), both on ``/v1/completions`` with the same number of requests; the
@@ -48,6 +48,7 @@ from backends.launcher import ServerProcess, bundled_model, free_port, llama_ser
 PROMPT, OUTPUT = 32, 128
 REQUESTS = {1: 3, 4: 8, 16: 32}  # per concurrency: 2-3 waves, short enough for several rounds on 2 busy cores
 FIGURES = ("ttft_ms", "tpot_ms", "itl_ms", "output_tok_s")
+NULL_PACE = {"ttft": 0.05, "itl": 0.01}  # the null server's stream: TTFT 50 ms, then a token every 10 ms
 WORKLOAD = f"""description = "Peer agreement: {PROMPT}-token prompts, exactly {OUTPUT} output tokens."
 api = "completions"
 [[classes]]
@@ -73,7 +74,10 @@ def server_argv(name: str, port: int) -> list[str]:
     if name == "llama-server":
         return [llama_server_binary(), "-m", str(bundled_model()), "--host", "127.0.0.1", "--port", str(port),
                 "-np", "16", "-c", "32768", "--metrics", "-t", "2"]  # fmt: skip
-    raise SystemExit(f"unknown server {name!r}: reference or llama-server")
+    if name == "null":  # loadgen.nullserver pacing a known stream: a check of the definitions alone
+        return [str(ROOT / ".venv/bin/python"), "-m", "loadgen.nullserver", "--port", str(port),
+                "--behaviour", json.dumps(NULL_PACE)]  # fmt: skip
+    raise SystemExit(f"unknown server {name!r}: reference, llama-server or null")
 
 
 def vllm_setup() -> tuple[str, str]:
