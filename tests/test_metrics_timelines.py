@@ -207,3 +207,21 @@ def test_poller_and_telemetry_use_the_one_percentile_method():
     recs = [{"t": float(i), "mem_used_b": v} for i, v in enumerate(lat)]
     mem = telemetry.summarize(recs, None)["mem_used_b"]
     assert mem == {"mean": pytest.approx(st["mean"]), "max": pytest.approx(st["max"])}
+
+
+def test_cli_table_shows_incomplete_and_marks_a_run_without_steady_state():
+    from rich.console import Console
+
+    from loadgen.cli import notes, summary_table
+
+    cancelled = {"kind": "cancelled", "message": "run interrupted"}
+    recs = [req(i * 0.019 / 63, 0.4, 5.0, 128) for i in range(64)] + [req(0.02, 0.4, 6.0, 50, error=cancelled)]
+    s = {"point_id": "c064", **metrics.summarize(recs, {"process": "closed", "concurrency": 65})}
+    console = Console(width=250, record=True)
+    console.print(summary_table([s]))
+    text = console.export_text()
+    assert " inc " in text and f"{s['throughput']['steady']['req_per_s']:.2f}*" in text
+    row = [c.strip() for c in next(line for line in text.splitlines() if "c064" in line).split("│")]
+    assert row[2:5] == ["64", "0", "1"]  # ok, err, inc
+    lines = notes(s)
+    assert any("no steady state" in n for n in lines) and any("1 request(s) cancelled" in n for n in lines)
