@@ -60,17 +60,16 @@ def tokens_of(event: Sequence[float | None]) -> int:
     return 1 if k is None else int(k)
 
 
-def reads(r: Record) -> list[tuple[float, int]]:
-    """The content events as (time, tokens), consecutive events with the same timestamp (parsed from
+def reads(r: Record) -> tuple[np.ndarray, np.ndarray]:
+    """The content events as (times, tokens), consecutive events with the same timestamp (parsed from
     one socket read) merged into one: they arrived together, so no time passed between them."""
-    out: list[tuple[float, int]] = []
-    for e in r["events"]:
-        t, k = float(e[0]), tokens_of(e)  # type: ignore[arg-type]
-        if out and out[-1][0] == t:
-            out[-1] = (t, out[-1][1] + k)
-        else:
-            out.append((t, k))
-    return out
+    ev = np.array(r["events"], dtype=float).reshape(-1, 2)  # an unresolved count (None) becomes NaN
+    t, kf = ev[:, 0], ev[:, 1]
+    k = np.where(np.isnan(kf), 1, kf).astype(np.int64)  # ... and counts as one token (tokens_of)
+    if t.size < 2 or np.all(t[1:] != t[:-1]):
+        return t, k
+    starts = np.flatnonzero(np.concatenate(([True], t[1:] != t[:-1])))
+    return t[starts], np.add.reduceat(k, starts)
 
 
 def ttft(r: Record) -> float | None:
@@ -94,30 +93,32 @@ def tail(r: Record) -> float:
 def tpot(r: Record) -> float | None:
     """(last − first content event) / (output tokens − tokens of the first read); None when no token
     came after the first read."""
-    rd = reads(r)
-    after_first = (r.get("output_tokens") or 0) - (rd[0][1] if rd else 0)
-    return (rd[-1][0] - rd[0][0]) / after_first if rd and after_first > 0 else None
+    return _tpot(*reads(r), r.get("output_tokens") or 0)
 
 
 def itl(r: Record) -> np.ndarray:
     """Token-weighted inter-token latencies; tokens of the first read have none, and a read that
     carried no token passes its time on to the next one that did."""
-    rd = reads(r)
-    if len(rd) < 2:
-        return np.empty(0)
-    vals: list[float] = []
-    anchor = rd[0][0]
-    for t, k in rd[1:]:
-        if k > 0:
-            vals.extend([(t - anchor) / k] * k)
-            anchor = t
-    return np.asarray(vals, dtype=float)
+    return _itl(*reads(r))
 
 
 def chunk_gaps(r: Record) -> np.ndarray:
     """Gaps between consecutive reads that carried content (vLLM's "ITL" when one chunk = one read)."""
-    rd = reads(r)
-    return np.diff(np.asarray([t for t, _ in rd], dtype=float)) if len(rd) > 1 else np.empty(0)
+    return np.diff(reads(r)[0])
+
+
+def _tpot(t: np.ndarray, k: np.ndarray, out: int) -> float | None:
+    after_first = out - (int(k[0]) if k.size else 0)
+    return float(t[-1] - t[0]) / after_first if t.size and after_first > 0 else None
+
+
+def _itl(t: np.ndarray, k: np.ndarray) -> np.ndarray:
+    if t.size < 2:
+        return np.empty(0)
+    anchor = k > 0
+    anchor[0] = True  # gaps run from the first read, then from each read that carried tokens
+    gaps, kk = np.diff(t[anchor]), k[anchor][1:]
+    return np.repeat(gaps / kk, kk)
 
 
 def incomplete(r: Record) -> bool:
@@ -215,11 +216,12 @@ def _core(records: Sequence[Record], window: Window, slo: dict[str, float] | Non
     out_tokens = sum(r["output_tokens"] or 0 for r in ok)
     in_tokens = sum(r["prompt_tokens"] or 0 for r in ok)
     with_events = [r for r in ok if r["events"]]
+    rd = [reads(r) for r in ok]  # once per request: TPOT, ITL and chunk gaps all start from the reads
     lat = {
         "ttft": stats(ttft(r) for r in with_events),  # type: ignore[misc]
-        "tpot": stats(v for r in ok if (v := tpot(r)) is not None),
-        "itl": stats(np.concatenate([itl(r) for r in ok]) if ok else np.empty(0)),
-        "chunk_gap": stats(np.concatenate([chunk_gaps(r) for r in ok]) if ok else np.empty(0)),
+        "tpot": stats(v for r, (t, k) in zip(ok, rd, strict=True) if (v := _tpot(t, k, r["output_tokens"] or 0)) is not None),
+        "itl": stats(np.concatenate([_itl(t, k) for t, k in rd]) if ok else np.empty(0)),
+        "chunk_gap": stats(np.concatenate([np.diff(t) for t, _ in rd]) if ok else np.empty(0)),
         "e2e": stats(e2e(r) for r in ok),
         "tail": stats(tail(r) for r in ok),
         "ttft_from_intended": stats(r["events"][0][0] - r["intended"] for r in with_events),
