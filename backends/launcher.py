@@ -240,11 +240,14 @@ def sweep_servers(
     *,
     health_path: str = "/health",
     health_timeout_s: float = 180.0,
+    stop_on_abort: bool = True,
 ) -> list[dict[str, Any]]:
     """For each grid point: start the server, ``run_inner(base_url, point, results_so_far)`` (the load
     sweep, returning its PointSummaries), stop the server. Each summary gets ``server_launch`` (params,
     command, log, start-up time). A server that fails to start, or dies during its points, gives a
-    ``failed`` entry for that grid point and the sweep goes on with the next one."""
+    ``failed`` entry for that grid point and the sweep goes on with the next one. A point that ended
+    ``interrupted`` ends the sweep, and so does one ``aborted`` (its server went away) unless
+    ``stop_on_abort`` is False."""
     results: list[dict[str, Any]] = []
     for gp in points:
         port = free_port()
@@ -272,4 +275,7 @@ def sweep_servers(
                     "message": f"server exited with code {died} during the point",
                 }
         results.extend(summaries)
+        ends = {s.get("status") for s in summaries}
+        if "interrupted" in ends or ("aborted" in ends and stop_on_abort):
+            break
     return results

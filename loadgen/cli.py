@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -28,12 +29,14 @@ from rich.table import Table
 from rich.text import Text
 
 from backends.base import Backend
+from backends.detect import Detection, ServerUnreachable, detect
 from backends.launcher import GridPoint, LaunchError, server_grid, sweep_servers
 from backends.poller import ServerStatePoller, profile_of
 from backends.registry import available, get_backend
 from loadgen import metrics, telemetry
 from loadgen.clock import RunClock, Sidecar
 from loadgen.engine import PROCESSES, LoadSpec, Progress, run_async
+from loadgen.exitcodes import ExitCode, worst
 from loadgen.nullserver import free_port
 from loadgen.results import ResultsDir, new_run_id
 from loadgen.sweep import PointPlan, loads_from, plan_points, run_sweep
@@ -48,6 +51,10 @@ console = Console(stderr=True)
 
 class UsageError(Exception):
     """Bad input: printed as a one-line error, exit status 2."""
+
+
+class ServerGone(Exception):
+    """The target cannot be reached: printed as a one-line error, exit status 3."""
 
 
 def parse_list(text: str, kind: type[float] | type[int], what: str) -> list[Any]:
@@ -123,10 +130,21 @@ def read_api_key(api_key_env: str | None) -> str | None:
     return api_key
 
 
+def detect_server(url: str, api_key: str | None) -> Detection:
+    """What the server at ``url`` is (backends.detect); an unreachable one is :class:`ServerGone`."""
+    try:
+        return detect(url, api_key)
+    except ServerUnreachable as exc:
+        raise ServerGone(f"{exc}\n  is the server running? (bench run without --url starts the bundled one)") from None
+
+
 def make_backend(
     name: str, url: str, model: str | None, api: str | None, api_key: str | None, continuous_usage: bool,
     extra_body: str | None,
 ) -> Backend:  # fmt: skip
+    """The backend ``name`` for ``url``; ``auto`` asks the server (:func:`detect_server`)."""
+    if name == "auto":
+        name = detect_server(url, api_key).backend
     try:
         extra = json.loads(extra_body) if extra_body else {}
     except json.JSONDecodeError as exc:
@@ -136,7 +154,7 @@ def make_backend(
     try:
         cls = get_backend(name)
     except KeyError:
-        raise UsageError(f"unknown backend {name!r}; available: {', '.join(available())}") from None
+        raise UsageError(f"unknown backend {name!r}; available: auto, {', '.join(available())}") from None
     opts: dict[str, Any] = {"api": api, "extra_body": extra}
     if continuous_usage:
         opts["continuous_usage"] = True
@@ -164,8 +182,10 @@ def embedded_server(log_path: Path, timeout: float = 600.0) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
+        # its own session: a terminal's Ctrl-C is bench's to handle (it stops the server after the summary)
         proc = subprocess.Popen([sys.executable, "-m", "reference_server", "--host", "127.0.0.1", "--port", str(port)],
-                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)  # fmt: skip
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)  # fmt: skip
         try:
             console.print(f"[dim]starting the reference server on {url} (log: {log_path})[/]")
             deadline = time.monotonic() + timeout
@@ -254,7 +274,11 @@ def _report(summaries: list[dict[str, Any]], results: ResultsDir) -> None:
 
 # Shared options of `bench run` and `bench sweep`.
 Url = Annotated[str | None, typer.Option(help="Target base URL (default: start the bundled reference server).")]
-BackendOpt = Annotated[str, typer.Option("--backend", help="Server dialect (see backends.registry).")]
+BackendOpt = Annotated[str, typer.Option("--backend", help="Server dialect: auto (ask the server: llama.cpp, vLLM, "
+                                          "TGI, SGLang, reference; else plain OpenAI) or one of backends.registry.")]
+MaxErrorRate = Annotated[float, typer.Option(help="Exit 1 when a point's error rate is above this (0..1).")]
+WaitForServer = Annotated[float, typer.Option(help="When the server goes away mid-point, wait up to this many "
+                                              "seconds for it and go on with the next point (0: stop).")]
 ApiOpt = Annotated[str | None, typer.Option(help="completions or chat (default: the workload's).")]
 Model = Annotated[str | None, typer.Option(help="Model name sent to the server (default: GET /v1/models).")]
 Arrival = Annotated[str | None, typer.Option(help=f"Arrival process: {', '.join(PROCESSES)} (default: closed with"
@@ -294,9 +318,11 @@ def _go(
     extra_body: str | None, client: str, timeout: float, stall_timeout: float, speedup: float,
     command: str, default_num_requests: int, poll_hz: float = 10.0, server: str | None = None,
     grid: list[str] | None = None, server_timeout: float = 300.0, telemetry_hz: float = 10.0,
-    telemetry_url: str | None = None, tokenizer: str | None = None, slo_from: str = "sent",
-) -> None:  # fmt: skip
-    """The common body of run and sweep: validate, plan, (start the server), run, report."""
+    telemetry_url: str | None = None, tokenizer: str | None = None, max_error_rate: float = 0.05,
+    wait_for_server: float = 0.0, slo_from: str = "sent",
+) -> ExitCode:  # fmt: skip
+    """The common body of run and sweep: validate, plan, (start the server), run, report; returns the
+    exit code (the worst of the points')."""
     if slo_from not in metrics.SLO_FROM:
         raise UsageError(f"--slo-from must be one of {', '.join(metrics.SLO_FROM)}, got {slo_from!r}")
     if api not in (None, "completions", "chat"):
@@ -307,6 +333,8 @@ def _go(
         raise UsageError(f"--arrival must be one of {', '.join(PROCESSES)}, got {arrival!r}")
     if repeat < 1 or warmup < 0:
         raise UsageError("--repeat must be >= 1 and --warmup >= 0")
+    if not 0 <= max_error_rate <= 1 or wait_for_server < 0:
+        raise UsageError("--max-error-rate must be within 0..1 and --wait-for-server >= 0")
     if url is not None and not re.match(r"^https?://", url):
         raise UsageError(f"--url must start with http:// or https://, got {url!r}")
     if poll_hz < 0:
@@ -360,13 +388,20 @@ def _go(
         "seed": seed, "slo": slo_s, "repeat": repeat, "api_key_env": api_key_env,
         "continuous_usage": continuous_usage, "extra_body": extra_body, "client": client, "timeout": timeout,
         "stall_timeout": stall_timeout, "speedup": speedup, "poll_hz": poll_hz, "server": server, "grid": grid,
-        "tokenizer": tokenizer, "slo_from": slo_from,
+        "tokenizer": tokenizer, "max_error_rate": max_error_rate, "wait_for_server": wait_for_server,
+        "slo_from": slo_from,
     }  # fmt: skip
     clock = RunClock()
     console.print(f"[dim]{telemetry.header_line(telemetry_hz, telemetry_url)}[/]")
 
     def go(target: str, gp: GridPoint | None = None, previous: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-        be = make_backend(backend, target, model, api, api_key, continuous_usage, extra_body)
+        det = detect_server(target, api_key)
+        if backend == "auto":
+            name, how = det.backend, f"auto: {det.server}" if det.server else "auto: unknown server, plain OpenAI"
+        else:
+            name, how = backend, f"forced; the server looks like {det.server}" if det.server else "forced"
+        console.print(f"[dim]backend: {name} ({how}; {det.evidence})[/]")
+        be = make_backend(name, target, model, api, api_key, continuous_usage, extra_body)
         todo = plans if gp is None else [
             replace(p, point_id=f"{gp.label}/{p.point_id}", labels={**p.labels, **gp.params}) for p in plans
         ]  # fmt: skip
@@ -380,48 +415,86 @@ def _go(
             with Live(_LiveView(plan, progress, clock), console=console, refresh_per_second=2, transient=True):
                 yield
 
-        return run_async(run_sweep(be, todo, results, clock, config, pollers, slo=slo_s, slo_from=slo_from, client_kind=client,
-                                   live=live, previous=previous or []))  # fmt: skip
+        return run_async(run_sweep(be, todo, results, clock, config, pollers, slo=slo_s, slo_from=slo_from,
+                                   client_kind=client, live=live, previous=previous or [],
+                                   wait_for_server=0 if gp else wait_for_server,
+                                   run_extra={"backend_detection": {"requested": backend, **det.describe()}}))  # fmt: skip
 
+    log = results.path / "server.log" if url is None and not server else None  # the embedded server's
     try:
         if server:
             console.print(f"[dim]server sweep: {len(grid_points)} server configuration(s)[/]")
-            summaries = sweep_servers(server, grid_points, results.path, go, health_timeout_s=server_timeout)
+            summaries = sweep_servers(server, grid_points, results.path, go, health_timeout_s=server_timeout,
+                                      stop_on_abort=wait_for_server == 0)  # fmt: skip
             run_path = results.path / "run.json"  # written by run_sweep unless every server failed
             run_meta = json.loads(run_path.read_text()) if run_path.exists() else results.write_run(config, clock.t0_unix, [])
             run_meta["points"] = [s["point_id"] for s in summaries]
             run_path.write_text(json.dumps(run_meta, indent=1, default=str))
             results.write_summary(run_meta, summaries)  # adds the launch info and launch failures
         elif url is None:
-            with embedded_server(results.path / "server.log") as target:
+            with embedded_server(log) as target:  # type: ignore[arg-type]
                 summaries = go(target)
         else:
             summaries = go(url)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # outside the load loop (e.g. while a server starts): nothing to summarise
         console.print(f"[yellow]interrupted[/]: finished requests are in {results.path}/points/*/requests.jsonl")
-        raise typer.Exit(130) from None
+        return ExitCode.INTERRUPTED
     failed = [s for s in summaries if "failed" in s]
     summaries = [s for s in summaries if "counts" in s]
     _report(summaries, results)
     Console().print(auto_report(results.path))
+    codes = []
     for s in failed:
         console.print(f"[red]failed[/] {s['point_id']}: {s['failed']['message']}")
-    if failed or any(s["counts"]["ok"] == 0 for s in summaries):
-        console.print("[red]error[/]: a point failed or had no successful request (see above)")
-        raise typer.Exit(1)
+        codes.append(ExitCode.SERVER_GONE)
+    for s in summaries:
+        code, message = point_outcome(s, max_error_rate, log)
+        if message:
+            console.print(message)
+        codes.append(code)
+    return worst(codes)
+
+
+def point_outcome(s: dict[str, Any], max_error_rate: float, log: Path | None = None) -> tuple[ExitCode, str | None]:
+    """A point's exit code and the line that explains it (None when it passed)."""
+    pid = s["point_id"]
+    if s.get("status") == "interrupted":
+        i = s["interrupted"]
+        code = ExitCode.INTERRUPTED if i["signal"] == "SIGINT" else ExitCode.TERMINATED
+        return code, (f"[yellow]interrupted[/] {pid}: {i['signal']} after {i['t_rel']:.1f} s; {i['finished']} "
+                      f"requests finished, {i['cancelled']} cancelled (partial summary and report written)")  # fmt: skip
+    if s.get("status") == "aborted":
+        log_path = (s.get("server_launch") or {}).get("log") or log
+        where = f"; server log: {log_path}" if log_path else ""
+        return ExitCode.SERVER_GONE, (f"[red]server gone[/] {pid}: {s['aborted']['reason']}, "
+                                      f"{s['aborted']['t_rel']:.1f} s into the point{where}")  # fmt: skip
+    kinds = sorted(s["errors"]["by_kind"].items(), key=lambda kv: -kv[1])
+    top = ", ".join(f"{k}: {n}" for k, n in kinds[:3])
+    if s["counts"]["ok"] == 0:
+        return ExitCode.FAILED, f"[red]failed[/] {pid}: no request succeeded ({top or 'no requests'})"
+    if s["errors"]["rate"] > max_error_rate:
+        return ExitCode.FAILED, (f"[red]failed[/] {pid}: error rate {s['errors']['rate']:.1%} is above "
+                                 f"--max-error-rate {max_error_rate:.1%} (top errors: {top})")  # fmt: skip
+    return ExitCode.OK, None
 
 
 def _guard(fn: Any, **kwargs: Any) -> None:
+    """Run a command body; its exit code (or a usage error's 2, an unreachable server's 3) ends bench."""
     try:
-        fn(**kwargs)
+        code = fn(**kwargs)
     except UsageError as exc:
         console.print(f"[red]error[/]: {exc}")
-        raise typer.Exit(2) from None
+        raise typer.Exit(ExitCode.USAGE) from None
+    except ServerGone as exc:
+        console.print(f"[red]error[/]: {exc}")
+        raise typer.Exit(ExitCode.SERVER_GONE) from None
+    if code:
+        raise typer.Exit(int(code))
 
 
 @app.command()
 def run(
-    url: Url = None, backend: BackendOpt = "openai", api: ApiOpt = None, model: Model = None,
+    url: Url = None, backend: BackendOpt = "auto", api: ApiOpt = None, model: Model = None,
     concurrency: Annotated[int | None, typer.Option(help="Closed-loop concurrency.")] = None,
     rate: Annotated[float | None, typer.Option(help="Open-loop rate, req/s.")] = None,
     arrival: Arrival = None, burstiness: Burstiness = 1.0, workload: WorkloadOpt = "chat-short",
@@ -430,15 +503,16 @@ def run(
     api_key_env: ApiKeyEnv = None, continuous_usage: ContinuousUsage = False, extra_body: ExtraBody = None,
     client: Client = "aiohttp", timeout: Timeout = 600.0, stall_timeout: StallTimeout = 60.0,
     speedup: Speedup = 1.0, poll_hz: PollHz = 10.0, telemetry_hz: TelemetryHz = 10.0,
-    telemetry_url: TelemetryUrl = None, tokenizer: TokenizerOpt = None, slo_from: SloFrom = "sent",
+    telemetry_url: TelemetryUrl = None, tokenizer: TokenizerOpt = None, max_error_rate: MaxErrorRate = 0.05,
+    slo_from: SloFrom = "sent",
 ) -> None:  # fmt: skip
     """Run one load point (closed loop at --concurrency or open loop at --rate)."""
     if concurrency is not None and rate is not None:
         console.print("[red]error[/]: bench run takes --concurrency or --rate, not both (use bench sweep)")
-        raise typer.Exit(2)
+        raise typer.Exit(ExitCode.USAGE)
     if concurrency is not None and concurrency < 1 or rate is not None and rate <= 0:
         console.print("[red]error[/]: --concurrency must be >= 1 and --rate > 0")
-        raise typer.Exit(2)
+        raise typer.Exit(ExitCode.USAGE)
     _guard(
         _go, url=url, backend=backend, api=api, model=model, workloads=[workload],
         concurrency=[concurrency] if concurrency else [], rate=[rate] if rate else [], arrival=arrival,
@@ -446,13 +520,14 @@ def run(
         repeat=repeat, output_dir=output_dir, run_id=run_id, api_key_env=api_key_env,
         continuous_usage=continuous_usage, extra_body=extra_body, client=client, timeout=timeout,
         stall_timeout=stall_timeout, speedup=speedup, command="run", default_num_requests=100, poll_hz=poll_hz,
-        telemetry_hz=telemetry_hz, telemetry_url=telemetry_url, tokenizer=tokenizer, slo_from=slo_from,
+        telemetry_hz=telemetry_hz, telemetry_url=telemetry_url, tokenizer=tokenizer, max_error_rate=max_error_rate,
+        slo_from=slo_from,
     )  # fmt: skip
 
 
 @app.command()
 def sweep(
-    url: Url = None, backend: BackendOpt = "openai", api: ApiOpt = None, model: Model = None,
+    url: Url = None, backend: BackendOpt = "auto", api: ApiOpt = None, model: Model = None,
     concurrency: Annotated[str | None, typer.Option(help="Closed-loop concurrencies, e.g. 1,4,16.")] = None,
     rate: Annotated[str | None, typer.Option(help="Open-loop rates in req/s, e.g. 2,4,8.")] = None,
     arrival: Arrival = None, burstiness: Burstiness = 1.0,
@@ -467,16 +542,17 @@ def sweep(
                       "'llama-server -m {model} -np {np} --port {port}' ({model}: bundled GGUF, {port}: free port).")] = None,
     grid: Annotated[list[str] | None, typer.Option(help="Server grid axis NAME=V1,V2 (repeat for a product).")] = None,
     server_timeout: Annotated[float, typer.Option(help="Seconds to wait for a started server's health.")] = 300.0,
-    tokenizer: TokenizerOpt = None, slo_from: SloFrom = "sent",
+    tokenizer: TokenizerOpt = None, max_error_rate: MaxErrorRate = 0.05, wait_for_server: WaitForServer = 0.0,
+    slo_from: SloFrom = "sent",
 ) -> None:  # fmt: skip
     """Run a list of load points (concurrencies and/or rates × workloads) into one results directory."""
 
-    def body() -> None:
+    def body() -> ExitCode:
         conc = parse_list(concurrency, int, "--concurrency") if concurrency else []
         rates = parse_list(rate, float, "--rate") if rate else []
         if not conc and not rates and arrival != "trace":
             conc = [1, 4, 16]
-        _go(
+        return _go(
             url=url, backend=backend, api=api, model=model, workloads=[w for w in workload.split(",") if w],
             concurrency=conc, rate=rates, arrival=arrival, burstiness=burstiness, num_requests=num_requests,
             duration=duration, warmup=warmup, seed=seed, slo=slo, repeat=repeat, output_dir=output_dir,
@@ -484,7 +560,8 @@ def sweep(
             client=client, timeout=timeout, stall_timeout=stall_timeout, speedup=speedup, command="sweep",
             default_num_requests=32, poll_hz=poll_hz, server=server,
             grid=[axis for g in grid or [] for axis in g.split()], server_timeout=server_timeout,
-            telemetry_hz=telemetry_hz, telemetry_url=telemetry_url, tokenizer=tokenizer, slo_from=slo_from,
+            telemetry_hz=telemetry_hz, telemetry_url=telemetry_url, tokenizer=tokenizer,
+            max_error_rate=max_error_rate, wait_for_server=wait_for_server, slo_from=slo_from,
         )  # fmt: skip
 
     _guard(body)
@@ -504,10 +581,10 @@ def calibrate(
 
     if concurrency < 1 or events < 1 or num_requests < 1 or rate <= 0 or duration <= 0:
         console.print("[red]error[/]: all calibrate options must be positive")
-        raise typer.Exit(2)
+        raise typer.Exit(ExitCode.USAGE)
     if client not in ("aiohttp", "httpx"):
         console.print(f"[red]error[/]: --client must be aiohttp or httpx, got {client!r}")
-        raise typer.Exit(2)
+        raise typer.Exit(ExitCode.USAGE)
     out_dir = output_dir / (run_id or f"calibrate-{new_run_id()}")
     console.print(f"calibrating: closed loop c={concurrency}, {events} events/stream; open loop Poisson {rate:g}/s")
     res = run_async(_calibrate(out_dir, concurrency, events, num_requests, rate, duration, client))
@@ -525,6 +602,9 @@ def calibrate(
 
 
 def main() -> None:
+    # SIGTERM outside a load loop (e.g. while a server starts) unwinds like Ctrl-C, so a server bench
+    # started is stopped; inside one, run_async turns it into an interrupted point.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(ExitCode.TERMINATED))
     app()
 
 

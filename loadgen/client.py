@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
 
 import aiohttp
 import httpx
@@ -32,6 +33,33 @@ from loadgen.sse import SSEError, SSEEvent, SSEParser, decode_data
 
 CLIENT_KINDS = ("aiohttp", "httpx")
 _ERROR_BODY_LIMIT = 64 * 1024
+DONE_GRACE_S = 0.1  # after the end marker, how long the rest of the body may take before the connection is dropped
+
+
+class StaleConnection(Exception):
+    """A reused keep-alive connection failed before the server sent any byte of a response.
+
+    Almost always the server closed the idle connection (llama-server does right after a stream ends)
+    while the client was already reusing it, so the request never reached a handler; as browsers do,
+    it is sent once more on a fresh connection. A server that really drops a request fails the fresh
+    attempt too, and that error is recorded. The cause is the transport's own exception."""
+
+
+class _Attempt:
+    """What the transport did for one send: whether it reused a pooled connection."""
+
+    __slots__ = ("reused",)
+
+    def __init__(self) -> None:
+        self.reused = False
+
+
+_ATTEMPT: ContextVar[_Attempt | None] = ContextVar("servelab_attempt", default=None)
+
+
+async def _on_reuse(*_: object) -> None:  # aiohttp TraceConfig signal, runs in the sending task
+    if (attempt := _ATTEMPT.get()) is not None:
+        attempt.reused = True
 
 
 class HttpClient:
@@ -40,21 +68,43 @@ class HttpClient:
     ``httpx.AsyncClient`` adds per-request work a load generator does not need (URL re-parsing, header
     and cookie merging, auth and redirect handling): at hundreds of requests/s it costs about as much
     CPU as reading the streams. This keeps httpx's Request/Response and transports and skips that layer.
+
+    ``transport`` pools keep-alive connections; ``fresh`` never reuses one (each request opens its own
+    connection): it carries the one retry of a request whose pooled connection turned out to be closed.
     """
 
-    def __init__(self, transport: httpx.AsyncBaseTransport, timeout: httpx.Timeout) -> None:
-        self.transport = transport
+    def __init__(
+        self, transport: httpx.AsyncBaseTransport, fresh: httpx.AsyncBaseTransport, timeout: httpx.Timeout,
+    ) -> None:  # fmt: skip
+        self.transport, self.fresh = transport, fresh
         self._timeout = timeout.as_dict()
         self._urls: dict[str, httpx.URL] = {}
 
     @asynccontextmanager
-    async def stream(self, url: str, content: bytes, headers: dict[str, str]) -> AsyncIterator[httpx.Response]:
-        """POST ``content`` to ``url``; yields the response with its body unread."""
+    async def stream(
+        self, url: str, content: bytes, headers: dict[str, str], fresh: bool = False,
+    ) -> AsyncIterator[httpx.Response]:  # fmt: skip
+        """POST ``content`` to ``url``; yields the response with its body unread.
+
+        Raises :class:`StaleConnection` when a reused connection failed before any response byte
+        (never for ``fresh=True``, which opens a new connection)."""
         u = self._urls.get(url)
         if u is None:
             u = self._urls[url] = httpx.URL(url)
-        req = httpx.Request("POST", u, content=content, headers=headers, extensions={"timeout": self._timeout})
-        resp = await self.transport.handle_async_request(req)
+        attempt = _Attempt()
+        ext: dict[str, object] = {"timeout": self._timeout}
+        if not fresh:
+            ext["trace"] = _httpcore_trace(attempt)
+        req = httpx.Request("POST", u, content=content, headers=headers, extensions=ext)
+        token = _ATTEMPT.set(attempt)
+        try:
+            resp = await (self.fresh if fresh else self.transport).handle_async_request(req)
+        except (httpx.HTTPError, aiohttp.ClientError, OSError) as exc:
+            if attempt.reused and not _is_timeout(exc):
+                raise StaleConnection(f"{type(exc).__name__}: {exc}") from exc
+            raise
+        finally:
+            _ATTEMPT.reset(token)
         try:
             yield resp
         finally:
@@ -62,6 +112,30 @@ class HttpClient:
 
     async def aclose(self) -> None:
         await self.transport.aclose()
+        await self.fresh.aclose()
+
+
+def _httpcore_trace(attempt: _Attempt) -> Callable[[str, dict[str, object]], Awaitable[None]]:
+    """httpcore's per-request trace hook: a request that starts writing without having opened a TCP
+    connection went out on a pooled one."""
+    connected = False
+
+    async def trace(event: str, _: dict[str, object]) -> None:
+        nonlocal connected
+        if event.startswith("connection.connect_tcp."):
+            connected = True
+        elif event == "http11.send_request_headers.started" and not connected:
+            attempt.reused = True
+
+    return trace
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    """A timeout means the server may have the request (or is too slow to take it): never resent."""
+    cause = exc.__cause__
+    if isinstance(cause, aiohttp.ClientError | asyncio.TimeoutError):  # httpx-aiohttp maps every
+        return isinstance(cause, asyncio.TimeoutError)  # connection error to ConnectTimeout: ask aiohttp
+    return isinstance(exc, httpx.TimeoutException | TimeoutError)
 
 
 def make_client(
@@ -71,14 +145,27 @@ def make_client(
     """``stall_timeout`` is the longest wait for any byte of a response (headers included)."""
     timeout = httpx.Timeout(connect=connect_timeout, read=stall_timeout, write=connect_timeout, pool=None)
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+    no_reuse = httpx.Limits(max_connections=max_connections, max_keepalive_connections=0)
     if kind == "aiohttp":
-        def session() -> aiohttp.ClientSession:  # created lazily, inside the running loop
-            connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=0)
-            return aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
+        trace = aiohttp.TraceConfig()
+        trace.on_connection_reuseconn.append(_on_reuse)
+        trace.freeze()
 
-        return HttpClient(AiohttpTransport(limits=limits, trust_env=False, client=session), timeout)
+        def session_factory(force_close: bool) -> Callable[[], aiohttp.ClientSession]:
+            def session() -> aiohttp.ClientSession:  # created lazily, inside the running loop
+                connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, force_close=force_close)
+                return aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar(),
+                                             trace_configs=[] if force_close else [trace])  # fmt: skip
+
+            return session
+
+        def transport(force_close: bool) -> httpx.AsyncBaseTransport:
+            return AiohttpTransport(limits=limits, trust_env=False, client=session_factory(force_close))
+
+        return HttpClient(transport(False), transport(True), timeout)
     if kind == "httpx":
-        return HttpClient(httpx.AsyncHTTPTransport(limits=limits, trust_env=False), timeout)
+        return HttpClient(httpx.AsyncHTTPTransport(limits=limits, trust_env=False),
+                          httpx.AsyncHTTPTransport(limits=no_reuse, trust_env=False), timeout)  # fmt: skip
     raise ValueError(f"unknown client {kind!r}; choose one of {', '.join(CLIENT_KINDS)}")
 
 
@@ -95,32 +182,43 @@ async def execute(
     reader = _StreamReader(backend, rec, clock)
     content = orjson.dumps(call.body)
     headers = {"content-type": "application/json", "accept": "text/event-stream", **call.headers}
-    rec.sent = clock.now()
-    try:
-        async with client.stream(backend.base_url + call.path, content, headers) as resp:
-            rec.headers = clock.now()
-            rec.status = resp.status_code
-            ctype = resp.headers.get("content-type", "")
-            if resp.status_code >= 400 or "text/event-stream" not in ctype:
-                body = await _read_limited(resp)
-                _http_error(rec, resp.status_code, ctype, body)
-            else:
-                deadline = t = rec.sent + timeout
-                async for chunk in resp.aiter_raw():
-                    t = clock.now()
-                    if reader.feed(chunk, t) or t > deadline:
-                        break
+    url = backend.base_url + call.path
+    fresh = False
+    while True:
+        rec.sent = clock.now()  # a retried request's send time is the retry's
+        try:
+            async with client.stream(url, content, headers, fresh) as resp:
+                rec.headers = clock.now()
+                rec.status = resp.status_code
+                ctype = resp.headers.get("content-type", "")
+                if resp.status_code >= 400 or "text/event-stream" not in ctype:
+                    body = await _read_limited(resp)
+                    _http_error(rec, resp.status_code, ctype, body)
                 else:
-                    reader.close(clock.now())
-                if rec.error is None and t > deadline:
-                    rec.set_error("timeout", f"request took longer than {timeout:g} s")
-    except asyncio.CancelledError:
-        rec.end = clock.now()
-        rec.set_error("cancelled", "run interrupted")
-        reader.finish(req)
-        raise
-    except (httpx.HTTPError, aiohttp.ClientError, OSError) as exc:
-        rec.set_error(_classify(exc, rec.headers is not None), f"{type(exc).__name__}: {exc}")
+                    deadline = t = rec.sent + timeout
+                    chunks = resp.aiter_raw()
+                    async for chunk in chunks:
+                        t = clock.now()
+                        if reader.feed(chunk, t) or t > deadline:
+                            break
+                    else:
+                        reader.close(clock.now())
+                    if rec.error is None and t > deadline:
+                        rec.set_error("timeout", f"request took longer than {timeout:g} s")
+                    elif rec.error is None and reader.done:
+                        await _drain_after_end(chunks)
+        except StaleConnection:  # nothing reached the server: once more, on a connection of its own
+            rec.retries += 1
+            fresh = True
+            continue
+        except asyncio.CancelledError:
+            rec.end = clock.now()
+            rec.set_error("cancelled", "run interrupted")
+            reader.finish(req)
+            raise
+        except (httpx.HTTPError, aiohttp.ClientError, OSError) as exc:
+            rec.set_error(_classify(exc, rec.headers is not None), f"{type(exc).__name__}: {exc}")
+        break
     rec.end = clock.now()
     return reader.finish(req)
 
@@ -249,6 +347,18 @@ class _StreamReader:
         return "".join(self.texts)
 
 
+async def _drain_after_end(chunks: AsyncIterator[bytes]) -> None:
+    """After the end marker: read what is left of the body (the chunked terminator, normally there at
+    once) so that the connection can be reused, but never wait on a stream held open after it (a proxy):
+    after ``DONE_GRACE_S`` of silence the connection is closed instead. Nothing read here is content,
+    and no fault here is an error: the answer was complete."""
+    try:
+        while True:
+            await asyncio.wait_for(anext(chunks), DONE_GRACE_S)
+    except (StopAsyncIteration, asyncio.TimeoutError, httpx.HTTPError, aiohttp.ClientError, OSError):
+        pass
+
+
 async def _read_limited(resp: httpx.Response) -> bytes:
     body = b""
     async for chunk in resp.aiter_raw():
@@ -291,3 +401,16 @@ def _classify(exc: BaseException, got_headers: bool) -> str:
     if got_headers:
         return "disconnect"
     return "connect"
+
+
+async def probe(base_url: str, path: str = "/health", timeout: float = 5.0) -> bool:
+    """Is a server still there? Any HTTP answer (even 404 or 503) or a slow one (it accepted the
+    connection) says yes; a refused, reset or closed connection says no."""
+    try:
+        async with httpx.AsyncClient(trust_env=False, timeout=timeout) as c:
+            await c.get(base_url + path)
+    except httpx.TimeoutException as exc:
+        return not isinstance(exc, httpx.ConnectTimeout)
+    except (httpx.HTTPError, OSError):
+        return False
+    return True

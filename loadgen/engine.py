@@ -20,6 +20,18 @@ them end before measured dispatch starts (as vLLM's ``bench serve`` and AIPerf d
 shares the server with a warm-up, and the measured schedule starts afresh after them. Dispatch stops after
 ``num_requests`` measured requests and/or ``duration`` seconds; requests still in flight then get
 ``drain`` seconds to end before they are cancelled (recorded as ``cancelled``).
+
+A point can end early, and its summary says how (``status``: ``complete``, ``aborted`` or
+``interrupted``):
+
+- **Server gone.** A request that fails to connect or loses its connection pauses dispatch while a
+  health probe asks the server whether it is still there (:func:`loadgen.client.probe`). Consecutive
+  failed probes with no answer between them (``GONE_PROBES``) stop the point: no further request is sent,
+  what is in flight is cancelled, and ``summary["aborted"]`` holds the reason and the time. So at most the
+  requests in flight at the death are recorded after it.
+- **SIGINT / SIGTERM** (under :func:`run_async`): dispatch stops, the requests in flight are cancelled
+  (recorded as ``cancelled``), and the summary is written with ``summary["interrupted"]`` (the signal,
+  the time, finished and cancelled counts). A second signal exits the process at once.
 """
 
 from __future__ import annotations
@@ -27,9 +39,13 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import os
+import signal
+import sys
 import time
 from collections.abc import Coroutine, Iterator, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -37,13 +53,42 @@ from typing import Any, TypeVar
 from backends.base import Backend, GenRequest
 from loadgen import metrics, telemetry
 from loadgen.arrivals import arrival_times
-from loadgen.client import HttpClient, execute, make_client
+from loadgen.client import HttpClient, execute, make_client, probe
 from loadgen.clock import RunClock, Sidecar
 from loadgen.records import RecordWriter, RequestRecord, read_records
 from workloads.base import Session, Workload
 
 PROCESSES = ("closed", "constant", "poisson", "gamma", "trace")
 T = TypeVar("T")
+GONE_PROBES = 3  # consecutive failed health probes that mean the server went away
+PROBE_INTERVAL = 0.5  # seconds between them
+_CONNECTION_LOST = frozenset({"connect", "disconnect"})
+
+
+class Signals:
+    """SIGINT/SIGTERM as :func:`run_async` saw them: the first one asks the run to stop."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.event = asyncio.Event()
+
+    def receive(self, signum: int) -> None:
+        if self.signum is not None:
+            _exit_now(signum)
+        self.signum = signum
+        self.event.set()
+        name = signal.Signals(signum).name
+        print(f"\n{name}: stopping; writing the partial summary and report ({name} again exits at once)",
+              file=sys.stderr, flush=True)  # fmt: skip
+
+
+def _exit_now(signum: int, *_: object) -> None:
+    """The second signal: leave at once (every finished record is already on disk)."""
+    print(f"\n{signal.Signals(signum).name} again: exiting now", file=sys.stderr, flush=True)
+    os._exit(128 + signum)
+
+
+_SIGNALS: ContextVar[Signals | None] = ContextVar("servelab_signals", default=None)
 
 
 @dataclass
@@ -115,6 +160,11 @@ class _Dispatch:
         self.t_start = 0.0
         self.stop = asyncio.Event()
         self.tasks: set[asyncio.Task[None]] = set()
+        self.healthy = asyncio.Event()  # cleared while a health probe decides whether the server is there
+        self.healthy.set()
+        self.gone = asyncio.Event()
+        self.gone_info: dict[str, Any] | None = None
+        self._probe: asyncio.Task[None] | None = None
 
     def next_session(self) -> tuple[Session, bool] | None:
         if self.stop.is_set() or (self.warming and self.n_sessions >= self.load.warmup):
@@ -148,6 +198,8 @@ class _Dispatch:
         sid = f"s{self.n_sessions}"
         turn = 0
         while True:
+            if not self.healthy.is_set():
+                await self.healthy.wait()
             if not self.ticket(warmup):
                 return
             rec = RequestRecord(id=req.request_id, cls=req.workload_class, warmup=warmup, intended=intended,
@@ -167,6 +219,8 @@ class _Dispatch:
                     prog.error_kinds[kind] = prog.error_kinds.get(kind, 0) + 1
                 self.writer.write(rec)
             if rec.error is not None:
+                if rec.error["kind"] in _CONNECTION_LOST:
+                    self.suspect(rec.error["message"])
                 return
             nxt = sess.next(text)
             if nxt is None:
@@ -175,6 +229,29 @@ class _Dispatch:
             turn += 1
             intended = rec.end + think
             await _sleep_until(self.clock, intended)
+
+    def suspect(self, why: str) -> None:
+        """A request lost its connection: hold dispatch until a probe says whether the server is there."""
+        if (self._probe is None or self._probe.done()) and not self.gone.is_set():
+            self.healthy.clear()
+            self._probe = asyncio.ensure_future(self.check(why))
+
+    async def check(self, why: str) -> None:
+        for i in range(GONE_PROBES):
+            if i:
+                await asyncio.sleep(PROBE_INTERVAL)
+            if await probe(self.backend.base_url):
+                self.healthy.set()
+                return
+        t = self.clock.now()
+        self.gone_info = {
+            "reason": f"the server stopped accepting connections ({GONE_PROBES} health probes of "
+                      f"{self.backend.base_url} failed after: {why})",
+            "t": t, "t_rel": t - self.t_start, "t_unix": self.clock.t0_unix + t,
+        }  # fmt: skip
+        self.stop.set()
+        self.gone.set()
+        self.healthy.set()  # waiting sessions see stop and end
 
     async def closed(self) -> None:
         async def slot() -> None:
@@ -237,6 +314,9 @@ async def run_point(
         conns = load.concurrency if load.process == "closed" else load.max_inflight
         client = make_client(client_kind, max_connections=conns or 1, stall_timeout=load.stall_timeout)
     writer = RecordWriter(out_dir / "requests.jsonl")
+    pid = point_id or load.point_id()
+    plan = {"point_id": pid, "load": load.describe(), "workload": workload.describe(), "labels": labels or {}}
+    (out_dir / "point.json").write_text(json.dumps(plan, indent=1, default=str))  # a killed point's summary needs it
     d = _Dispatch(backend, workload, load, clock, client, writer, progress)
     for sc in sidecars:
         sc.start(clock, out_dir)
@@ -244,13 +324,17 @@ async def run_point(
     t0 = d.t_start = progress.t_start = clock.now()
     try:
         with _run_gc():
+            early = None
             if load.warmup:  # its own phase: every warm-up ends before the first measured send
                 d.warming = True
-                await _bounded(asyncio.ensure_future(d.dispatch()), d, replace(load, duration=None))
+                early = await _bounded(asyncio.ensure_future(d.dispatch()), d, replace(load, duration=None))
                 d.warming = False
                 d.t_start = progress.t_start = clock.now()
-            await _bounded(asyncio.ensure_future(d.dispatch()), d, load)
+            if early is None:  # (an interrupt or a dead server during the warm-ups ends the point there)
+                early = await _bounded(asyncio.ensure_future(d.dispatch()), d, load)
     finally:
+        if d._probe is not None:
+            d._probe.cancel()
         wall = max(time.perf_counter() - wall0, 1e-9)
         cpu = (time.process_time() - cpu0) / wall
         wait1 = _cpu_wait()
@@ -260,10 +344,15 @@ async def run_point(
             await client.aclose()
     records = read_records(out_dir / "requests.jsonl")
     summary: dict[str, Any] = {
-        "point_id": point_id or load.point_id(), "load": load.describe(), "workload": workload.describe(),
-        "labels": labels or {}, "t_start": t0, "t_measured": d.t_start, "t_end": clock.now(),
+        **plan, "t_start": t0, "t_measured": d.t_start, "t_end": clock.now(), "status": "complete",
     }  # fmt: skip
     summary.update(metrics.summarize(records, load.describe(), slo, client_cpu=cpu, client_wait=wait, slo_from=slo_from))
+    if early is not None:
+        summary.update(early)
+        summary["status"] = next(iter(early))
+        if "interrupted" in early:
+            cancelled = sum(1 for r in records if (r["error"] or {}).get("kind") == "cancelled")
+            early["interrupted"].update(finished=len(records) - cancelled, cancelled=cancelled)
     window = (summary["window"][0], summary["window"][1])
     for sc in sidecars:
         try:
@@ -275,25 +364,49 @@ async def run_point(
     return summary
 
 
-async def _bounded(main: asyncio.Future[None], d: _Dispatch, load: LoadSpec) -> None:
-    """Await the dispatch; after ``duration`` (+ drain) cancel what is still in flight."""
+async def _bounded(main: asyncio.Future[None], d: _Dispatch, load: LoadSpec) -> dict[str, Any] | None:
+    """Await the dispatch; after ``duration`` (+ drain) cancel what is still in flight. Returns how the
+    point ended early (``{"interrupted": ...}`` or ``{"aborted": ...}``), None when it ran its course."""
+    signals = _SIGNALS.get()
+    stoppers = {asyncio.ensure_future(d.gone.wait())}
+    if signals is not None:
+        stoppers.add(asyncio.ensure_future(signals.event.wait()))
     try:
         if load.duration is not None:
-            done, _ = await asyncio.wait({main}, timeout=load.duration)
+            done, _ = await asyncio.wait({main, *stoppers}, timeout=load.duration, return_when=asyncio.FIRST_COMPLETED)
             if not done:
                 d.stop.set()
-                await asyncio.wait({main}, timeout=load.timeout if load.drain is None else load.drain)
-            if not main.done():
-                await _cancel(main, d)
-                return
-        await main
-    except asyncio.CancelledError:  # Ctrl-C: close every in-flight record as cancelled, then stop
+                drain = load.timeout if load.drain is None else load.drain
+                await asyncio.wait({main, *stoppers}, timeout=drain, return_when=asyncio.FIRST_COMPLETED)
+        else:
+            await asyncio.wait({main, *stoppers}, return_when=asyncio.FIRST_COMPLETED)
+        early = _early_end(d, signals)
+        if not main.done():
+            await _cancel(main, d)
+        else:
+            main.result()  # a dispatch bug surfaces here
+        return early
+    except asyncio.CancelledError:  # cancelled from outside: close every in-flight record as cancelled
         await _cancel(main, d)
         raise
+    finally:
+        for f in stoppers:
+            f.cancel()
+
+
+def _early_end(d: _Dispatch, signals: Signals | None) -> dict[str, Any] | None:
+    if signals is not None and signals.signum is not None:
+        t = d.clock.now()
+        sig = {"signal": signal.Signals(signals.signum).name, "t": t, "t_rel": t - d.t_start}
+        return {"interrupted": sig}
+    if d.gone_info is not None:
+        return {"aborted": d.gone_info}
+    return None
 
 
 async def _cancel(main: asyncio.Future[None], d: _Dispatch) -> None:
     """Cancel the dispatch and every request task; each writes its record as ``cancelled``."""
+    d.stop.set()
     tasks = [main, *d.tasks]
     for task in tasks:
         task.cancel()
@@ -338,9 +451,39 @@ def _cpu_wait() -> float | None:
 
 
 def run_async(coro: Coroutine[Any, Any, T]) -> T:
-    """``asyncio.run`` on uvloop when it is installed."""
+    """Run ``coro`` (on uvloop when installed) with SIGINT/SIGTERM turned into a clean stop: the point
+    running then ends as ``interrupted`` with its summary written (see the module docstring)."""
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
+        return asyncio.run(_with_signals(coro))
+    return uvloop.run(_with_signals(coro))
+
+
+async def _with_signals(coro: Coroutine[Any, Any, T]) -> T:
+    signals = Signals()
+    loop = asyncio.get_running_loop()
+    installed = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(sig) is signal.SIG_IGN:
+            continue  # e.g. a background job of a non-interactive shell: leave it ignored
+        try:
+            loop.add_signal_handler(sig, signals.receive, sig)
+            installed.append(sig)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no such support
+            pass
+    token = _SIGNALS.set(signals)
+    try:
+        return await coro
+    finally:
+        _SIGNALS.reset(token)
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+            if signals.signum is not None:  # stopping already (summary, report): the next one exits now
+                signal.signal(sig, _exit_now)
+
+
+def interrupted_by() -> int | None:
+    """The signal that stopped the current :func:`run_async` run, if any."""
+    signals = _SIGNALS.get()
+    return None if signals is None else signals.signum

@@ -5,6 +5,7 @@ A script can trust them: 0 only when the run did what was asked and met its chec
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import IntEnum
 
 
@@ -17,3 +18,13 @@ class ExitCode(IntEnum):
     NOT_SATURATED = 5  # bench capacity: the SLOs still hold at the highest load the budget allowed
     INTERRUPTED = 130  # SIGINT (Ctrl-C): partial results written
     TERMINATED = 143  # SIGTERM: partial results written
+
+
+# How bad each outcome is, for a command made of several (``bench sweep`` exits with the worst point).
+_SEVERITY = (ExitCode.OK, ExitCode.NOT_SATURATED, ExitCode.SLO_UNREACHABLE, ExitCode.FAILED, ExitCode.USAGE,
+             ExitCode.SERVER_GONE, ExitCode.TERMINATED, ExitCode.INTERRUPTED)  # fmt: skip
+
+
+def worst(codes: Iterable[ExitCode]) -> ExitCode:
+    """The most severe of ``codes`` (OK for none)."""
+    return max(codes, key=_SEVERITY.index, default=ExitCode.OK)

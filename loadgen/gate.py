@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from loadgen.results import read_summary
+
 EXIT = {"pass": 0, "regression": 1, "inconclusive": 2, "invalid": 2}
 BASELINE_FORMAT = "servelab-baseline/1"
 
@@ -107,14 +109,20 @@ def load(path: str | Path) -> ResultSet:
     p = Path(path)
     file = p / "summary.json" if p.is_dir() else p
     run_json = p / "run.json" if p.is_dir() else p.with_name("run.json")
-    if not file.is_file():
+    if p.is_dir() and not file.is_file():  # a run killed before its summary: recomputed from its records
+        try:
+            doc: Any = read_summary(p)[0]
+        except (FileNotFoundError, ValueError) as exc:
+            raise GateError(f"{path}: {exc}") from None
+    elif not file.is_file():
         raise GateError(
             f"{path}: no such result (expected a results/<run_id>/ directory or a baseline .json)"
         )
-    try:
-        doc = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise GateError(f"{file}: not a readable JSON result: {exc}") from exc
+    else:
+        try:
+            doc = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise GateError(f"{file}: not a readable JSON result: {exc}") from exc
     if not isinstance(doc, dict) or not isinstance(doc.get("points"), list):
         raise GateError(f"{file}: no 'points' list; is this a servelab summary.json or baseline?")
     points: dict[str, list[dict[str, Any]]] = {}

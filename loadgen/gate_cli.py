@@ -60,7 +60,7 @@ def gate(
     num_requests: Annotated[int, typer.Option(help="--ab: measured requests per trial.")] = 16,
     warmup: Annotated[int, typer.Option(help="--ab: warm-up requests per trial.")] = 2,
     seed: Annotated[int, typer.Option(help="--ab: seed (trial k uses seed + k on both sides).")] = 0,
-    backend: Annotated[str, typer.Option(help="--ab: server dialect.")] = "openai",
+    backend: Annotated[str, typer.Option(help="--ab: server dialect (auto: ask the server).")] = "auto",
     model: Annotated[str | None, typer.Option(help="--ab: model name (default: GET /v1/models).")] = None,
     output_dir: Annotated[Path, typer.Option(help="--ab: results root.")] = Path("results"),
     run_id: Annotated[str | None, typer.Option(help="--ab: run id (default: gate-<timestamp>).")] = None,
@@ -79,6 +79,10 @@ def gate(
             baseline, candidate, trials, workload, concurrency, num_requests, warmup, seed, backend, model,
             output_dir, run_id,
         )  # fmt: skip
+    for side in (baseline, candidate):
+        if Path(side).is_dir() and not (Path(side) / "summary.json").is_file():
+            console.print(f"[yellow]note[/]: {side} has no summary.json (the run ended before writing it): "
+                          "recomputing it from requests.jsonl")  # fmt: skip
     try:
         rep = compare(load(baseline), load(candidate), rules, confidence, min_trials, point or None)
     except GateError as exc:

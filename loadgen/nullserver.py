@@ -18,7 +18,17 @@ Faults: ``500``, ``429`` (JSON error bodies),
 ``html`` (200 with a non-SSE body), ``hang`` (never answers), ``disconnect`` (drops the connection after
 ``fault_after`` events), ``garbage`` (a non-SSE line), ``bad_json`` (a non-JSON data line),
 ``error_event`` (``event: error``), ``error_payload`` (``data: {"error": ...}``), ``stall`` (goes quiet
-after ``fault_after`` events), ``no_done`` (ends without ``[DONE]``), ``cut`` (ends mid-line).
+after ``fault_after`` events), ``no_done`` (ends without ``[DONE]``), ``cut`` (ends mid-line),
+``drop_request`` (reads the request, then closes the connection without a byte of response),
+``linger`` (holds the finished stream open after ``[DONE]``, as a buffering proxy may, for up to an hour).
+
+Connection faults (server-wide, from the command-line behaviour): ``keepalive`` is ``on`` (default),
+``close`` (``Connection: close`` on every response, then the server closes), ``drop`` (closes right
+after every response without saying so, as llama-server may) or ``drop_idle`` (keeps the connection
+open and drops the next request that arrives on it unread: the keep-alive race, every time).
+``die_after`` N: the process exits at once when the N-th generation request arrives (in-flight
+streams are cut). ``GET /stats`` counts ``requests`` (generation requests handled), ``dropped_idle``
+and ``dropped_requests``.
 """
 
 from __future__ import annotations
@@ -35,7 +45,9 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 FAULTS = ("500", "429", "html", "hang", "disconnect", "garbage", "bad_json", "error_event", "error_payload",
-          "stall", "no_done", "cut")  # fmt: skip
+          "stall", "no_done", "cut", "drop_request", "linger")  # fmt: skip
+KEEPALIVE = ("on", "close", "drop", "drop_idle")
+_STATS = {"requests": 0, "dropped_idle": 0, "dropped_requests": 0}
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,8 @@ class Behaviour:
     fault_after: int = 0
     usage_on_finish: bool = False
     spec_decode: tuple[int, int] | None = None
+    keepalive: str = "on"
+    die_after: int | None = None
 
     def update(self, overrides: dict[str, Any]) -> Behaviour:
         names = {f.name for f in fields(self)}
@@ -57,12 +71,15 @@ class Behaviour:
         new = replace(self, **overrides)
         if new.fault is not None and new.fault not in FAULTS:
             raise ValueError(f"unknown fault {new.fault!r}; known: {', '.join(FAULTS)}")
+        if new.keepalive not in KEEPALIVE:
+            raise ValueError(f"unknown keepalive {new.keepalive!r}; known: {', '.join(KEEPALIVE)}")
         return new
 
 
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error"}
 _SSE_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
              b"transfer-encoding: chunked\r\n\r\n")  # fmt: skip
+_SSE_HEAD_CLOSE = _SSE_HEAD[:-2] + b"connection: close\r\n\r\n"
 
 
 def _chunk(data: bytes) -> bytes:
@@ -127,6 +144,7 @@ class _Conn(asyncio.Protocol):
         self.default = default
         self.buf = b""
         self.busy = False
+        self.served = 0  # responses completed on this connection
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -150,6 +168,10 @@ class _Conn(asyncio.Protocol):
                 name, _, value = line.partition(":")
                 if name.strip().lower() == "content-length":
                     length = int(value.strip())
+            if self.served and self.default.keepalive == "drop_idle":
+                _STATS["dropped_idle"] += 1
+                self.transport.abort()
+                return
             if len(self.buf) < i + 4 + length:
                 return
             body, self.buf = self.buf[i + 4 : i + 4 + length], self.buf[i + 4 + length :]
@@ -161,6 +183,9 @@ class _Conn(asyncio.Protocol):
         assert t is not None
         if method == "GET" and path == "/health":
             t.write(_json_response(200, {"status": "ok"}))
+            return
+        if method == "GET" and path == "/stats":
+            t.write(_json_response(200, _STATS))
             return
         if method == "GET" and path == "/v1/models":
             t.write(_json_response(200, {"object": "list", "data": [{"id": "null", "object": "model"}]}))
@@ -175,6 +200,13 @@ class _Conn(asyncio.Protocol):
         except (ValueError, TypeError) as exc:
             t.write(_json_response(400, {"error": {"message": str(exc), "type": "invalid_request_error"}}))
             return
+        _STATS["requests"] += 1
+        if self.default.die_after is not None and _STATS["requests"] >= self.default.die_after:
+            os._exit(1)  # a crash: no response, every connection cut
+        if b.fault == "drop_request":
+            _STATS["dropped_requests"] += 1
+            t.abort()
+            return
         if b.fault == "500":
             t.write(_json_response(500, {"error": {"message": "injected server error", "type": "server_error"}}))
         elif b.fault == "429":
@@ -184,7 +216,8 @@ class _Conn(asyncio.Protocol):
             t.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/html\r\ncontent-length: %d\r\n\r\n%s"
                     % (len(body_html), body_html))  # fmt: skip
         elif b.fault is None and b.ttft == 0 and b.itl == 0:  # fast path: the whole stream in one write
-            t.write(_SSE_HEAD + _chunk(b"".join(map(stream.event, range(stream.n))) + stream.tail()) + b"0\r\n\r\n")
+            t.write(self._head() + _chunk(b"".join(map(stream.event, range(stream.n))) + stream.tail()) + b"0\r\n\r\n")
+            self._done()
         else:
             self.busy = True
             asyncio.get_running_loop().create_task(self._paced(stream, b))
@@ -195,7 +228,7 @@ class _Conn(asyncio.Protocol):
         if b.fault == "hang":
             await self._quiet(3600)
             return
-        t.write(_SSE_HEAD)
+        t.write(self._head())
         if b.ttft:
             await asyncio.sleep(b.ttft)
         for i in range(stream.n):
@@ -211,9 +244,22 @@ class _Conn(asyncio.Protocol):
             t.write(_chunk(b'data: {"choices":[{"index":0,"te'))
         else:
             t.write(_chunk(stream.tail(done=b.fault != "no_done")))
+        if b.fault == "linger":
+            await self._quiet(3600)
+            return
         t.write(b"0\r\n\r\n")
         self.busy = False
+        self._done()
         self._next()
+
+    def _head(self) -> bytes:
+        return _SSE_HEAD_CLOSE if self.default.keepalive == "close" else _SSE_HEAD
+
+    def _done(self) -> None:
+        """A response has been written in full: close the connection when the behaviour says so."""
+        self.served += 1
+        if self.default.keepalive in ("close", "drop") and self.transport is not None:
+            self.transport.close()
 
     async def _fault(self, stream: _Stream, b: Behaviour) -> bool:
         """Inject ``b.fault`` mid-stream; True when the response is over."""

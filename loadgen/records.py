@@ -43,6 +43,7 @@ class RequestRecord:
     finish_reason: str | None = None
     session: str | None = None  # session id for multi-turn workloads
     turn: int = 0
+    retries: int = 0  # resent once on a fresh connection: the pooled one was closed before any response byte
     extra: dict[str, Any] = field(default_factory=dict)
 
     def set_error(self, kind: str, message: str) -> None:

@@ -1,7 +1,8 @@
 """The results directory (layout in docs/architecture.md), fingerprints and the sweep table.
 
 ``ResultsDir(root / run_id)`` owns ``run.json``, ``summary.json``, ``sweep.csv``/``sweep.parquet`` and
-``points/<point_id>/``. The environment fingerprint says what machine and software produced a run; the
+``points/<point_id>/``. A run killed before it wrote its summary still has its records:
+:func:`read_summary` recomputes the summary from them. The environment fingerprint says what machine and software produced a run; the
 config fingerprint is a hash of everything that changes the traffic or the target, so two runs with the
 same hash are comparable.
 """
@@ -21,6 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+
+from loadgen import metrics
+from loadgen.records import read_records
 
 PACKAGES = ("servelab", "torch", "httpx", "httpx-aiohttp", "aiohttp", "uvloop", "numpy", "pandas", "transformers")
 _SECRET_KEY = re.compile(r"(api[_-]?key|authorization|token(?!izer)|secret|password)", re.I)
@@ -162,3 +166,41 @@ def _write_json(path: Path, obj: Any) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(obj, indent=1, default=str))
     tmp.replace(path)
+
+
+def read_summary(run_dir: Path) -> tuple[dict[str, Any], bool]:
+    """A run's top summary and whether it had to be recomputed.
+
+    ``summary.json`` when there is one; else (a run killed before it wrote it) one PointSummary per
+    ``points/**/requests.jsonl``: the point's own ``summary.json`` when it has one, else the metrics
+    recomputed from its records, with the load from the ``point.json`` written when the point started
+    and ``status`` ``interrupted``. Raises FileNotFoundError when there are no records either."""
+    top = run_dir / "summary.json"
+    if top.is_file():
+        return json.loads(top.read_text(encoding="utf-8")), False
+    files = sorted((run_dir / "points").rglob("requests.jsonl")) if (run_dir / "points").is_dir() else []
+    if not files:
+        raise FileNotFoundError(f"{run_dir}: neither summary.json nor points/*/requests.jsonl: not a results directory")
+    run = json.loads((run_dir / "run.json").read_text(encoding="utf-8")) if (run_dir / "run.json").is_file() else {}
+    order = {pid: i for i, pid in enumerate(run.get("points") or [])}
+    points = [_point_summary(f.parent, f.parent.relative_to(run_dir / "points").as_posix()) for f in files]
+    points.sort(key=lambda p: (order.get(p["point_id"], len(order)), p["point_id"]))
+    top_doc = {k: run.get(k) for k in ("run_id", "config", "environment", "fingerprint")}
+    top_doc["run_id"] = top_doc["run_id"] or run_dir.name
+    return top_doc | {"points": points, "recomputed": "from requests.jsonl (the run wrote no summary.json)"}, True
+
+
+def _point_summary(point_dir: Path, point_id: str) -> dict[str, Any]:
+    if (point_dir / "summary.json").is_file():
+        return dict(json.loads((point_dir / "summary.json").read_text(encoding="utf-8")))
+    plan = json.loads((point_dir / "point.json").read_text()) if (point_dir / "point.json").is_file() else {}
+    records = read_records(point_dir / "requests.jsonl")
+    cancelled = sum(1 for r in records if (r["error"] or {}).get("kind") == "cancelled")
+    summary: dict[str, Any] = {
+        "point_id": plan.get("point_id", point_id), "load": plan.get("load", {}), "workload": plan.get("workload", {}),
+        "labels": plan.get("labels", {}), "t_start": plan.get("t_start"), "status": "interrupted",
+        "interrupted": {"signal": None, "finished": len(records) - cancelled, "cancelled": cancelled,
+                        "t_rel": None, "note": "recomputed from requests.jsonl: the run ended without a summary"},
+    }  # fmt: skip
+    summary.update(metrics.summarize(records, plan.get("load")))
+    return summary

@@ -4,21 +4,26 @@
     summaries = await run_sweep(backend, plans, ResultsDir(Path("results/r1")), RunClock(), config={...})
 
 After every point the top ``summary.json`` and ``sweep.csv``/``sweep.parquet`` are rewritten, so an
-interrupted sweep keeps what it finished. ``sidecars`` is a list used for every point or a function
+interrupted sweep keeps what it finished. A point that ends ``interrupted`` ends the sweep; one that ends
+``aborted`` (the server went away) ends it too, unless ``wait_for_server`` seconds are given: then the
+sweep waits up to that long for the server to answer again and goes on with the next point. ``sidecars`` is a list used for every point or a function
 ``plan -> list`` (fresh sidecar objects per point).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from backends.base import Backend
+from loadgen.client import probe
 from loadgen.clock import RunClock, Sidecar
-from loadgen.engine import LoadSpec, Progress, run_point
+from loadgen.engine import LoadSpec, Progress, interrupted_by, run_point
 from loadgen.results import ResultsDir
 from workloads.base import Workload
 
@@ -67,6 +72,7 @@ async def run_sweep(
     slo: dict[str, float] | None = None, slo_from: str = "sent", client_kind: str = "aiohttp",
     live: Callable[[PointPlan, Progress], AbstractContextManager[Any]] | None = None,
     run_extra: dict[str, Any] | None = None, previous: Sequence[dict[str, Any]] = (),
+    wait_for_server: float = 0.0,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Run ``plans`` in order; returns the PointSummaries (also in summary.json / sweep.csv).
 
@@ -79,6 +85,8 @@ async def run_sweep(
     run = results.write_run(config, clock.t0_unix, ids, extra)
     summaries: list[dict[str, Any]] = list(previous)
     for plan in plans:
+        if interrupted_by() is not None:
+            break
         progress = Progress()
         scs = sidecars(plan) if callable(sidecars) else sidecars
         with live(plan, progress) if live else contextlib.nullcontext():
@@ -90,7 +98,21 @@ async def run_sweep(
         s["trial"] = plan.trial
         summaries.append(s)
         results.write_summary(run, summaries)
+        if s["status"] == "interrupted":
+            break
+        if s["status"] == "aborted" and not await _server_back(backend.base_url, wait_for_server):
+            break
     return summaries[len(previous):]
+
+
+async def _server_back(base_url: str, wait: float) -> bool:
+    """Poll the server's health for up to ``wait`` seconds; True once it answers."""
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and interrupted_by() is None:
+        if await probe(base_url):
+            return True
+        await asyncio.sleep(1.0)
+    return False
 
 
 def _workloads(plans: Sequence[PointPlan]) -> list[dict[str, object]]:

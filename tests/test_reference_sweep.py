@@ -3,9 +3,11 @@ its exact per-iteration records fetched into iterations.jsonl for every point.""
 
 import json
 
+import pytest
+from test_robust_runs import default_cli_run  # tests/ is on sys.path
 from typer.testing import CliRunner
 
-from loadgen.cli import app
+from loadgen.cli import app, embedded_server
 
 SHORT = """
 [[classes]]
@@ -37,3 +39,16 @@ def test_reference_server_grid_with_iterations(tmp_path):
         decode = sum(r["decode_tokens"] for r in its)
         assert p["server"]["point"]["counters"]["servelab_generation_tokens_total"] == decode
         assert 48 - 4 <= decode <= 48
+
+
+@pytest.fixture(scope="module")
+def reference_url(tmp_path_factory):
+    with embedded_server(tmp_path_factory.mktemp("ref") / "server.log") as url:
+        yield url
+
+
+@pytest.mark.parametrize("concurrency", [4, 16])
+def test_default_bench_run_has_no_errors(reference_url, tmp_path, concurrency):
+    """Issue 17 against the bundled reference server: default backend (auto: identified by its own
+    /v1/models, driven as OpenAI) and client, 100 requests of exactly 128 tokens, 0 errors."""
+    default_cli_run(reference_url, tmp_path, concurrency, backend="openai")

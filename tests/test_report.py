@@ -285,7 +285,7 @@ def test_bad_input_is_a_clear_error(tmp_path):
     with pytest.raises(ReportInputError, match="not a directory"):
         write_report([tmp_path / "nope"], tmp_path / "r.html")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ReportInputError, match="summary.json is missing"):
+    with pytest.raises(ReportInputError, match="neither summary.json nor points"):
         write_report([tmp_path / "empty"], tmp_path / "r.html")
     (tmp_path / "empty" / "summary.json").write_text("{not json")
     with pytest.raises(ReportInputError, match="summary.json is not valid JSON"):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from test_llamaserver import Prompts  # tests/ is on sys.path (pytest rootdir-relative import)
+from test_robust_runs import default_cli_run
 
 from backends.launcher import ServerProcess, free_port
 from backends.poller import ServerStatePoller, profile_of
@@ -36,6 +37,13 @@ def vllm_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     with ServerProcess(argv, port, log, health_timeout_s=900, stop_grace_s=20) as srv:
         yield srv
+
+
+@pytest.mark.parametrize("concurrency", [4, 16])
+def test_default_bench_run_has_no_errors(vllm_server, tmp_path, concurrency):
+    """Issue 17 against vLLM-CPU: default backend (auto -> vllm) and client, 100 requests of exactly
+    128 tokens, 0 errors."""
+    default_cli_run(vllm_server.base_url, tmp_path, concurrency, backend="vllm")
 
 
 @pytest.mark.parametrize("token_ids", [False, True])

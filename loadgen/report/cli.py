@@ -31,6 +31,10 @@ def report_command(
     ] = None,
 ) -> None:
     """Write one self-contained HTML report (timelines, distributions, sweep curves; works offline)."""
+    for d in results_dirs:
+        if d.is_dir() and not (d / "summary.json").is_file() and (d / "points").is_dir():
+            console.print(f"[yellow]note[/]: {d} has no summary.json (the run ended before writing it): "
+                          "recomputing it from requests.jsonl")  # fmt: skip
     try:
         out = write_report(results_dirs, output or default_output(results_dirs))
     except ReportInputError as exc:

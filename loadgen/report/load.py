@@ -1,6 +1,7 @@
 """Read result directories (docs/architecture.md layout) into plain, array-friendly structures.
 
-Only ``summary.json`` and ``points/<id>/requests.jsonl`` are required; every other series is optional
+Only ``points/<id>/requests.jsonl`` is required (without ``summary.json`` the summary is recomputed from
+the records: :func:`loadgen.results.read_summary`); every other series is optional
 and simply absent from the report when its file is missing or empty.
 """
 
@@ -15,6 +16,7 @@ import numpy as np
 import orjson
 
 from loadgen import metrics
+from loadgen.results import read_summary
 
 
 class ReportInputError(ValueError):
@@ -167,7 +169,12 @@ def load_run(path: Path) -> RunData:
     path = Path(path)
     if not path.is_dir():
         raise ReportInputError(f"{path} is not a directory: pass a results/<run_id> directory")
-    summary = _read_json(path / "summary.json")
+    try:
+        summary, _ = read_summary(path)
+    except FileNotFoundError as exc:
+        raise ReportInputError(str(exc)) from None
+    except json.JSONDecodeError as exc:
+        raise ReportInputError(f"{path / 'summary.json'} is not valid JSON ({exc.msg} at line {exc.lineno})") from exc
     if not isinstance(summary, dict):
         raise ReportInputError(f"{path / 'summary.json'} must hold a JSON object")
     run = _read_json(path / "run.json") if (path / "run.json").is_file() else {}
