@@ -22,6 +22,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadgen.clock import RunClock
+from loadgen.metrics import stats
 
 
 @dataclass(frozen=True)
@@ -73,11 +74,6 @@ def _compact_slot(slot: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def _family_sum(values: dict[str, float], name: str) -> float:
     """Sum of a metric over all its label sets (``name`` or ``name{...}``)."""
     return sum(v for k, v in values.items() if k.split("{", 1)[0] == name)
@@ -126,11 +122,8 @@ def reconcile(
     out: dict[str, Any] = {"samples": len(samples), "scrape_errors": len(samples) - len(ok)}
     latencies = [s["latency_s"] for s in ok]
     if latencies:
-        out["scrape_latency_ms"] = {
-            "p50": round(_pct(latencies, 0.5) * 1e3, 3),
-            "p99": round(_pct(latencies, 0.99) * 1e3, 3),
-            "max": round(max(latencies) * 1e3, 3),
-        }
+        st = stats(latencies)  # the project's one percentile method
+        out["scrape_latency_ms"] = {k: round(st[k] * 1e3, 3) for k in ("p50", "p99", "max")}  # type: ignore[operator]
     if len(ok) < 2:
         return out
     out["achieved_hz"] = round((len(ok) - 1) / max(ok[-1]["t"] - ok[0]["t"], 1e-9), 2)

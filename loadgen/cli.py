@@ -32,7 +32,7 @@ from backends.detect import Detection, ServerUnreachable, detect
 from backends.launcher import GridPoint, LaunchError, server_grid, sweep_servers
 from backends.poller import ServerStatePoller, profile_of
 from backends.registry import available, get_backend
-from loadgen import telemetry
+from loadgen import metrics, telemetry
 from loadgen.clock import RunClock, Sidecar
 from loadgen.engine import PROCESSES, LoadSpec, run_async
 from loadgen.exitcodes import ExitCode, worst
@@ -215,20 +215,32 @@ def _fmt(v: float | None, scale: float = 1e3, digits: int = 1) -> str:
 
 
 def summary_table(summaries: list[dict[str, Any]]) -> Table:
-    t = Table(title="results (latencies in ms; throughput over the steady-state window)")
-    for col in ("point", "ok", "err", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
+    t = Table(title="results (latencies in ms; throughput over the steady-state window, * = whole run: no steady state)")
+    for col in ("point", "ok", "err", "inc", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
                 "ITL p50", "ITL p99", "E2E p50", "E2E p99", "lag p99"):  # fmt: skip
         t.add_column(col, justify="left" if col == "point" else "right")
     for s in summaries:
-        lat, thr = s["latency"], s["throughput"]["steady"]
+        lat, thr, n = s["latency"], s["throughput"]["steady"], s["counts"]
+        mark = "" if thr.get("valid", True) else "*"
         t.add_row(
-            s["point_id"], str(s["counts"]["ok"]), str(s["counts"]["errors"]),
-            _fmt(thr["req_per_s"], 1, 2), _fmt(thr["output_tok_per_s"], 1, 0),
+            s["point_id"], str(n["ok"]), str(n["errors"]), str(n.get("incomplete", 0)),
+            _fmt(thr["req_per_s"], 1, 2) + mark, _fmt(thr["output_tok_per_s"], 1, 0) + mark,
             _fmt(lat["ttft"]["p50"]), _fmt(lat["ttft"]["p99"]), _fmt(lat["tpot"]["p50"]), _fmt(lat["tpot"]["p99"]),
             _fmt(lat["itl"]["p50"]), _fmt(lat["itl"]["p99"]), _fmt(lat["e2e"]["p50"]), _fmt(lat["e2e"]["p99"]),
             _fmt(s["client"]["schedule_lag"]["p99"], 1e3, 2),
         )  # fmt: skip
     return t
+
+
+def notes(s: dict[str, Any]) -> list[str]:
+    """What a reader of the table must know about a point: no steady state, unsteady load, cancelled requests."""
+    thr, n = s["throughput"]["steady"], s["counts"]
+    out = [f"no steady state: {thr['reason']}"] if thr.get("reason") else []
+    out += [thr["note"]] if thr.get("note") else []
+    if n.get("incomplete"):
+        out.append(f"{n['incomplete']} request(s) cancelled by the harness (run end or interrupt): counted as "
+                   "incomplete, not as errors; latency percentiles leave them out")  # fmt: skip
+    return out
 
 
 def _report(summaries: list[dict[str, Any]], results: ResultsDir) -> None:
@@ -237,6 +249,8 @@ def _report(summaries: list[dict[str, Any]], results: ResultsDir) -> None:
     for s in summaries:
         for w in s["client"]["warnings"]:
             out.print(f"[yellow]warning[/] {s['point_id']}: the client may be limiting this run: {w}")
+        for line in notes(s):
+            out.print(f"[yellow]note[/] {s['point_id']}: {line}")
         if s["errors"]["by_kind"]:
             kinds = ", ".join(f"{k}: {n}" for k, n in s["errors"]["by_kind"].items())
             out.print(f"[red]errors[/] {s['point_id']}: {kinds}")
@@ -262,6 +276,8 @@ Duration = Annotated[float | None, typer.Option(help="Seconds of dispatch per po
 Warmup = Annotated[int, typer.Option(help="Warm-up sessions per point (excluded from metrics).")]
 Seed = Annotated[int, typer.Option(help="Seed for arrivals and workload sampling.")]
 Slo = Annotated[str | None, typer.Option(help="Goodput SLOs, e.g. ttft=500ms,tpot=50ms,e2e=10s (bare = ms).")]
+SloFrom = Annotated[str, typer.Option(help="Judge the SLOs' TTFT and E2E from the request's actual send "
+                    "(sent) or its intended send time (intended: a client running late cannot flatter goodput).")]
 Repeat = Annotated[int, typer.Option(help="Repeat each point N times as separate trials.")]
 OutputDir = Annotated[Path, typer.Option(help="Results root; the run goes to <output-dir>/<run-id>/.")]
 RunId = Annotated[str | None, typer.Option(help="Run id (default: a timestamp).")]
@@ -288,10 +304,12 @@ def _go(
     command: str, default_num_requests: int, poll_hz: float = 10.0, server: str | None = None,
     grid: list[str] | None = None, server_timeout: float = 300.0, telemetry_hz: float = 10.0,
     telemetry_url: str | None = None, tokenizer: str | None = None, max_error_rate: float = 0.05,
-    wait_for_server: float = 0.0,
+    wait_for_server: float = 0.0, slo_from: str = "sent",
 ) -> ExitCode:  # fmt: skip
     """The common body of run and sweep: validate, plan, (start the server), run, report; returns the
     exit code (the worst of the points')."""
+    if slo_from not in metrics.SLO_FROM:
+        raise UsageError(f"--slo-from must be one of {', '.join(metrics.SLO_FROM)}, got {slo_from!r}")
     if api not in (None, "completions", "chat"):
         raise UsageError(f"--api must be completions or chat, got {api!r}")
     if client not in ("aiohttp", "httpx"):
@@ -356,6 +374,7 @@ def _go(
         "continuous_usage": continuous_usage, "extra_body": extra_body, "client": client, "timeout": timeout,
         "stall_timeout": stall_timeout, "speedup": speedup, "poll_hz": poll_hz, "server": server, "grid": grid,
         "tokenizer": tokenizer, "max_error_rate": max_error_rate, "wait_for_server": wait_for_server,
+        "slo_from": slo_from,
     }  # fmt: skip
     clock = RunClock()
     display = LiveDisplay(console, clock)
@@ -378,8 +397,8 @@ def _go(
             return [*polls, *telemetry.sidecars(target, telemetry_hz, telemetry_url)]
 
         where = (grid_points.index(gp) + 1, len(grid_points), gp.label) if gp is not None else None
-        return run_async(run_sweep(be, todo, results, clock, config, pollers, slo=slo_s, client_kind=client,
-                                   live=display.points(todo, where), previous=previous or [],
+        return run_async(run_sweep(be, todo, results, clock, config, pollers, slo=slo_s, slo_from=slo_from,
+                                   client_kind=client, live=display.points(todo, where), previous=previous or [],
                                    wait_for_server=0 if gp else wait_for_server,
                                    run_extra={"backend_detection": {"requested": backend, **det.describe()}}))  # fmt: skip
 
@@ -467,6 +486,7 @@ def run(
     client: Client = "aiohttp", timeout: Timeout = 600.0, stall_timeout: StallTimeout = 60.0,
     speedup: Speedup = 1.0, poll_hz: PollHz = 10.0, telemetry_hz: TelemetryHz = 10.0,
     telemetry_url: TelemetryUrl = None, tokenizer: TokenizerOpt = None, max_error_rate: MaxErrorRate = 0.05,
+    slo_from: SloFrom = "sent",
 ) -> None:  # fmt: skip
     """Run one load point (closed loop at --concurrency or open loop at --rate)."""
     if concurrency is not None and rate is not None:
@@ -483,6 +503,7 @@ def run(
         continuous_usage=continuous_usage, extra_body=extra_body, client=client, timeout=timeout,
         stall_timeout=stall_timeout, speedup=speedup, command="run", default_num_requests=100, poll_hz=poll_hz,
         telemetry_hz=telemetry_hz, telemetry_url=telemetry_url, tokenizer=tokenizer, max_error_rate=max_error_rate,
+        slo_from=slo_from,
     )  # fmt: skip
 
 
@@ -504,6 +525,7 @@ def sweep(
     grid: Annotated[list[str] | None, typer.Option(help="Server grid axis NAME=V1,V2 (repeat for a product).")] = None,
     server_timeout: Annotated[float, typer.Option(help="Seconds to wait for a started server's health.")] = 300.0,
     tokenizer: TokenizerOpt = None, max_error_rate: MaxErrorRate = 0.05, wait_for_server: WaitForServer = 0.0,
+    slo_from: SloFrom = "sent",
 ) -> None:  # fmt: skip
     """Run a list of load points (concurrencies and/or rates × workloads) into one results directory."""
 
@@ -521,7 +543,7 @@ def sweep(
             default_num_requests=32, poll_hz=poll_hz, server=server,
             grid=[axis for g in grid or [] for axis in g.split()], server_timeout=server_timeout,
             telemetry_hz=telemetry_hz, telemetry_url=telemetry_url, tokenizer=tokenizer,
-            max_error_rate=max_error_rate, wait_for_server=wait_for_server,
+            max_error_rate=max_error_rate, wait_for_server=wait_for_server, slo_from=slo_from,
         )  # fmt: skip
 
     _guard(body)

@@ -33,6 +33,7 @@ from loadgen.sse import SSEError, SSEEvent, SSEParser, decode_data
 
 CLIENT_KINDS = ("aiohttp", "httpx")
 _ERROR_BODY_LIMIT = 64 * 1024
+DONE_GRACE_S = 0.1  # after the end marker, how long the rest of the body may take before the connection is dropped
 
 
 class StaleConnection(Exception):
@@ -195,7 +196,8 @@ async def execute(
                     _http_error(rec, resp.status_code, ctype, body)
                 else:
                     deadline = t = rec.sent + timeout
-                    async for chunk in resp.aiter_raw():
+                    chunks = resp.aiter_raw()
+                    async for chunk in chunks:
                         t = clock.now()
                         if reader.feed(chunk, t) or t > deadline:
                             break
@@ -203,6 +205,8 @@ async def execute(
                         reader.close(clock.now())
                     if rec.error is None and t > deadline:
                         rec.set_error("timeout", f"request took longer than {timeout:g} s")
+                    elif rec.error is None and reader.done:
+                        await _drain_after_end(chunks)
         except StaleConnection:  # nothing reached the server: once more, on a connection of its own
             rec.retries += 1
             fresh = True
@@ -220,7 +224,11 @@ async def execute(
 
 
 class _StreamReader:
-    """Turns chunks into events on the record; ``feed`` returns True when reading should stop."""
+    """Turns chunks into events on the record; ``feed`` returns True when reading should stop: at an
+    error or at the end marker (``[DONE]`` or the protocol's final event), whatever follows it.
+
+    Every event parsed from one chunk (one socket read) gets that read's timestamp; the metrics merge
+    them (:func:`loadgen.metrics.reads`), as no time passed between them on the client."""
 
     __slots__ = ("backend", "rec", "clock", "parser", "state", "texts", "usage_out", "usage_prompt",
                  "chunk_prompt", "stated_source", "done")
@@ -281,8 +289,6 @@ class _StreamReader:
             if name == "error":
                 rec.set_error("stream_error", data or "error event")
                 return True
-            if self.done:
-                continue  # anything after the end marker is ignored
             for d in parse(data, state):
                 if d.error is not None:
                     rec.set_error("stream_error", d.error)
@@ -303,6 +309,8 @@ class _StreamReader:
                     rec.extra.update(d.extra)
                 if d.done:
                     self.done = True
+            if self.done:
+                return True  # stop at the end marker: a proxy holding the finished stream open is no stall
         return False
 
     def finish(self, req: GenRequest) -> str:
@@ -337,6 +345,18 @@ class _StreamReader:
         elif req.prompt_tokens is not None:
             rec.prompt_tokens, rec.prompt_tokens_source = req.prompt_tokens, "tokenizer"
         return "".join(self.texts)
+
+
+async def _drain_after_end(chunks: AsyncIterator[bytes]) -> None:
+    """After the end marker: read what is left of the body (the chunked terminator, normally there at
+    once) so that the connection can be reused, but never wait on a stream held open after it (a proxy):
+    after ``DONE_GRACE_S`` of silence the connection is closed instead. Nothing read here is content,
+    and no fault here is an error: the answer was complete."""
+    try:
+        while True:
+            await asyncio.wait_for(anext(chunks), DONE_GRACE_S)
+    except (StopAsyncIteration, asyncio.TimeoutError, httpx.HTTPError, aiohttp.ClientError, OSError):
+        pass
 
 
 async def _read_limited(resp: httpx.Response) -> bytes:

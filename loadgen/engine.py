@@ -14,7 +14,10 @@ Load: ``closed`` keeps ``concurrency`` sessions in flight (a slot's next session
 one ends; ``intended`` is that moment); ``constant``/``poisson``/``gamma`` send on a seeded schedule
 regardless of responses, and a session with ``at`` set (trace replay) is sent at ``at / speedup``
 instead (``trace`` uses only ``at``). Multi-turn sessions send the next turn ``think`` seconds after the
-previous response. The first ``warmup`` sessions are marked warm-up. Dispatch stops after
+previous response. The first ``warmup`` sessions are marked warm-up and run first, as their own phase
+under the same load (closed: at most ``concurrency`` at once; open: on the arrival schedule), and all of
+them end before measured dispatch starts (as vLLM's ``bench serve`` and AIPerf do): no measured request
+shares the server with a warm-up, and the measured schedule starts afresh after them. Dispatch stops after
 ``num_requests`` measured requests and/or ``duration`` seconds; requests still in flight then get
 ``drain`` seconds to end before they are cancelled (recorded as ``cancelled``).
 
@@ -44,7 +47,7 @@ from collections import deque
 from collections.abc import Coroutine, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -172,6 +175,7 @@ class _Dispatch:
         self.sessions: Iterator[Session] = iter(workload.sessions(load.seed))
         self.n_sessions = 0
         self.measured = 0
+        self.warming = False  # the warm-up phase: only the first ``warmup`` sessions, no duration bound
         self.t_start = 0.0
         self.stop = asyncio.Event()
         self.tasks: set[asyncio.Task[None]] = set()
@@ -182,7 +186,7 @@ class _Dispatch:
         self._probe: asyncio.Task[None] | None = None
 
     def next_session(self) -> tuple[Session, bool] | None:
-        if self.stop.is_set():
+        if self.stop.is_set() or (self.warming and self.n_sessions >= self.load.warmup):
             return None
         sess = next(self.sessions, None)
         if sess is None:  # workload exhausted: dispatch ends, started sessions go on
@@ -195,11 +199,11 @@ class _Dispatch:
         load = self.load
         if self.stop.is_set():
             return False
+        if warmup:
+            return True
         if load.duration is not None and self.clock.now() - self.t_start > load.duration:
             self.stop.set()
             return False
-        if warmup:
-            return True
         if load.num_requests is not None and self.measured >= load.num_requests:
             self.stop.set()
             return False
@@ -301,6 +305,9 @@ class _Dispatch:
         if self.tasks:
             await asyncio.gather(*list(self.tasks))
 
+    def dispatch(self) -> Coroutine[Any, Any, None]:
+        return self.closed() if self.load.process == "closed" else self.open()
+
 
 async def _sleep_until(clock: RunClock, t: float) -> None:
     """Wait until the run clock reaches ``t``, never returning early.
@@ -316,9 +323,10 @@ async def run_point(
     backend: Backend, workload: Workload, load: LoadSpec, out_dir: Path, clock: RunClock,
     sidecars: Sequence[Sidecar] = (), *, point_id: str | None = None, labels: dict[str, Any] | None = None,
     slo: dict[str, float] | None = None, client: HttpClient | None = None, client_kind: str = "aiohttp",
-    progress: Progress | None = None,
+    progress: Progress | None = None, slo_from: str = "sent",
 ) -> dict[str, Any]:
-    """Run one load point into ``out_dir``; returns its PointSummary (also written to summary.json)."""
+    """Run one load point into ``out_dir``; returns its PointSummary (also written to summary.json).
+    ``slo_from="intended"`` judges the SLOs' TTFT and E2E from the intended send time."""
     out_dir.mkdir(parents=True, exist_ok=True)
     progress = progress or Progress()
     own_client = client is None
@@ -333,11 +341,17 @@ async def run_point(
     for sc in sidecars:
         sc.start(clock, out_dir)
     cpu0, wait0, wall0 = time.process_time(), _cpu_wait(), time.perf_counter()
-    d.t_start = progress.t_start = clock.now()
-    main = asyncio.ensure_future(d.closed() if load.process == "closed" else d.open())
+    t0 = d.t_start = progress.t_start = clock.now()
     try:
         with _run_gc():
-            early = await _bounded(main, d, load)
+            early = None
+            if load.warmup:  # its own phase: every warm-up ends before the first measured send
+                d.warming = True
+                early = await _bounded(asyncio.ensure_future(d.dispatch()), d, replace(load, duration=None))
+                d.warming = False
+                d.t_start = progress.t_start = clock.now()
+            if early is None:  # (an interrupt or a dead server during the warm-ups ends the point there)
+                early = await _bounded(asyncio.ensure_future(d.dispatch()), d, load)
     finally:
         if d._probe is not None:
             d._probe.cancel()
@@ -349,8 +363,10 @@ async def run_point(
         if own_client:
             await client.aclose()
     records = read_records(out_dir / "requests.jsonl")
-    summary: dict[str, Any] = {**plan, "t_start": d.t_start, "t_end": clock.now(), "status": "complete"}
-    summary.update(metrics.summarize(records, load.describe(), slo, client_cpu=cpu, client_wait=wait))
+    summary: dict[str, Any] = {
+        **plan, "t_start": t0, "t_measured": d.t_start, "t_end": clock.now(), "status": "complete",
+    }  # fmt: skip
+    summary.update(metrics.summarize(records, load.describe(), slo, client_cpu=cpu, client_wait=wait, slo_from=slo_from))
     if early is not None:
         summary.update(early)
         summary["status"] = next(iter(early))

@@ -1,36 +1,49 @@
 """Metrics as pure functions of request records (dicts as in ``requests.jsonl``); no HTTP here.
 
-Formulas (docs/metrics.md has the full definitions and the mapping to vLLM/AIPerf/guidellm):
+Formulas (docs/metrics.md has the full definitions, the proofs and the mapping to vLLM/AIPerf/guidellm):
 
-* TTFT = first content event − sent; E2E = end − sent; TPOT = (E2E − TTFT) / (output_tokens − 1).
-* ITL (token-weighted): an event carrying k tokens after a gap g contributes k values g/k;
-  ``chunk_gap`` is the raw gap between consecutive content events.
+* Events of one socket read share a timestamp and are merged into one event first (:func:`reads`).
+* TTFT = first content event − sent; E2E = last content event − sent (the body's end, ``end``, is kept
+  apart: ``tail`` = end − last content event); TPOT = (E2E − TTFT) / (out − tokens of the first read).
+* ITL (token-weighted): a read carrying k > 0 tokens, a time g after the previous read that carried
+  tokens (or the first read), contributes k values g/k; a read without tokens swallows no time. So a
+  request's ITLs sum to last − first content event and their mean is its TPOT.
 * ``*_from_intended``: the same latencies measured from the intended send time (coordinated omission).
-* Steady-state window = [first measured send, last measured send]: the load is fully applied there.
+* Steady-state window = [first send + one median request length, last send], valid when at least one
+  median request length long; the request rate inside it is output tok/s ÷ mean output tokens, cross-
+  checked by Little's law (:func:`steady_window`, :func:`summarize`).
+* ``incomplete``: requests the harness cancelled (run end, Ctrl-C): neither ok nor errors.
 * Goodput: successful requests meeting every given SLO, per second.
 
 Entry point: :func:`summarize` → the metric part of a PointSummary, with ``per_class`` holding the
-same metrics for every workload class.
+same metrics for every workload class. Every other figure of a request or a sample (report series,
+server-state poller, telemetry) calls these functions: :func:`stats` is the one percentile method.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 Record = dict[str, Any]
 PERCENTILES = (50, 90, 95, 99)
-LATENCIES = ("ttft", "tpot", "itl", "chunk_gap", "e2e", "ttft_from_intended", "e2e_from_intended")
+LATENCIES = ("ttft", "tpot", "itl", "chunk_gap", "e2e", "tail", "ttft_from_intended", "e2e_from_intended")
 SLO_KEYS = ("ttft", "tpot", "e2e")
+SLO_FROM = ("sent", "intended")
+INCOMPLETE_KINDS = ("cancelled",)  # ended by the harness (end of a duration-bound run, Ctrl-C), not the server
 LAG_WARN_S = 0.010  # schedule lag p99 above this: the client, not the server, is late
 SHORTFALL = 0.95  # achieved below 95 % of requested rate/concurrency: client-limited
+LITTLE_WARN = 0.10  # the two steady request-rate estimates differ by more than this: say so
 
 
 def stats(values: Iterable[float] | np.ndarray) -> dict[str, float | int | None]:
-    """count, mean, p50/p90/p95/p99 (linear interpolation, as numpy and vLLM), min, max."""
+    """count, mean, p50/p90/p95/p99 (linear interpolation, as numpy and vLLM), min, max.
+
+    The one percentile method of the project: the summary, the report, the server-state poller and
+    telemetry all call it."""
     arr = np.asarray(values if isinstance(values, np.ndarray) else list(values), dtype=float)
     if arr.size == 0:
         return {"count": 0, "mean": None, **{f"p{p}": None for p in PERCENTILES}, "min": None, "max": None}
@@ -41,34 +54,76 @@ def stats(values: Iterable[float] | np.ndarray) -> dict[str, float | int | None]
     }  # fmt: skip
 
 
+def tokens_of(event: Sequence[float | None]) -> int:
+    """An event's token delta; ``None`` (count not stated, not yet resolved from a total) counts as one."""
+    k = event[1]
+    return 1 if k is None else int(k)
+
+
+def reads(r: Record) -> tuple[np.ndarray, np.ndarray]:
+    """The content events as (times, tokens), consecutive events with the same timestamp (parsed from
+    one socket read) merged into one: they arrived together, so no time passed between them."""
+    ev = np.array(r["events"], dtype=float).reshape(-1, 2)  # an unresolved count (None) becomes NaN
+    t, kf = ev[:, 0], ev[:, 1]
+    k = np.where(np.isnan(kf), 1, kf).astype(np.int64)  # ... and counts as one token (tokens_of)
+    if t.size < 2 or np.all(t[1:] != t[:-1]):
+        return t, k
+    starts = np.flatnonzero(np.concatenate(([True], t[1:] != t[:-1])))
+    return t[starts], np.add.reduceat(k, starts)
+
+
 def ttft(r: Record) -> float | None:
     return r["events"][0][0] - r["sent"] if r["events"] else None
 
 
+def last_content(r: Record) -> float:
+    """When the answer was complete: the last content event (the body's end when there is none)."""
+    return r["events"][-1][0] if r["events"] else r["end"]
+
+
 def e2e(r: Record) -> float:
-    return r["end"] - r["sent"]
+    return last_content(r) - r["sent"]
+
+
+def tail(r: Record) -> float:
+    """From the last content event to the end of the body (usage chunk, ``[DONE]``, closing)."""
+    return r["end"] - last_content(r)
 
 
 def tpot(r: Record) -> float | None:
-    first, out = ttft(r), r.get("output_tokens") or 0
-    return (e2e(r) - first) / (out - 1) if first is not None and out > 1 else None
+    """(last − first content event) / (output tokens − tokens of the first read); None when no token
+    came after the first read."""
+    return _tpot(*reads(r), r.get("output_tokens") or 0)
 
 
 def itl(r: Record) -> np.ndarray:
-    """Token-weighted inter-token latencies; tokens that arrive with the first event have none."""
-    ev = r["events"]
-    if len(ev) < 2:
+    """Token-weighted inter-token latencies; tokens of the first read have none, and a read that
+    carried no token passes its time on to the next one that did."""
+    return _itl(*reads(r))
+
+
+def chunk_gaps(r: Record) -> np.ndarray:
+    """Gaps between consecutive reads that carried content (vLLM's "ITL" when one chunk = one read)."""
+    return np.diff(reads(r)[0])
+
+
+def _tpot(t: np.ndarray, k: np.ndarray, out: int) -> float | None:
+    after_first = out - (int(k[0]) if k.size else 0)
+    return float(t[-1] - t[0]) / after_first if t.size and after_first > 0 else None
+
+
+def _itl(t: np.ndarray, k: np.ndarray) -> np.ndarray:
+    if t.size < 2:
         return np.empty(0)
-    gaps = np.diff(np.asarray([e[0] for e in ev], dtype=float))
-    k = np.asarray([_tokens(e) for e in ev[1:]], dtype=int)
-    keep = k > 0
-    return np.repeat(gaps[keep] / k[keep], k[keep])
+    anchor = k > 0
+    anchor[0] = True  # gaps run from the first read, then from each read that carried tokens
+    gaps, kk = np.diff(t[anchor]), k[anchor][1:]
+    return np.repeat(gaps / kk, kk)
 
 
-def _tokens(event: Sequence[float | None]) -> int:
-    """An event's token delta; ``None`` (count not stated, not yet resolved from a total) counts as one."""
-    k = event[1]
-    return 1 if k is None else int(k)
+def incomplete(r: Record) -> bool:
+    """Cancelled by the harness: counted apart from ok and errors."""
+    return r["error"] is not None and r["error"]["kind"] in INCOMPLETE_KINDS
 
 
 def spec_decode(records: Sequence[Record]) -> dict[str, Any] | None:
@@ -81,15 +136,14 @@ def spec_decode(records: Sequence[Record]) -> dict[str, Any] | None:
             "acceptance": accepted / drafted if drafted else None}  # fmt: skip
 
 
-def chunk_gaps(r: Record) -> np.ndarray:
-    ev = r["events"]
-    return np.diff(np.asarray([e[0] for e in ev], dtype=float)) if len(ev) > 1 else np.empty(0)
-
-
-def meets_slo(r: Record, slo: dict[str, float]) -> bool:
+def meets_slo(r: Record, slo: dict[str, float], slo_from: str = "sent") -> bool:
+    """Did a successful request meet every SLO? ``slo_from="intended"`` judges TTFT and E2E from the
+    intended send time, so a client that ran late cannot make goodput look better."""
     if r["error"] is not None:
         return False
-    values = {"ttft": ttft(r), "tpot": tpot(r), "e2e": e2e(r)}
+    origin = r["intended"] if slo_from == "intended" else r["sent"]
+    first = r["events"][0][0] - origin if r["events"] else None
+    values = {"ttft": first, "tpot": tpot(r), "e2e": last_content(r) - origin}
     for key, limit in slo.items():
         v = values[key]
         if key == "tpot" and v is None:
@@ -99,84 +153,145 @@ def meets_slo(r: Record, slo: dict[str, float]) -> bool:
     return True
 
 
-def steady_window(records: Sequence[Record]) -> tuple[float, float]:
-    """[first send, last send] of measured requests, starting instead when the last warm-up request ended
-    if that falls in the first half of it: a warm-up request still in flight holds a slot (closed loop)
-    or batch seat whose tokens the window would not count. (Warm-ups that end later, as in a short run of
-    one wave, would leave too short a window; it is kept whole.) The whole run span when the window is
-    degenerate."""
+class Window(NamedTuple):
+    """The steady-state window; when not ``valid`` it is the whole run and ``reason`` says why."""
+
+    start: float
+    end: float
+    valid: bool
+    reason: str | None
+
+
+def steady_window(records: Sequence[Record]) -> Window:
+    """[first measured send + d, last measured send], d = the median request length (send to end of
+    body) of the successful measured requests.
+
+    Before first send + d the system is still filling (open loop: the in-flight count grows for about
+    one request length; closed loop: no slot has completed yet, so completions are impossible); after
+    the last send it drains. In between the load is fully applied. It also starts no earlier than the
+    last warm-up request's end (a warm-up still in flight holds a seat whose tokens are not counted).
+    Valid when at least d long, i.e. it holds a whole request length of steady state; else the whole
+    run [first send, last end] with ``valid = False`` and the reason."""
     measured = [r for r in records if not r["warmup"]]
     if not measured:
-        return (0.0, 0.0)
-    a, b = min(r["sent"] for r in measured), max(r["sent"] for r in measured)
-    warm_end = max((r["end"] for r in records if r["warmup"]), default=a)
-    if a < warm_end <= (a + b) / 2:
-        a = warm_end
-    if b - a <= 1e-3:
-        b = max(r["end"] for r in measured)
-    return (a, b)
+        return Window(0.0, 0.0, False, "no measured request")
+    s0, s1 = min(r["sent"] for r in measured), max(r["sent"] for r in measured)
+    whole = (s0, max(r["end"] for r in measured))
+    ok = [r for r in measured if r["error"] is None]
+    if not ok:
+        return Window(*whole, False, "no successful request")
+    d = float(np.median([r["end"] - r["sent"] for r in ok]))
+    a = max(s0 + d, max((r["end"] for r in records if r["warmup"]), default=s0))
+    if s1 - a >= d and s1 > a:
+        return Window(a, s1, True, None)
+    return Window(*whole, False, (
+        f"the load was applied for {max(s1 - a, 0.0):.3g} s after the ramp-up, less than one request length "
+        f"({d:.3g} s): sends spanned {s1 - s0:.3g} s; the whole run is reported"
+    ))  # fmt: skip
 
 
 def summarize(
     records: Sequence[Record], load: dict[str, Any] | None = None, slo: dict[str, float] | None = None,
-    client_cpu: float | None = None, client_wait: float | None = None,
+    client_cpu: float | None = None, client_wait: float | None = None, slo_from: str = "sent",
 ) -> dict[str, Any]:
     """Metrics of one load point; ``load`` (requested rate/concurrency) feeds the client-health part."""
+    if slo_from not in SLO_FROM:
+        raise ValueError(f"slo_from must be one of {', '.join(SLO_FROM)}, got {slo_from!r}")
     window = steady_window(records)
-    out = _core(records, window, slo)
-    out["window"] = list(window)
-    out["client"] = client_health(records, window, load or {}, client_cpu, client_wait)
+    out = _core(records, window, slo, slo_from)
+    out["window"] = [window.start, window.end]
+    out["client"] = client_health(records, (window.start, window.end), load or {}, client_cpu, client_wait,
+                                  steady=window.valid)
     classes = sorted({r["cls"] for r in records if not r["warmup"]})
-    out["per_class"] = {c: _core([r for r in records if r["cls"] == c], window, slo) for c in classes}
+    out["per_class"] = {c: _core([r for r in records if r["cls"] == c], window, slo, slo_from) for c in classes}
     return out
 
 
-def _core(records: Sequence[Record], window: tuple[float, float], slo: dict[str, float] | None) -> dict[str, Any]:
+def _core(records: Sequence[Record], window: Window, slo: dict[str, float] | None, slo_from: str) -> dict[str, Any]:
     measured = [r for r in records if not r["warmup"]]
     ok = [r for r in measured if r["error"] is None]
-    n, a, b = len(measured), window[0], window[1]
-    wlen = b - a
+    n_inc = sum(1 for r in measured if incomplete(r))
+    judged = len(measured) - n_inc  # ok + errors: the denominator of error rate and goodput fraction
     span = (max(r["end"] for r in measured) - min(r["sent"] for r in measured)) if measured else 0.0
     out_tokens = sum(r["output_tokens"] or 0 for r in ok)
     in_tokens = sum(r["prompt_tokens"] or 0 for r in ok)
     with_events = [r for r in ok if r["events"]]
+    rd = [reads(r) for r in ok]  # once per request: TPOT, ITL and chunk gaps all start from the reads
     lat = {
         "ttft": stats(ttft(r) for r in with_events),  # type: ignore[misc]
-        "tpot": stats(v for r in ok if (v := tpot(r)) is not None),
-        "itl": stats(np.concatenate([itl(r) for r in ok]) if ok else np.empty(0)),
-        "chunk_gap": stats(np.concatenate([chunk_gaps(r) for r in ok]) if ok else np.empty(0)),
+        "tpot": stats(v for r, (t, k) in zip(ok, rd, strict=True) if (v := _tpot(t, k, r["output_tokens"] or 0)) is not None),
+        "itl": stats(np.concatenate([_itl(t, k) for t, k in rd]) if ok else np.empty(0)),
+        "chunk_gap": stats(np.concatenate([np.diff(t) for t, _ in rd]) if ok else np.empty(0)),
         "e2e": stats(e2e(r) for r in ok),
+        "tail": stats(tail(r) for r in ok),
         "ttft_from_intended": stats(r["events"][0][0] - r["intended"] for r in with_events),
-        "e2e_from_intended": stats(r["end"] - r["intended"] for r in ok),
+        "e2e_from_intended": stats(last_content(r) - r["intended"] for r in ok),
     }
-    steady_out = sum(_tokens(e) for r in ok for e in r["events"] if a <= e[0] <= b)
-    steady_in = sum(r["prompt_tokens"] or 0 for r in ok if a <= r["sent"] <= b)
-    steady_done = sum(1 for r in ok if a <= r["end"] <= b)
-    thr = {
-        "whole": _rates(len(ok), out_tokens, in_tokens, span),
-        "steady": _rates(steady_done, steady_out, steady_in, wlen),
-    }
-    kinds = Counter(r["error"]["kind"] for r in measured if r["error"] is not None)
+    whole = _rates(len(ok), out_tokens, in_tokens, span)
+    steady = _steady(ok, window) if window.valid else {**whole, "req_per_s_little": None, "req_per_s_completed": None, "output_tok_per_s_events": None}
+    steady.update(valid=window.valid, reason=window.reason, note=None)
+    little, req = steady["req_per_s_little"], steady["req_per_s"]
+    if little and req and abs(little / req - 1) > LITTLE_WARN:
+        steady["note"] = (f"request rate {req:.3g}/s from tokens vs {little:.3g}/s from Little's law: "
+                          "the load was not steady in the window")
+    kinds = Counter(r["error"]["kind"] for r in measured if r["error"] is not None and not incomplete(r))
     res: dict[str, Any] = {
         "counts": {
-            "requests": n, "ok": len(ok), "errors": n - len(ok), "warmup": len(records) - n,
-            "output_tokens": out_tokens, "prompt_tokens": in_tokens,
+            "requests": len(measured), "ok": len(ok), "errors": judged - len(ok), "incomplete": n_inc,
+            "warmup": len(records) - len(measured), "output_tokens": out_tokens, "prompt_tokens": in_tokens,
             "output_tokens_sources": dict(Counter(r["output_tokens_source"] for r in ok)),
         },  # fmt: skip
         "latency": lat,
-        "throughput": thr,
-        "errors": {"rate": (n - len(ok)) / n if n else 0.0, "by_kind": dict(sorted(kinds.items()))},
+        "throughput": {"whole": whole, "steady": steady},
+        "errors": {"rate": (judged - len(ok)) / judged if judged else 0.0, "by_kind": dict(sorted(kinds.items()))},
     }
+    if n_inc:  # what is known of their latency: a lower bound (they ran at least this long)
+        res["latency"]["incomplete_age"] = stats(r["end"] - r["sent"] for r in measured if incomplete(r))
     if (spec := spec_decode(measured)) is not None:
         res["spec_decode"] = spec
     if slo:
-        good = [r for r in ok if meets_slo(r, slo)]
+        good = sum(1 for r in ok if meets_slo(r, slo, slo_from))
+        share = good / len(ok) if ok else 0.0
         res["goodput"] = {
-            "slo": slo, "good": len(good), "fraction": len(good) / n if n else 0.0,
-            "req_per_s": sum(1 for r in good if a <= r["end"] <= b) / wlen if wlen > 0 else None,
-            "req_per_s_whole": len(good) / span if span > 0 else None,
+            "slo": slo, "slo_from": slo_from, "good": good, "fraction": good / judged if judged else 0.0,
+            "req_per_s": steady["req_per_s"] * share if steady["req_per_s"] is not None else None,
+            "req_per_s_whole": good / span if span > 0 else None,
         }  # fmt: skip
     return res
+
+
+def _steady(ok: Sequence[Record], w: Window) -> dict[str, Any]:
+    """Rates inside a valid window from each request's share of it: f = |[sent, end] ∩ window| /
+    (end − sent). req/s = Σ f / length; output (total) tok/s = Σ f · output (+ prompt) tokens / length.
+    Unbiased in a steady state whatever the request lengths and wherever the window's edges fall inside
+    requests (docs/metrics.md has the proof); completions in the window are not, as none can happen
+    early in it when every request started at once. Cross-checks: Little's law (mean in-flight ÷ mean
+    request length), completions in the window, and output tokens whose events arrived in it."""
+    a, b = w.start, w.end
+    wlen = b - a
+    if not ok:
+        return {**_rates(0, 0, 0, wlen), "req_per_s_little": None, "req_per_s_completed": 0.0,
+                "output_tok_per_s_events": 0.0}  # fmt: skip
+    share = np.asarray([_share(r["sent"], r["end"], a, b) for r in ok])
+    out = np.asarray([r["output_tokens"] or 0 for r in ok], dtype=float)
+    prompt = np.asarray([r["prompt_tokens"] or 0 for r in ok], dtype=float)
+    inflight = sum(max(0.0, min(r["end"], b) - max(r["sent"], a)) for r in ok) / wlen
+    mean_len = float(np.mean([r["end"] - r["sent"] for r in ok]))
+    events = sum(tokens_of(e) for r in ok for e in r["events"] if a < e[0] <= b)
+    return {
+        "seconds": wlen, "req_per_s": float(share.sum()) / wlen, "output_tok_per_s": float(share @ out) / wlen,
+        "total_tok_per_s": float(share @ (out + prompt)) / wlen,
+        "req_per_s_little": inflight / mean_len if mean_len > 0 else None,
+        "req_per_s_completed": sum(1 for r in ok if a < r["end"] <= b) / wlen,
+        "output_tok_per_s_events": events / wlen,
+    }  # fmt: skip
+
+
+def _share(sent: float, end: float, a: float, b: float) -> float:
+    """The fraction of [sent, end] inside [a, b] (1 or 0 for an instantaneous request)."""
+    if end <= sent:
+        return 1.0 if a <= sent <= b else 0.0
+    return max(0.0, min(end, b) - max(sent, a)) / (end - sent)
 
 
 def _rates(requests: int, out_tokens: int, in_tokens: int, seconds: float) -> dict[str, float | None]:
@@ -190,9 +305,11 @@ def _rates(requests: int, out_tokens: int, in_tokens: int, seconds: float) -> di
 
 def client_health(
     records: Sequence[Record], window: tuple[float, float], load: dict[str, Any], client_cpu: float | None = None,
-    client_wait: float | None = None,
+    client_wait: float | None = None, steady: bool = True,
 ) -> dict[str, Any]:
-    """Is the client keeping its schedule? Schedule lag, achieved vs requested load, warnings."""
+    """Is the client keeping its schedule? Schedule lag, achieved vs requested load, warnings. Without a
+    steady state (``steady`` false: the window is the whole run, ramp and drain included) the achieved
+    concurrency is reported but not judged."""
     measured = sorted((r for r in records if not r["warmup"]), key=lambda r: r["sent"])
     lag = stats(r["sent"] - r["intended"] for r in measured)
     a, b = window
@@ -220,7 +337,7 @@ def client_health(
         if out["achieved_rate"] < SHORTFALL * out["scheduled_rate"]:
             warnings.append(f"achieved {out['achieved_rate']:.1f} req/s of {out['scheduled_rate']:.1f} scheduled")
     req_c, got_c = out["requested_concurrency"], out["achieved_concurrency"]
-    if req_c and got_c is not None and got_c < SHORTFALL * req_c and not load.get("think_time"):
+    if steady and req_c and got_c is not None and got_c < SHORTFALL * req_c and not load.get("think_time"):
         warnings.append(f"achieved concurrency {got_c:.1f} of {req_c} requested")
     if client_cpu is not None and client_cpu > 0.9:
         warnings.append(f"client process used {client_cpu:.0%} of a CPU core")

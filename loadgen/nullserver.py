@@ -19,7 +19,8 @@ Faults: ``500``, ``429`` (JSON error bodies),
 ``fault_after`` events), ``garbage`` (a non-SSE line), ``bad_json`` (a non-JSON data line),
 ``error_event`` (``event: error``), ``error_payload`` (``data: {"error": ...}``), ``stall`` (goes quiet
 after ``fault_after`` events), ``no_done`` (ends without ``[DONE]``), ``cut`` (ends mid-line),
-``drop_request`` (reads the request, then closes the connection without a byte of response).
+``drop_request`` (reads the request, then closes the connection without a byte of response),
+``linger`` (holds the finished stream open after ``[DONE]``, as a buffering proxy may, for up to an hour).
 
 Connection faults (server-wide, from the command-line behaviour): ``keepalive`` is ``on`` (default),
 ``close`` (``Connection: close`` on every response, then the server closes), ``drop`` (closes right
@@ -44,7 +45,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 FAULTS = ("500", "429", "html", "hang", "disconnect", "garbage", "bad_json", "error_event", "error_payload",
-          "stall", "no_done", "cut", "drop_request")  # fmt: skip
+          "stall", "no_done", "cut", "drop_request", "linger")  # fmt: skip
 KEEPALIVE = ("on", "close", "drop", "drop_idle")
 _STATS = {"requests": 0, "dropped_idle": 0, "dropped_requests": 0}
 
@@ -243,6 +244,9 @@ class _Conn(asyncio.Protocol):
             t.write(_chunk(b'data: {"choices":[{"index":0,"te'))
         else:
             t.write(_chunk(stream.tail(done=b.fault != "no_done")))
+        if b.fault == "linger":
+            await self._quiet(3600)
+            return
         t.write(b"0\r\n\r\n")
         self.busy = False
         self._done()

@@ -69,7 +69,7 @@ def plan_points(
 async def run_sweep(
     backend: Backend, plans: Sequence[PointPlan], results: ResultsDir, clock: RunClock, config: dict[str, Any],
     sidecars: Sequence[Sidecar] | Callable[[PointPlan], Sequence[Sidecar]] = (), *,
-    slo: dict[str, float] | None = None, client_kind: str = "aiohttp",
+    slo: dict[str, float] | None = None, slo_from: str = "sent", client_kind: str = "aiohttp",
     live: Callable[[PointPlan, Progress], AbstractContextManager[Any]] | None = None,
     run_extra: dict[str, Any] | None = None, previous: Sequence[dict[str, Any]] = (),
     wait_for_server: float = 0.0,
@@ -92,7 +92,8 @@ async def run_sweep(
         with live(plan, progress) if live else contextlib.nullcontext():
             s = await run_point(
                 backend, plan.workload, plan.load, results.point_dir(plan.point_id), clock, scs,
-                point_id=plan.point_id, labels=plan.labels, slo=slo, client_kind=client_kind, progress=progress,
+                point_id=plan.point_id, labels=plan.labels, slo=slo, slo_from=slo_from, client_kind=client_kind,
+                progress=progress,
             )  # fmt: skip
         s["trial"] = plan.trial
         summaries.append(s)

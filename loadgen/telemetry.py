@@ -31,6 +31,7 @@ import psutil
 import pynvml
 
 from backends.poller import parse_metrics
+from loadgen import metrics
 from loadgen.clock import RunClock
 
 NO_GPU_LINE = "no NVIDIA GPU: GPU telemetry off"
@@ -265,10 +266,12 @@ class TelemetrySampler(_ThreadedSampler):
 
 
 def _stats(values: list[float]) -> dict[str, float] | None:
+    """Mean and max of a series (``None``/NaN samples skipped), from :func:`loadgen.metrics.stats`."""
     vals = [v for v in values if v is not None and not math.isnan(v)]
     if not vals:
         return None
-    return {"mean": sum(vals) / len(vals), "max": max(vals)}
+    st = metrics.stats(vals)
+    return {"mean": st["mean"], "max": st["max"]}  # type: ignore[dict-item]
 
 
 def _energy(points: list[tuple[float, Record]]) -> float | None:

@@ -113,3 +113,15 @@ def test_run_gc_settings_come_back_after_overlapping_runs():
     assert gc.get_threshold()[0] > before[0]
     b.__exit__(None, None, None)
     assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+
+
+def test_reading_stops_at_the_end_marker():
+    """``feed`` says stop at ``[DONE]``: whatever follows (a proxy holding the stream open, stray events) is
+    never waited for, so a finished answer cannot turn into a stall; events of one read share its time."""
+    rec = RequestRecord(id="r")
+    reader = _StreamReader(OpenAIBackend("http://x", model="m"), rec, RunClock())
+    assert reader.feed(cmpl("a") + cmpl(" b"), 1.0) is False
+    assert reader.feed(cmpl(" c", "length") + USAGE + DONE + cmpl("late"), 2.0) is True
+    reader.finish(GenRequest(request_id="r", prompt="p", max_tokens=4))
+    assert rec.error is None and [e[0] for e in rec.events] == [1.0, 1.0, 2.0]
+    assert rec.output_tokens == 4 and rec.output_tokens_source == "usage"

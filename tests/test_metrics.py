@@ -59,10 +59,13 @@ def test_steady_window_throughput_and_whole_run():
     # closed loop of 1: requests back to back, 1 s each, 10 tokens each (one per 0.1 s)
     recs = [rec(float(i), [(i + 0.1 * (j + 1), 1) for j in range(10)], i + 1.0) for i in range(5)]
     s = metrics.summarize(recs, {"process": "closed", "concurrency": 1})
-    assert s["window"] == [0.0, 4.0]
+    assert s["window"] == [1.0, 4.0]  # first send + one request length .. last send
     steady, whole = s["throughput"]["steady"], s["throughput"]["whole"]
-    assert steady["output_tok_per_s"] == pytest.approx(40 / 4)  # tokens at t in [0, 4]
-    assert steady["req_per_s"] == pytest.approx(4 / 4)  # ends at 1, 2, 3, 4
+    assert steady["valid"] and steady["reason"] is None and steady["note"] is None
+    assert steady["output_tok_per_s"] == pytest.approx(10.0)
+    assert steady["req_per_s"] == pytest.approx(1.0)
+    assert steady["req_per_s_little"] == pytest.approx(1.0)
+    assert steady["output_tok_per_s_events"] == pytest.approx(10.0)
     assert whole["req_per_s"] == pytest.approx(5 / 5)
     assert whole["total_tok_per_s"] == pytest.approx((50 + 50) / 5)
     assert s["client"]["achieved_concurrency"] == pytest.approx(1.0)
@@ -70,16 +73,18 @@ def test_steady_window_throughput_and_whole_run():
 
 
 def test_steady_window_starts_after_the_last_warmup_request():
-    # closed loop of 2: one slot runs a 3 s warm-up request, the other measured 1 s requests from t=0;
-    # while the warm-up is in flight only half the load is measured, so the window starts at its end
+    # closed loop of 2 (records of a run where a 3 s warm-up overlapped measured 1 s requests): the
+    # window starts no earlier than the warm-up's end
     warm = {**rec(0.0, [(0.1 * (j + 1), 1) for j in range(30)], 3.0), "warmup": True}
     recs = [warm] + [rec(float(i), [(i + 0.1 * (j + 1), 1) for j in range(10)], i + 1.0) for i in range(8)]
     s = metrics.summarize(recs, {"process": "closed", "concurrency": 2})
     assert s["window"] == [3.0, 7.0]
-    assert s["throughput"]["steady"]["output_tok_per_s"] == pytest.approx(41 / 4)  # events at t in [3, 7], ends included
-    # a warm-up that ends in the second half of the window (or outlasts it) leaves the window as it was
-    for end in (3.6, 9.0):
-        assert metrics.summarize([{**warm, "end": end}] + recs[1:])["window"] == [0.0, 7.0]
+    assert s["throughput"]["steady"]["output_tok_per_s"] == pytest.approx(10.0)
+    # a warm-up that outlasts the dispatch leaves no steady state: whole run, valid = False
+    s = metrics.summarize([{**warm, "end": 9.0}] + recs[1:])
+    assert s["window"] == [0.0, 8.0] and not s["throughput"]["steady"]["valid"]
+    assert s["throughput"]["steady"] == {**s["throughput"]["whole"], **{k: s["throughput"]["steady"][k] for k in (
+        "valid", "reason", "note", "req_per_s_little", "req_per_s_completed", "output_tok_per_s_events")}}
 
 
 def test_warmup_excluded_and_errors_by_kind():
@@ -91,7 +96,7 @@ def test_warmup_excluded_and_errors_by_kind():
         rec(0.4, [(0.5, 1)], 0.6, error={"kind": "disconnect", "message": "x"}),
     ]
     s = metrics.summarize(recs)
-    assert s["counts"] == {"requests": 4, "ok": 1, "errors": 3, "warmup": 1, "output_tokens": 2,
+    assert s["counts"] == {"requests": 4, "ok": 1, "errors": 3, "incomplete": 0, "warmup": 1, "output_tokens": 2,
                            "prompt_tokens": 10, "output_tokens_sources": {"usage": 1}}
     assert s["errors"]["rate"] == pytest.approx(0.75)
     assert s["errors"]["by_kind"] == {"disconnect": 1, "http_5xx": 2}

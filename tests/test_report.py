@@ -206,7 +206,7 @@ def test_timeline_rows_share_one_x_axis_and_follow_the_data(run_dir):
     # client-side output token rate integrates back to the tokens that were streamed
     rate = next(t for t in fig["data"] if t["name"] == "output tok/s")
     width = rate["x"][1] - rate["x"][0]
-    assert np.isclose(np.sum(rate["y"]) * width, series.event_tokens(run.points[1].requests).sum())
+    assert np.isclose(np.sum(rate["y"]) * width, run.points[1].requests.event_tokens.sum())
     # engine steps (unix step ends in iterations.jsonl) land on the run clock: each step's end is followed
     # within a millisecond by the token events it produced
     it = figures._iteration_arrays(run.points[1], run.run["t0_unix"])

@@ -120,7 +120,7 @@ async def test_per_class_metrics_on_a_mixed_workload(null_server, tmp_path):
         mine = [r for r in recs if r["cls"] == cls]
         assert per[cls]["counts"]["requests"] == len(mine) > 10
         assert per[cls]["counts"]["output_tokens"] == sum(r["output_tokens"] for r in mine)
-        e2e = sorted(r["end"] - r["sent"] for r in mine)
+        e2e = sorted(r["events"][-1][0] - r["sent"] for r in mine)  # to the last content event
         assert per[cls]["latency"]["e2e"]["max"] == pytest.approx(e2e[-1])
     assert s["counts"]["requests"] == 60
     assert max(r["output_tokens"] for r in recs if r["cls"] == "short") < 10

@@ -276,7 +276,7 @@ def timeline(run: RunData, point: PointData) -> Fig | None:
             [
                 _line(
                     x,
-                    series.binned_rate(req.event_t, series.event_tokens(req), edges),
+                    series.binned_rate(req.event_t, req.event_tokens, edges),
                     "output tok/s",
                     PALETTE[2],
                     fill="tozeroy",

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from loadgen import metrics
 from loadgen.results import read_summary
 
 
@@ -35,8 +36,14 @@ class Requests:
     output_tokens: np.ndarray  # float, NaN when unknown
     error: np.ndarray  # object array: error kind or None
     event_t: np.ndarray  # all events, flattened
-    event_tokens: np.ndarray
+    event_tokens: np.ndarray  # as loadgen.metrics counts them (an unresolved count is one token)
     event_req: np.ndarray  # index of the request each event belongs to
+    # per-request latencies of loadgen.metrics (NaN where undefined), and the ITL samples with their request
+    ttft: np.ndarray
+    e2e: np.ndarray
+    tpot: np.ndarray
+    itl: np.ndarray
+    itl_req: np.ndarray
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -95,21 +102,29 @@ def _num(v: Any) -> float:
 
 
 def requests_from_records(records: list[dict[str, Any]]) -> Requests:
-    """Arrays of the non-warm-up records (warm-up requests are excluded from every chart, like metrics)."""
-    recs = [r for r in records if not r.get("warmup")]
+    """Arrays of the non-warm-up records (warm-up requests are excluded from every chart, like metrics);
+    every latency comes from :mod:`loadgen.metrics`, so the charts show the summary's definitions."""
+    recs = [_normal(r) for r in records if not r.get("warmup")]
     n = len(recs)
     ev_t: list[float] = []
-    ev_k: list[float] = []
+    ev_k: list[int] = []
     ev_i: list[int] = []
-    first = np.full(n, np.nan)
+    first, ttft, e2e, tpot = (np.full(n, np.nan) for _ in range(4))
+    itl: list[np.ndarray] = []
+    itl_req: list[np.ndarray] = []
     for i, r in enumerate(recs):
-        events = r.get("events") or []
-        for t, k in events:
-            ev_t.append(t)
-            ev_k.append(k if k is not None else np.nan)
+        for e in r["events"]:
+            ev_t.append(e[0])
+            ev_k.append(metrics.tokens_of(e))
             ev_i.append(i)
-        if events:
-            first[i] = events[0][0]
+        if r["events"]:
+            first[i] = r["events"][0][0]
+            ttft[i] = metrics.ttft(r)
+        e2e[i] = metrics.e2e(r)
+        tpot[i] = _nan(metrics.tpot(r))
+        samples = metrics.itl(r)
+        itl.append(samples)
+        itl_req.append(np.full(samples.size, i, dtype=np.int64))
     return Requests(
         ids=[str(r.get("id")) for r in recs],
         cls=np.array([r.get("cls") or "default" for r in recs], dtype=object),
@@ -124,7 +139,22 @@ def requests_from_records(records: list[dict[str, Any]]) -> Requests:
         event_t=np.array(ev_t, dtype=float),
         event_tokens=np.array(ev_k, dtype=float),
         event_req=np.array(ev_i, dtype=np.int64),
+        ttft=ttft,
+        e2e=e2e,
+        tpot=tpot,
+        itl=np.concatenate(itl) if itl else np.empty(0),
+        itl_req=np.concatenate(itl_req) if itl_req else np.empty(0, dtype=np.int64),
     )
+
+
+def _normal(r: dict[str, Any]) -> dict[str, Any]:
+    """A record with the fields the metric functions read (hand-written or older files may lack some)."""
+    return {**r, "events": r.get("events") or [], "sent": _num(r.get("sent")), "end": _num(r.get("end")),
+            "output_tokens": r.get("output_tokens")}  # fmt: skip
+
+
+def _nan(v: float | None) -> float:
+    return float("nan") if v is None else v
 
 
 def _point_dirs(root: Path) -> list[Path]:

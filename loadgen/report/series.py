@@ -60,39 +60,18 @@ def binned_mean(times: np.ndarray, values: np.ndarray, edges: np.ndarray) -> np.
         return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
 
 
-def event_tokens(req: Requests) -> np.ndarray:
-    """Token count of each event; events of unknown size count as one token (one event, one token)."""
-    return np.where(np.isfinite(req.event_tokens), req.event_tokens, 1.0)
-
-
 def latencies(req: Requests) -> dict[str, np.ndarray]:
-    """Per-request TTFT, E2E and TPOT of the successful requests, and token-weighted ITL samples.
-
-    Same definitions as docs/metrics.md: TPOT = (E2E - TTFT) / (out - 1); an event carrying k tokens
-    contributes k inter-token gaps of gap / k.
-    """
+    """Per-request TTFT, E2E and TPOT of the successful requests, and their token-weighted ITL samples:
+    the values :mod:`loadgen.metrics` computed when the records were read (one definition everywhere)."""
     ok = np.array([k is None for k in req.error], dtype=bool) & np.isfinite(req.first)
-    ttft = req.first - req.sent
-    e2e = req.end - req.sent
-    out = np.where(np.isfinite(req.output_tokens), req.output_tokens, np.nan)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        tpot = np.where(out > 1, (e2e - ttft) / (out - 1), np.nan)
-    # ITL: consecutive events of the same request
-    k = event_tokens(req)
-    same = req.event_req[1:] == req.event_req[:-1]
-    gaps = np.diff(req.event_t)[same]
-    kk = np.maximum(k[1:][same], 1.0)
-    ok_ev = ok[req.event_req[1:][same]] if len(req.event_req) else np.zeros(0, dtype=bool)
-    gaps, kk = gaps[ok_ev], kk[ok_ev]
-    itl = np.repeat(gaps / kk, kk.astype(np.int64))
-    itl_cls = np.repeat(req.cls[req.event_req[1:][same]][ok_ev], kk.astype(np.int64))
+    keep = ok[req.itl_req] if req.itl_req.size else np.zeros(0, dtype=bool)
     return {
         "ok": ok,
-        "ttft": ttft,
-        "e2e": e2e,
-        "tpot": tpot,
-        "itl": itl,
-        "itl_cls": itl_cls,
+        "ttft": req.ttft,
+        "e2e": req.e2e,
+        "tpot": req.tpot,
+        "itl": req.itl[keep],
+        "itl_cls": req.cls[req.itl_req[keep]],
     }
 
 
