@@ -247,6 +247,10 @@ class Sequential:
     def checks(self, samples: Samples) -> list[SloCheck]:
         return [check(samples, s, self.z) for s in self.slos]
 
+    def due(self, n: int) -> bool:
+        """Does a look fall at n samples?"""
+        return self.next_look < len(self.looks) and n >= self.looks[self.next_look]
+
     def decide(self, samples: Samples) -> Decision | None:
         """A decision at the next look that ``samples`` reached; None: more samples."""
         if self.next_look >= len(self.looks) or len(samples) < self.looks[self.next_look]:
@@ -387,15 +391,15 @@ class SimProber:
         arrivals = np.asarray([x.arrival - t0 for x in tl])
         ends = np.asarray([x.end - t0 for x in tl])
         backlog = Backlog(load) if mode == "rate" else None
-        samples, t, n_cohort = Samples(), 0.0, 0
+        samples, t = Samples(), 0.0
         decision: Decision | None = None
         while decision is None:
             t += self.tick
             pending = (ends > t) & (arrivals <= t)
             s_cut = float(arrivals[pending].min()) if pending.any() else t
             idx = np.nonzero(arrivals < s_cut if pending.any() else arrivals <= t)[0]
-            if idx.size > n_cohort:
-                n_cohort = int(idx.size)
+            last = t >= max_seconds or idx.size >= len(tl)
+            if idx.size > len(samples) and (last or idx.size >= cap or seq is not None and seq.due(int(idx.size))):
                 samples = Samples()
                 for x in (tl[k] for k in idx[np.argsort(arrivals[idx], kind="stable")]):
                     samples.add(x.ttft, x.tpot, x.e2e, False)
@@ -407,7 +411,7 @@ class SimProber:
                 decision = _pilot_decision(samples, self.slos)
             elif backlog is not None and (why := backlog.overloaded(t, int(pending.sum()))):
                 decision = Decision("fail", True, why)
-            elif t >= max_seconds or n_cohort >= len(tl):
+            elif last:
                 decision = seq.point(samples, "time cap") if seq is not None else _pilot_decision(samples, self.slos)
         done = ends <= t
         span = float(ends[done].max() - arrivals[done].min()) if done.sum() > 1 else None
@@ -456,7 +460,7 @@ class LiveProber:
         task = asyncio.ensure_future(run_point(self.backend, self.workload, spec, out, self.clock,
                                                self.sidecars(out) if self.sidecars else (), progress=progress,
                                                client_kind=self.client_kind))  # fmt: skip
-        samples, n_cohort = Samples(), 0
+        samples = Samples()
         backlog = Backlog(load) if spec.process != "closed" else None
         decision: Decision | None = None
         t0 = self.clock.now()
@@ -469,8 +473,8 @@ class LiveProber:
             recs = read_records(path) if path.exists() else []
             cohort = _cohort(recs, starts) if not done else sorted(recs, key=lambda r: r["sent"])
             measured = [r for r in cohort if not r["warmup"]]
-            if len(measured) > n_cohort:
-                n_cohort = len(measured)
+            ready = done or len(measured) >= cap or seq is not None and seq.due(len(measured))
+            if len(measured) > len(samples) and ready:
                 samples = Samples()
                 for r in measured:
                     samples.add_record(r)

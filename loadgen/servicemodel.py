@@ -189,30 +189,33 @@ def true_capacity(
 
 
 class _Slots:
-    """The model's slots and FIFO queue on the event loop."""
+    """The model's slots and FIFO queue on the event loop. A slot passes to the next in line at the model
+    time its holder was due to end, not when the late timer fired, so timer lateness does not accumulate
+    into the queue (the server stays on the model's time line)."""
 
     def __init__(self, n: int) -> None:
         self.n, self.busy = n, 0
-        self.waiting: deque[asyncio.Future[None]] = deque()
+        self.waiting: deque[asyncio.Future[float]] = deque()
 
-    async def acquire(self) -> None:
+    async def acquire(self, now: float) -> float:
+        """Wait for a slot; returns the model time the slot was free from."""
         if self.busy < self.n:
             self.busy += 1
-            return
+            return now
         fut = asyncio.get_running_loop().create_future()
         self.waiting.append(fut)
         try:
-            await fut
+            return await fut
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():  # the slot was handed over just now: pass it on
-                self.release()
+                self.release(fut.result())
             raise
 
-    def release(self) -> None:
+    def release(self, at: float) -> None:
         while self.waiting:
             fut = self.waiting.popleft()
             if not fut.done():
-                fut.set_result(None)  # the slot passes to the next in line; busy stays
+                fut.set_result(at)  # the slot passes to the next in line; busy stays
                 return
         self.busy -= 1
 
@@ -229,9 +232,9 @@ class _ModelConn(_Conn):
         assert t is not None
         loop = asyncio.get_running_loop()
         t.write(_SSE_HEAD)
-        await self.slots.acquire()
+        due = await self.slots.acquire(loop.time())
         try:
-            due = loop.time() + self.model.prefill(stream.prompt_tokens)
+            due += self.model.prefill(stream.prompt_tokens)
             for i in range(stream.n):
                 if i:
                     due += self.model.step(self.slots.busy)
@@ -241,7 +244,7 @@ class _ModelConn(_Conn):
                     return
                 t.write(_chunk(stream.event(i)))
         finally:
-            self.slots.release()
+            self.slots.release(min(due, loop.time()))
         t.write(_chunk(stream.tail()))
         t.write(b"0\r\n\r\n")
         self.busy = False
