@@ -100,10 +100,14 @@ def _probe_rows(entry: dict[str, Any]) -> str:
             if c["key"] == "error_rate":
                 cells.append(f"{c['misses']}/{c['n']}")
             else:
-                cells.append(" ".join(_ms(c[k]) for k in ("value", "value_lo", "value_hi")))
+                cells.append(f"{_ms(c['value'])} [{_ms(c['value_lo'])}, {_ms(c['value_hi'])}]")
         cells += [html.escape(f"{p['verdict']}{'' if p['confident'] else '?'} ({p['reason']})"), f"{p['seconds']:.1f}"]
         rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+
+
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3g}"
 
 
 def _ms(v: float | None) -> str:
@@ -123,10 +127,10 @@ def write_report(out: Path) -> Path:
         charts = "".join(f'<div class="chart" data-fig="{html.escape(k)}"></div>' for k in figs if k.startswith(f"c{i}-"))
         lo, hi = e["interval"]
         parts.append(
-            f"<h2>{html.escape(e['point_id'])} {html.escape(json.dumps(e.get('labels') or {}))}</h2>"
+            f"<h2>{html.escape(e['point_id'])} {html.escape(json.dumps(e['labels']) if e.get('labels') else '')}</h2>"
             f"<p><b>{html.escape(e['message'])}</b><br>interval [{lo}, {hi}] ({e['mode']}), SLOs "
             f"{html.escape(', '.join(e['slos']))}; each verdict at {e['confidence']:.0%} confidence (? = undecided at "
-            f"its cap, judged on the point estimate); goodput at capacity {e['goodput']} req/s; "
+            f"its cap, judged on the point estimate); goodput at capacity {_num(e['goodput'])} req/s; "
             f"{e['probe_seconds']:.0f} of {e['budget_s']:.0f} probe-seconds</p>{charts}{_probe_rows(e)}"
         )  # fmt: skip
     failed = [c for c in doc["configs"] if "failed" in c]
