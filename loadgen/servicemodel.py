@@ -269,8 +269,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8098)
     ap.add_argument("--model", default="{}", help="JSON object of ServiceModel fields")
+    ap.add_argument("--slots", type=int, default=None, help="slots (overrides --model; for --server/--grid np=...)")
     args = ap.parse_args(argv)
-    model = ServiceModel(**json.loads(args.model))
+    model = ServiceModel(**{**json.loads(args.model), **({"slots": args.slots} if args.slots else {})})
     slots = _Slots(model.slots)
 
     async def run() -> None:

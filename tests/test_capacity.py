@@ -157,3 +157,36 @@ def test_cli_exit_codes_and_capacity_json(tmp_path):
                       *common)  # fmt: skip
         assert easy.returncode == ExitCode.NOT_SATURATED, easy.stdout + easy.stderr
         assert "still hold" in easy.stdout
+
+
+def test_cli_capacity_per_server_configuration_and_gate(tmp_path):
+    """--server/--grid gives one capacity per slot count (known: the slots, as the queue breaks the TTFT SLO),
+    and bench gate on capacity passes a result against itself and fails a capacity drop."""
+    wl = tmp_path / "fixed.toml"
+    wl.write_text('description = "fixed"\n[[classes]]\nname = "fixed"\nprompt = 60\noutput = 8\n')
+    slo = "ttft_p90=15ms"
+    model = json.dumps({k: v for k, v in vars(LIVE).items() if k != "slots"}).replace("{", "{{").replace("}", "}}")
+    server = f"python -m loadgen.servicemodel --host 127.0.0.1 --port {{port}} --slots {{np}} --model '{model}'"
+    r = _bench("capacity", "--server", server, "--grid", "np=2,4", "--slo", slo, "--mode", "concurrency",
+               "--workload", str(wl), "--budget", "40", "--output-dir", str(tmp_path), "--run-id", "grid")  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads((tmp_path / "grid" / "capacity.json").read_text())
+    got = {e["labels"]["np"]: e for e in doc["configs"]}
+    for np_, e in got.items():
+        truth = true_capacity(ServiceModel(**{**vars(LIVE), "slots": int(np_)}), (60, 8), parse_slos(slo), "concurrency")
+        lo, hi = e["interval"]
+        assert e["status"] == "ok" and lo <= truth < hi, (np_, truth, e["interval"])
+        assert all(p["errors"] == 0 for p in e["probes"])
+    # the gate: the same result passes; a candidate whose capacity fell by half is a regression
+    same = _bench("gate", "--baseline", str(tmp_path / "grid"), "--candidate", str(tmp_path / "grid"),
+                  "--metric", "capacity:-10%")  # fmt: skip
+    assert same.returncode == 0, same.stdout + same.stderr
+    worse = tmp_path / "worse"
+    worse.mkdir()
+    for e in doc["configs"]:
+        e["interval"] = [x / 2 for x in e["interval"]]
+    (worse / "capacity.json").write_text(json.dumps(doc))
+    drop = _bench("gate", "--baseline", str(tmp_path / "grid"), "--candidate", str(worse), "--metric", "capacity:-10%")
+    assert drop.returncode == 1, drop.stdout + drop.stderr
+    other = _bench("gate", "--baseline", str(tmp_path / "grid"), "--candidate", str(worse), "--metric", "capacity:+10%")
+    assert other.returncode == 2 and "capacity:-X%" in other.stdout + other.stderr
