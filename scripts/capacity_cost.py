@@ -1,0 +1,81 @@
+"""Cost of `bench capacity`'s search against a linear sweep at the same resolution, on the known-answer
+service model: median probe-seconds over seeds, per SLO set and mode (virtual time), and optionally live
+against the service-model server (``--live``). Writes a JSON record.
+
+    python scripts/capacity_cost.py --seeds 10 --out results/capacity_cost.json [--live 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from tempfile import TemporaryDirectory
+
+from backends.openai import OpenAIBackend
+from loadgen.calibrate import FixedWorkload
+from loadgen.capacity import LiveProber, SearchConfig, SimProber, linear_sweep, parse_slos, search
+from loadgen.engine import run_async
+from loadgen.servicemodel import ServiceModel, ServiceModelProcess, true_capacity
+
+CASES = [("concurrency", "closed", "tpot_p90=9.5ms"), ("concurrency", "closed", "ttft_p99=40ms"),
+         ("concurrency", "closed", "e2e_p90=150ms,error_rate=1%"), ("rate", "constant", "tpot_p90=9.5ms"),
+         ("rate", "constant", "ttft_p99=40ms"), ("rate", "constant", "ttft_p90=25ms,tpot_p99=11ms")]  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seeds", type=int, default=10)
+    ap.add_argument("--live", type=int, default=0, help="also run this many seeds live (concurrency tpot_p90)")
+    ap.add_argument("--out", type=Path, default=Path("results/capacity_cost.json"))
+    args = ap.parse_args()
+    model, job = ServiceModel(), (60, 16)
+    rows = []
+    for mode, process, slo in CASES:
+        slos = parse_slos(slo)
+        truth = true_capacity(model, job, slos, mode, "constant" if mode == "rate" else "poisson", requests=3000)
+        step = max(1.0, round(0.1 * truth)) if mode == "concurrency" else 0.1 * truth
+        s_cost, l_cost, hits = [], [], 0
+        for seed in range(args.seeds):
+            cfg = SearchConfig(mode)
+            res = run_async(search(SimProber(model, job, slos, seed=seed, process=process), slos, cfg))
+            lo, hi = res.interval
+            hits += res.status == "ok" and lo <= truth and (truth < hi if mode == "concurrency" else truth <= hi)
+            s_cost.append(res.probe_seconds)
+            l_cost.append(run_async(linear_sweep(SimProber(model, job, slos, seed=seed, process=process), slos, cfg,
+                                                 step))[0])  # fmt: skip
+        row = {"mode": mode, "slo": slo, "truth": truth, "seeds": args.seeds, "interval_hits": hits,
+               "search_s_median": statistics.median(s_cost), "linear_s_median": statistics.median(l_cost),
+               "ratio": statistics.median(s_cost) / statistics.median(l_cost), "where": "virtual time"}  # fmt: skip
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    if args.live:
+        live = ServiceModel(slots=8, prefill_base=0.002, prefill_per_token=0.00005, decode_base=0.002,
+                            decode_per_seq=0.002)  # fmt: skip
+        slos = parse_slos("tpot_p90=11ms")
+        wl = FixedWorkload(max_tokens=8, prompt="w " * 60)
+        s_cost, l_cost = [], []
+        with ServiceModelProcess(live) as url, TemporaryDirectory() as tmp:
+            for seed in range(args.live):
+                cfg = SearchConfig("concurrency", budget_s=120, max_probe_s=20, max_samples=400)
+                for kind, costs in (("search", s_cost), ("linear", l_cost)):
+                    prober = LiveProber(OpenAIBackend(url, model="null"), wl, slos, Path(tmp) / f"{kind}{seed}",
+                                        seed=seed, timeout=30)  # fmt: skip
+                    t = time.monotonic()
+                    if kind == "search":
+                        costs.append(run_async(search(prober, slos, cfg)).probe_seconds)
+                    else:
+                        costs.append(run_async(linear_sweep(prober, slos, cfg, 1.0))[0])
+                    print(kind, seed, round(costs[-1], 1), "probe-s", round(time.monotonic() - t, 1), "wall-s", flush=True)
+        rows.append({"mode": "concurrency", "slo": "tpot_p90=11ms", "truth": 4, "seeds": args.live,
+                     "search_s_median": statistics.median(s_cost), "linear_s_median": statistics.median(l_cost),
+                     "ratio": statistics.median(s_cost) / statistics.median(l_cost), "where": "live"})  # fmt: skip
+        print(json.dumps(rows[-1]))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
