@@ -619,10 +619,15 @@ async def search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig) -> Capa
         if c >= cfg.max_concurrency:
             break
         c = min(cfg.max_concurrency, c * 2)
+    hi: float | None = None
+    if first_bad is not None and any(c.state == "violated" for c in first_bad.checks):
+        first_bad.confident = True  # clear enough already (Wilson at 97.5 %, one look)
     if cfg.mode == "concurrency":
         x = last_ok.load if last_ok else 1.0
         lo_bound, hi_bound = 1.0, float(cfg.max_concurrency)
         hint = first_bad.load if first_bad else None
+        if first_bad is not None and first_bad.confident:  # the same closed loop: the pilot's verdict stands
+            hi, hint = first_bad.load, None
     else:
         ref = last_ok or first_bad
         thr = (ref.throughput or (ref.load / ref.mean_e2e if ref and ref.mean_e2e else None)) if ref else None
@@ -638,9 +643,8 @@ async def search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig) -> Capa
     # 2. bracket, then bisect; only confident verdicts move the bracket, an undecided probe (the SLO
     # boundary is within its noise) is flanked by probes one resolution step either side
     lo: float | None = None
-    hi: float | None = None
-    status = "budget"
-    while spent < cfg.budget_s:
+    status = "unreachable" if hi is not None and hi <= lo_bound else "budget"
+    while spent < cfg.budget_s and status == "budget":
         p = await run(cfg.mode, x, "search")
         if p.confident and p.verdict == "pass":
             lo = x if lo is None else max(lo, x)

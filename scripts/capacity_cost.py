@@ -27,13 +27,13 @@ CASES = [("concurrency", "closed", "tpot_p90=9.5ms"), ("concurrency", "closed", 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seeds", type=int, default=10)
-    ap.add_argument("--live", type=int, default=0, help="also run this many seeds live (concurrency tpot_p90)")
+    ap.add_argument("--seeds", type=int, default=10, help="virtual-time seeds per case (0: none)")
+    ap.add_argument("--live", type=int, default=0, help="also run this many seeds live against the server")
     ap.add_argument("--out", type=Path, default=Path("results/capacity_cost.json"))
     args = ap.parse_args()
     model, job = ServiceModel(), (60, 16)
     rows = []
-    for mode, process, slo in CASES:
+    for mode, process, slo in CASES if args.seeds else []:
         slos = parse_slos(slo)
         truth = true_capacity(model, job, slos, mode, "constant" if mode == "rate" else "poisson", requests=3000)
         step = max(1.0, round(0.1 * truth)) if mode == "concurrency" else 0.1 * truth
@@ -54,25 +54,32 @@ def main() -> None:
     if args.live:
         live = ServiceModel(slots=8, prefill_base=0.002, prefill_per_token=0.00005, decode_base=0.002,
                             decode_per_seq=0.002)  # fmt: skip
-        slos = parse_slos("tpot_p90=11ms")
         wl = FixedWorkload(max_tokens=8, prompt="w " * 60)
-        s_cost, l_cost = [], []
-        with ServiceModelProcess(live) as url, TemporaryDirectory() as tmp:
-            for seed in range(args.live):
-                cfg = SearchConfig("concurrency", budget_s=120, max_probe_s=20, max_samples=400)
-                for kind, costs in (("search", s_cost), ("linear", l_cost)):
-                    prober = LiveProber(OpenAIBackend(url, model="null"), wl, slos, Path(tmp) / f"{kind}{seed}",
-                                        seed=seed, timeout=30)  # fmt: skip
-                    t = time.monotonic()
-                    if kind == "search":
-                        costs.append(run_async(search(prober, slos, cfg)).probe_seconds)
-                    else:
-                        costs.append(run_async(linear_sweep(prober, slos, cfg, 1.0))[0])
-                    print(kind, seed, round(costs[-1], 1), "probe-s", round(time.monotonic() - t, 1), "wall-s", flush=True)
-        rows.append({"mode": "concurrency", "slo": "tpot_p90=11ms", "truth": 4, "seeds": args.live,
-                     "search_s_median": statistics.median(s_cost), "linear_s_median": statistics.median(l_cost),
-                     "ratio": statistics.median(s_cost) / statistics.median(l_cost), "where": "live"})  # fmt: skip
-        print(json.dumps(rows[-1]))
+        for mode, process, slo in (("concurrency", "closed", "tpot_p90=11ms"), ("rate", "constant", "ttft_p99=20ms")):
+            slos = parse_slos(slo)
+            truth = true_capacity(live, (60, 8), slos, mode, "constant", requests=3000)
+            step = 1.0 if mode == "concurrency" else 0.1 * truth
+            s_cost, l_cost, hits = [], [], 0
+            with ServiceModelProcess(live) as url, TemporaryDirectory() as tmp:
+                for seed in range(args.live):
+                    cfg = SearchConfig(mode, budget_s=300, max_probe_s=30, max_samples=1000)
+                    for kind in ("search", "linear"):
+                        prober = LiveProber(OpenAIBackend(url, model="null"), wl, slos, Path(tmp) / f"{kind}{seed}",
+                                            process=process, seed=seed, timeout=30)  # fmt: skip
+                        t = time.monotonic()
+                        if kind == "search":
+                            res = run_async(search(prober, slos, cfg))
+                            lo, hi = res.interval
+                            hits += res.status == "ok" and lo <= truth and (truth < hi if mode == "concurrency" else truth <= hi)
+                            s_cost.append(res.probe_seconds)
+                        else:
+                            l_cost.append(run_async(linear_sweep(prober, slos, cfg, step))[0])
+                        cost = (s_cost if kind == "search" else l_cost)[-1]
+                        print(mode, kind, seed, round(cost, 1), "probe-s", round(time.monotonic() - t, 1), "wall-s", flush=True)
+            rows.append({"mode": mode, "slo": slo, "truth": truth, "seeds": args.live, "interval_hits": hits,
+                         "search_s_median": statistics.median(s_cost), "linear_s_median": statistics.median(l_cost),
+                         "ratio": statistics.median(s_cost) / statistics.median(l_cost), "where": "live"})  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=1))
 
