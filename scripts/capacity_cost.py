@@ -53,9 +53,9 @@ def main() -> None:
         rows.append(row)
     if args.live:
         live = ServiceModel(slots=8, prefill_base=0.002, prefill_per_token=0.00005, decode_base=0.002,
-                            decode_per_seq=0.002)  # fmt: skip
+                            decode_per_seq=0.004)  # fmt: skip
         wl = FixedWorkload(max_tokens=8, prompt="w " * 60)
-        for mode, process, slo in (("concurrency", "closed", "tpot_p90=11ms"), ("rate", "constant", "ttft_p99=20ms")):
+        for mode, process, slo in (("concurrency", "closed", "tpot_p90=20ms"), ("rate", "constant", "ttft_p99=20ms")):
             slos = parse_slos(slo)
             truth = true_capacity(live, (60, 8), slos, mode, "constant", requests=3000)
             step = 1.0 if mode == "concurrency" else 0.1 * truth

@@ -102,11 +102,11 @@ def test_search_interval_contains_the_true_capacity_in_virtual_time(mode, proces
     assert float(np.median(cost)) <= 0.5 * lin[0], (cost, lin[0])
 
 
-# The live known-answer server: 8 slots, prefill 2 ms + 0.05 ms/token, decode step 2 ms + 2 ms per occupied slot.
-LIVE = ServiceModel(slots=8, prefill_base=0.002, prefill_per_token=0.00005, decode_base=0.002, decode_per_seq=0.002)
+# The live known-answer server: 8 slots, prefill 2 ms + 0.05 ms/token, decode step 2 ms + 4 ms per occupied slot.
+LIVE = ServiceModel(slots=8, prefill_base=0.002, prefill_per_token=0.00005, decode_base=0.002, decode_per_seq=0.004)
 LIVE_WL = FixedWorkload(max_tokens=8, prompt="w " * 60)
 LIVE_CASES = [
-    ("concurrency", "constant", "tpot_p90=11ms"),  # TPOT = 2 + 2c ms: capacity 4
+    ("concurrency", "constant", "tpot_p90=20ms"),  # TPOT = 2 + 4c ms: capacity 4
     ("rate", "constant", "ttft_p90=20ms"),  # the slots saturate: the queue grows without bound
 ]
 
