@@ -437,12 +437,11 @@ class LiveProber:
     def __init__(
         self, backend: Any, workload: Any, slos: Sequence[SLO], out_dir: Path, clock: RunClock | None = None,
         process: str = "poisson", seed: int = 0, tick: float = 0.25, timeout: float = 600.0,
-        client_kind: str = "aiohttp", sidecars: Any = None,
+        client_kind: str = "aiohttp",
     ) -> None:  # fmt: skip
         self.backend, self.workload, self.slos, self.out_dir = backend, workload, list(slos), out_dir
         self.clock = clock or RunClock()
         self.process, self.seed, self.tick, self.timeout, self.client_kind = process, seed, tick, timeout, client_kind
-        self.sidecars = sidecars
 
     async def probe(self, mode: str, load: float, seq: Sequential | None, max_seconds: float, index: int,
                     phase: str) -> Probe:  # fmt: skip
@@ -458,8 +457,7 @@ class LiveProber:
         out = self.out_dir / "probes" / f"{index:02d}-{phase}-{_load_label(mode if phase != 'pilot' else 'concurrency', load)}"
         progress = Progress()
         task = asyncio.ensure_future(run_point(self.backend, self.workload, spec, out, self.clock,
-                                               self.sidecars(out) if self.sidecars else (), progress=progress,
-                                               client_kind=self.client_kind))  # fmt: skip
+                                               progress=progress, client_kind=self.client_kind))  # fmt: skip
         samples = Samples()
         backlog = Backlog(load) if spec.process != "closed" else None
         decision: Decision | None = None
@@ -471,7 +469,7 @@ class LiveProber:
             now = self.clock.now()
             starts.append((now, progress.started))
             recs = read_records(path) if path.exists() else []
-            cohort = _cohort(recs, starts) if not done else sorted(recs, key=lambda r: r["sent"])
+            cohort = _cohort(recs, None if done else starts)
             measured = [r for r in cohort if not r["warmup"]]
             ready = done or len(measured) >= cap or seq is not None and seq.due(len(measured))
             if len(measured) > len(samples) and ready:
@@ -501,11 +499,15 @@ class LiveProber:
         return p
 
 
-def _cohort(records: list[dict[str, Any]], starts: list[tuple[float, int]]) -> list[dict[str, Any]]:
+def _cohort(records: list[dict[str, Any]], starts: list[tuple[float, int]] | None) -> list[dict[str, Any]]:
     """The records of every request sent up to the latest moment by which all requests sent had ended
     (sorted by send time): judging only finished requests of a still-running probe would favour the fast
-    ones. ``starts``: (time, requests started by then) samples of the engine's progress counter."""
-    by_sent = sorted(records, key=lambda r: r["sent"])
+    ones. ``starts``: (time, requests started by then) samples of the engine's progress counter; None when
+    the probe is over. Requests the probe itself cancelled at its end count as unfinished."""
+    cut = min((r["sent"] for r in records if (r["error"] or {}).get("kind") == "cancelled"), default=math.inf)
+    by_sent = sorted((r for r in records if r["sent"] < cut), key=lambda r: r["sent"])
+    if starts is None:
+        return by_sent
     sent = np.asarray([r["sent"] for r in by_sent])
     for t, started in reversed(starts):
         k = int(np.searchsorted(sent, t, side="right"))
@@ -697,6 +699,11 @@ def _result(
         "not_saturated": f"the SLOs still hold at the highest load searched ({_fmt_load(lo)} {unit}); raise "
                          f"--max-{'concurrency' if cfg.mode == 'concurrency' else 'rate'}",
     }  # fmt: skip
+    failing = [p for p in probes if p.verdict == "fail" and p.errors]
+    if status == "unreachable" and failing:
+        p = failing[-1]
+        where = f" (records: {p.dir})" if p.dir else ""
+        messages[status] += f"; {p.errors} of {p.requests} requests failed at load {_fmt_load(p.load)}{where}"
     return CapacityResult(
         status, cfg.mode, [s.describe() for s in slos], lo, (lo, hi), res_met, goodput, knee(probes, cfg.mode),
         estimate, spent, cfg.budget_s, cfg.confidence, messages[status], probes,

@@ -157,7 +157,7 @@ def test_cli_capacity_per_server_configuration_and_gate(tmp_path):
     and bench gate on capacity passes a result against itself and fails a capacity drop."""
     wl = tmp_path / "fixed.toml"
     wl.write_text('description = "fixed"\n[[classes]]\nname = "fixed"\nprompt = 60\noutput = 8\n')
-    slo = "ttft_p90=15ms"
+    slo = "ttft_p90=25ms"
     model = json.dumps({k: v for k, v in vars(LIVE).items() if k != "slots"}).replace("{", "{{").replace("}", "}}")
     server = f"python -m loadgen.servicemodel --host 127.0.0.1 --port {{port}} --slots {{np}} --model '{model}'"
     r = _bench("capacity", "--server", server, "--grid", "np=2,4", "--slo", slo, "--mode", "concurrency",
