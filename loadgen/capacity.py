@@ -324,6 +324,14 @@ class Probe:
     dir: str | None = None
 
 
+class SearchStopped(Exception):
+    """A probe ended the search: ``status`` ``interrupted`` (SIGINT/SIGTERM) or ``server_gone``."""
+
+    def __init__(self, status: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class Prober(Protocol):
     async def probe(self, mode: str, load: float, seq: Sequential | None, max_seconds: float, index: int,
                     phase: str) -> Probe: ...  # fmt: skip
@@ -492,7 +500,12 @@ class LiveProber:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         elif task.exception() is None:
-            warnings = list(task.result()["client"]["warnings"])
+            summary = task.result()
+            warnings = list(summary["client"]["warnings"])
+            if "interrupted" in summary:
+                raise SearchStopped("interrupted", f"interrupted by {summary['interrupted']['signal']}")
+            if "aborted" in summary:
+                raise SearchStopped("server_gone", summary["aborted"]["reason"])
         span = _span(read_records(path) if path.exists() else [])
         p = _finish(index, phase, mode, load, samples, seq, self.slos, decision, seconds, span)
         p.warnings, p.dir = warnings, str(out)
@@ -553,7 +566,7 @@ class SearchConfig:
 
 @dataclass
 class CapacityResult:
-    status: str  # "ok" | "budget" | "unresolved" | "unreachable" | "not_saturated"
+    status: str  # "ok" | "budget" | "unresolved" | "unreachable" | "not_saturated" | "interrupted" | "server_gone"
     mode: str
     slos: list[str]
     capacity: float | None  # the highest load that passed
@@ -600,6 +613,16 @@ def _next_inside(cfg: SearchConfig, probes: Sequence[Probe], lo: float, hi: floa
 async def search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig) -> CapacityResult:
     """Pilot, bracket, bisect; see the module docstring."""
     probes: list[Probe] = []
+
+    try:
+        return await _search(prober, slos, cfg, probes)
+    except SearchStopped as stop:
+        res = _result("budget", cfg, slos, None, None, 0.0, sum(p.seconds for p in probes), probes)
+        res.status, res.message = stop.status, f"{stop}; {len(probes)} probe(s) finished before (capacity.json)"
+        return res
+
+
+async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes: list[Probe]) -> CapacityResult:
     spent = 0.0
 
     async def run(mode: str, load: float, phase: str) -> Probe:

@@ -31,6 +31,7 @@ from loadgen.cli import (
     OutputDir,
     RunId,
     Seed,
+    ServerGone,
     Timeout,
     Url,
     UsageError,
@@ -46,7 +47,7 @@ from loadgen.engine import run_async
 from loadgen.exitcodes import ExitCode
 from loadgen.results import new_run_id
 
-EXIT = {"unreachable": ExitCode.SLO_UNREACHABLE, "not_saturated": ExitCode.NOT_SATURATED}
+EXIT = {"unreachable": ExitCode.SLO_UNREACHABLE, "not_saturated": ExitCode.NOT_SATURATED, "server_gone": ExitCode.SERVER_GONE}
 
 
 def probe_table(res: CapacityResult, title: str) -> Table:
@@ -85,7 +86,7 @@ def capacity_command(
     slo: Annotated[str, typer.Option(help="SLOs, e.g. ttft_p99=1s,tpot_p99=60ms,e2e_p90=10s,error_rate=1% "
                                      "(bare numbers are ms).")],  # fmt: skip
     mode: Annotated[str, typer.Option(help="rate: open-loop req/s; concurrency: closed-loop sessions.")] = "rate",
-    url: Url = None, backend: BackendOpt = "openai", api: ApiOpt = None, model: Model = None,
+    url: Url = None, backend: BackendOpt = "auto", api: ApiOpt = None, model: Model = None,
     workload: WorkloadOpt = "chat-short",
     arrival: Annotated[str, typer.Option(help="Rate mode arrivals: poisson or constant.")] = "poisson",
     resolution: Annotated[float, typer.Option(help="Target half-width of the interval, share of the capacity.")] = 0.05,
@@ -156,6 +157,8 @@ def capacity_command(
         entry = {"point_id": label, "labels": dict(gp.params) if gp else {}, **res.to_json()}
         entries.append(entry)
         _write(out, config, entries)
+        if res.status == "interrupted":  # the finished probes are in capacity.json; no further configuration
+            raise typer.Exit(ExitCode.TERMINATED if "SIGTERM" in res.message else ExitCode.INTERRUPTED)
         return [entry]
 
     try:
@@ -174,6 +177,9 @@ def capacity_command(
     except UsageError as exc:
         console.print(f"[red]error[/]: {exc}")
         raise typer.Exit(ExitCode.USAGE) from None
+    except ServerGone as exc:
+        console.print(f"[red]error[/]: {exc}")
+        raise typer.Exit(ExitCode.SERVER_GONE) from None
     except KeyboardInterrupt:
         console.print(f"[yellow]interrupted[/]: probes so far are in {out}")
         raise typer.Exit(ExitCode.INTERRUPTED) from None

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from loadgen.nullserver import _SSE_HEAD, Behaviour, NullServerProcess, _chunk, _Conn, _Stream, serve
+from loadgen.nullserver import Behaviour, NullServerProcess, _chunk, _Conn, _Stream, serve
 
 
 @dataclass(frozen=True)
@@ -231,7 +231,7 @@ class _ModelConn(_Conn):
         t = self.transport
         assert t is not None
         loop = asyncio.get_running_loop()
-        t.write(_SSE_HEAD)
+        t.write(self._head())
         due = await self.slots.acquire(loop.time())
         try:
             due += self.model.prefill(stream.prompt_tokens)
@@ -248,6 +248,7 @@ class _ModelConn(_Conn):
         t.write(_chunk(stream.tail()))
         t.write(b"0\r\n\r\n")
         self.busy = False
+        self._done()
         self._next()
 
 

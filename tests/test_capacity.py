@@ -4,8 +4,11 @@ SLO set) and the live service-model server on loopback, plus SLO parsing and the
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -186,3 +189,25 @@ def test_cli_capacity_per_server_configuration_and_gate(tmp_path):
     assert drop.returncode == 1, drop.stdout + drop.stderr
     other = _bench("gate", "--baseline", str(tmp_path / "grid"), "--candidate", str(worse), "--metric", "capacity:+10%")
     assert other.returncode == 2 and "capacity:-X%" in other.stdout + other.stderr
+
+
+def test_cli_sigint_stops_the_search_and_keeps_the_probes(tmp_path):
+    """Ctrl-C mid-search: exit 130, capacity.json says interrupted and keeps the probes that finished."""
+    wl = tmp_path / "fixed.toml"
+    wl.write_text('description = "fixed"\n[[classes]]\nname = "fixed"\nprompt = 60\noutput = 8\n')
+    with ServiceModelProcess(LIVE) as url:
+        cmd = [sys.executable, "-c", "from loadgen.cli import main; main()", "capacity", "--url", url, "--slo",
+               "tpot_p90=20ms", "--mode", "concurrency", "--workload", str(wl), "--output-dir", str(tmp_path),
+               "--run-id", "int"]  # fmt: skip
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+        path = tmp_path / "int" / "probes"
+        deadline = time.monotonic() + 60
+        while not (path.exists() and len(list(path.iterdir())) >= 2) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == ExitCode.INTERRUPTED, out + err
+    doc = json.loads((tmp_path / "int" / "capacity.json").read_text())["result"]
+    assert doc["status"] == "interrupted" and "SIGINT" in doc["message"] and len(doc["probes"]) >= 1
+    assert all(p["errors"] == 0 for p in doc["probes"])
