@@ -508,6 +508,9 @@ class LiveProber:
                 raise SearchStopped("server_gone", summary["aborted"]["reason"])
         span = _span(read_records(path) if path.exists() else [])
         p = _finish(index, phase, mode, load, samples, seq, self.slos, decision, seconds, span)
+        lag = [r["sent"] - r["intended"] for r in measured]
+        if not warnings and lag and spec.process != "closed" and (p99 := float(np.percentile(lag, 99))) > metrics.LAG_WARN_S:
+            warnings.append(f"client schedule lag p99 {p99 * 1e3:.1f} ms: the client, not the server, may limit this probe")
         p.warnings, p.dir = warnings, str(out)
         return p
 

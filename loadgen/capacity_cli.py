@@ -150,6 +150,9 @@ def capacity_command(
         console.print(f"[dim]{label}: searching the {mode} capacity under {', '.join(s.describe() for s in slos)}[/]")
         res = run_async(search(prober, slos, cfg))
         stdout.print(probe_table(res, f"probes: {label}"))
+        for p in res.probes:
+            for w in p.warnings:
+                stdout.print(f"[yellow]warning[/] probe {p.index}: {w}")
         colour = "green" if res.status == "ok" else "yellow" if res.status in ("budget", "unresolved") else "red"
         stdout.print(f"[{colour}]{label}[/]: {res.message}")
         if res.goodput is not None:
