@@ -274,6 +274,7 @@ class Sequential:
 
 
 def _over(c: SloCheck, s: SLO) -> bool:
+    """Over the SLO on the point estimate (no sample at all counts as over)."""
     return c.n == 0 or c.misses / c.n > s.allowed
 
 
@@ -682,14 +683,22 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
             lo, hi = None, None
         if hi is None and (p.verdict == "pass" or lo is not None):
             if x >= hi_bound:
-                status = "not_saturated" if p.verdict == "pass" else "budget"
-                break
+                if p.confident and p.verdict == "pass":
+                    status = "not_saturated"
+                    break
+                if p.requests == 0:
+                    break
+                continue  # undecided at the highest load: probe it again while the budget lasts
             nxt = hint if hint is not None and hint > x else x * (cfg.growth if p.confident else 1 + cfg.resolution)
             x = min(hi_bound, nxt)
         elif lo is None:
             if x <= lo_bound:
-                status = "unreachable" if p.verdict == "fail" else "budget"
-                break
+                if p.confident:
+                    status = "unreachable"
+                    break
+                if p.requests == 0:  # nothing finished in time: no verdict at all, and no lower load to try
+                    break
+                continue  # undecided at the lowest load: probe it again while the budget lasts
             x = max(lo_bound, x / (cfg.growth if p.confident else 1 + cfg.resolution))
         elif _converged(cfg.mode, lo, hi, cfg.resolution):
             status = "ok"
@@ -725,6 +734,9 @@ def _result(
         "not_saturated": f"the SLOs still hold at the highest load searched ({_fmt_load(lo)} {unit}); raise "
                          f"--max-{'concurrency' if cfg.mode == 'concurrency' else 'rate'}",
     }  # fmt: skip
+    if status == "budget" and probes and probes[-1].requests == 0:
+        messages[status] += (f"; the last probe finished no request in {probes[-1].seconds:.0f} s: raise --max-probe-s "
+                             "(and --budget) for a server this slow")  # fmt: skip
     failing = [p for p in probes if p.verdict == "fail" and p.errors]
     if status == "unreachable" and failing:
         p = failing[-1]

@@ -211,3 +211,12 @@ def test_cli_sigint_stops_the_search_and_keeps_the_probes(tmp_path):
     doc = json.loads((tmp_path / "int" / "capacity.json").read_text())["result"]
     assert doc["status"] == "interrupted" and "SIGINT" in doc["message"] and len(doc["probes"]) >= 1
     assert all(p["errors"] == 0 for p in doc["probes"])
+
+
+def test_no_finished_request_is_no_verdict():
+    """A server too slow for the probe time is not 'unreachable': the search says the budget ran out."""
+    slow = ServiceModel(prefill_base=100.0)
+    slos = parse_slos("ttft_p90=1s")
+    for mode in ("concurrency", "rate"):
+        res = run_async(search(SimProber(slow, SIM_JOB, slos), slos, SearchConfig(mode, budget_s=6, max_probe_s=2)))
+        assert res.status == "budget" and "raise --max-probe-s" in res.message, res.message
