@@ -609,6 +609,9 @@ app.command("report")(report_command)
 from loadgen.trace import trace_command  # noqa: E402, I001
 
 app.command("trace")(trace_command)
+from loadgen.capacity_cli import capacity_command  # noqa: E402, I001
+
+app.command("capacity")(capacity_command)
 
 
 @app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})

@@ -56,6 +56,8 @@ def metric_path(name: str) -> tuple[str, ...]:
         return ("errors", "rate")
     if name == "goodput":
         return ("goodput", "req_per_s")
+    if name == "capacity":  # a `bench capacity` result: loadgen.capacity.gate_capacity compares it
+        return ("capacity",)
     for lat in _LATENCIES:
         for st in _STATS:
             if name == f"{lat}_{st}":

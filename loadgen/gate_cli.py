@@ -84,7 +84,12 @@ def gate(
             console.print(f"[yellow]note[/]: {side} has no summary.json (the run ended before writing it): "
                           "recomputing it from requests.jsonl")  # fmt: skip
     try:
-        rep = compare(load(baseline), load(candidate), rules, confidence, min_trials, point or None)
+        if any(r.metric == "capacity" for r in rules):
+            from loadgen.capacity import gate_capacity
+
+            rep = gate_capacity(baseline, candidate, rules)
+        else:
+            rep = compare(load(baseline), load(candidate), rules, confidence, min_trials, point or None)
     except GateError as exc:
         rep = GateReport(
             "invalid", errors=[str(exc)], baseline=baseline, candidate=candidate, confidence=confidence

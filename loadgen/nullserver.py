@@ -41,6 +41,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -140,6 +141,10 @@ class _Stream:
 
 
 class _Conn(asyncio.Protocol):
+    """One connection. A sibling server (loadgen.servicemodel) overrides ``_paced`` and clears ``fast``."""
+
+    fast = True
+
     def __init__(self, default: Behaviour) -> None:
         self.default = default
         self.buf = b""
@@ -215,7 +220,7 @@ class _Conn(asyncio.Protocol):
             body_html = b"<html><body>not an event stream</body></html>"
             t.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/html\r\ncontent-length: %d\r\n\r\n%s"
                     % (len(body_html), body_html))  # fmt: skip
-        elif b.fault is None and b.ttft == 0 and b.itl == 0:  # fast path: the whole stream in one write
+        elif b.fault is None and b.ttft == 0 and b.itl == 0 and self.fast:  # the whole stream in one write
             t.write(self._head() + _chunk(b"".join(map(stream.event, range(stream.n))) + stream.tail()) + b"0\r\n\r\n")
             self._done()
         else:
@@ -293,9 +298,13 @@ class _Conn(asyncio.Protocol):
         self.transport = None
 
 
-async def serve(host: str, port: int, default: Behaviour, ready: asyncio.Event | None = None) -> None:
+async def serve(
+    host: str, port: int, default: Behaviour, ready: asyncio.Event | None = None,
+    protocol: Callable[[], asyncio.Protocol] | None = None,
+) -> None:  # fmt: skip
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: _Conn(default), host, port, backlog=4096, reuse_address=True)
+    factory = protocol or (lambda: _Conn(default))
+    server = await loop.create_server(factory, host, port, backlog=4096, reuse_address=True)
     if ready is not None:
         ready.set()
     async with server:
@@ -309,25 +318,31 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class NullServerProcess:
-    """The null server in a child process; ``with NullServerProcess(itl=0.001) as url: ...``."""
+    """The null server in a child process; ``with NullServerProcess(itl=0.001) as url: ...``.
+
+    A sibling server subclasses it with its own ``module`` and ``options()`` (its command-line flags)."""
+
+    module = "loadgen.nullserver"
 
     def __init__(self, host: str = "127.0.0.1", **behaviour: Any) -> None:
         self.host, self.port = host, free_port(host)
         self.behaviour = Behaviour().update(behaviour)
         self.proc: subprocess.Popen[bytes] | None = None
 
+    def options(self) -> list[str]:
+        return ["--behaviour", json.dumps(asdict(self.behaviour))]
+
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     def start(self, timeout: float = 20.0) -> str:
-        args = [sys.executable, "-m", "loadgen.nullserver", "--host", self.host, "--port", str(self.port),
-                "--behaviour", json.dumps(asdict(self.behaviour))]  # fmt: skip
+        args = [sys.executable, "-m", self.module, "--host", self.host, "--port", str(self.port), *self.options()]
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"null server exited with status {self.proc.returncode}")
+                raise RuntimeError(f"{self.module} server exited with status {self.proc.returncode}")
             try:
                 socket.create_connection((self.host, self.port), timeout=0.2).close()
                 return self.url

@@ -1,0 +1,840 @@
+"""SLO capacity search: the highest load (open-loop rate or closed-loop concurrency) at which every SLO holds.
+
+The search (:func:`search`) runs in two phases, all probes through one :class:`Prober`:
+
+1. **Pilot** (cheap first estimate): closed-loop probes at concurrency 1, 2, 4, ... of a couple of waves
+   each, judged on point estimates, until one misses an SLO. Concurrency mode starts from the last one
+   that met them; rate mode from its throughput (Little's law: rate = concurrency / latency).
+2. **Bracket, then bisect**, with statistical probes: each probe runs until a sequential test decides
+   (:class:`Sequential`): for every SLO ``metric_pQ <= limit`` the share of requests above the limit (a
+   failed request counts as above) has a Wilson interval; the SLO holds when the interval lies below
+   ``1 - Q``, is violated when it lies above (equivalently: an order-statistic interval of the quantile
+   lies below / above the limit). The test looks at geometrically spaced sample counts with a Bonferroni
+   correction, so each verdict has the stated confidence. An open-loop probe whose backlog (requests sent
+   but not answered) keeps growing is overloaded and fails at once; a probe still undecided at its
+   sample/time cap is judged on its point estimate and marked not confident.
+
+The answer: ``[lo, hi]`` = the highest load that passed and the lowest that failed; the search stops when
+the interval is within ``±resolution`` (or for concurrency adjacent integers), when the time budget runs
+out (it says so and reports the bracket it holds), when the SLOs fail at the lowest load (unreachable)
+or hold at the highest (not saturated).
+
+Probers: :class:`LiveProber` runs :func:`loadgen.engine.run_point` against a server;
+:class:`SimProber` runs the service model of :mod:`loadgen.servicemodel` in virtual time (tests and the
+cost comparison with a linear sweep, :func:`linear_sweep`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from statistics import NormalDist
+from typing import Any, Protocol
+
+import numpy as np
+
+from loadgen import metrics
+from loadgen.clock import RunClock
+from loadgen.engine import LoadSpec, Progress, run_point
+from loadgen.records import read_records
+
+MODES = ("rate", "concurrency")
+SLO_METRICS = ("ttft", "tpot", "e2e")
+_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+class SloError(ValueError):
+    """A malformed ``--slo``; the message names the bad key."""
+
+
+@dataclass(frozen=True)
+class SLO:
+    """``metric_pQ <= limit`` (seconds) or, with metric ``error_rate``, the share of failed requests <= limit."""
+
+    metric: str
+    quantile: float  # 0.99 for p99; for error_rate the allowed share
+    limit: float
+
+    @property
+    def key(self) -> str:
+        return "error_rate" if self.metric == "error_rate" else f"{self.metric}_p{_pct(self.quantile)}"
+
+    @property
+    def allowed(self) -> float:
+        """The largest share of requests that may miss it."""
+        return self.limit if self.metric == "error_rate" else 1.0 - self.quantile
+
+    def describe(self) -> str:
+        if self.metric == "error_rate":
+            return f"error_rate <= {self.limit:.2%}"
+        return f"{self.key} <= {_fmt_s(self.limit)}"
+
+
+def _pct(q: float) -> str:
+    return f"{q * 100:g}"
+
+
+def _fmt_s(v: float) -> str:
+    return f"{v * 1e3:g} ms" if v < 1 else f"{v:g} s"
+
+
+def parse_slos(text: str) -> list[SLO]:
+    """``ttft_p99=1s,tpot_p99=60ms,e2e_p90=5s,error_rate=1%`` (a bare number is milliseconds, a bare
+    error rate a fraction)."""
+    slos: list[SLO] = []
+    if not text or not text.strip():
+        raise SloError("--slo is empty; give e.g. ttft_p99=1s,tpot_p99=60ms")
+    for part in text.split(","):
+        key, eq, value = (s.strip() for s in part.partition("="))
+        if not eq or not value:
+            raise SloError(f"--slo: {key or part!r} has no value (write {key or 'ttft_p99'}=1s)")
+        if key.lower() == "error_rate":
+            m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*(%?)", value)
+            if not m:
+                raise SloError(f"--slo: error_rate={value!r} is not a share (write error_rate=1% or 0.01)")
+            share = float(m.group(1)) / (100 if m.group(2) else 1)
+            if not 0 <= share < 1:
+                raise SloError(f"--slo: error_rate={value} must be below 100 %")
+            slos.append(SLO("error_rate", share, share))
+            continue
+        m = re.fullmatch(r"([a-z][a-z0-9]*)_p([0-9]+(?:\.[0-9]+)?)", key.lower())
+        if not m or m.group(1) not in SLO_METRICS:
+            raise SloError(f"--slo: unknown key {key!r}; keys are {'|'.join(SLO_METRICS)}_pNN (e.g. ttft_p99) "
+                           "and error_rate")  # fmt: skip
+        q = float(m.group(2)) / 100
+        if not 0 < q < 1:
+            raise SloError(f"--slo: {key}: the percentile must be between 0 and 100")
+        v = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*(us|ms|s)?", value)
+        if not v or float(v.group(1)) <= 0:
+            raise SloError(f"--slo: {key}={value!r} is not a positive duration (write e.g. {key}=500ms)")
+        slos.append(SLO(m.group(1), q, float(v.group(1)) * _UNITS[v.group(2) or "ms"]))
+    keys = [s.key for s in slos]
+    if len(set(keys)) != len(keys):
+        raise SloError(f"--slo: a key appears twice in {keys}")
+    return slos
+
+
+# --- the statistical decision --------------------------------------------------------------------------
+
+
+def wilson_eff(k: int, n: int, z: float, tau: float) -> tuple[float, float]:
+    """Wilson interval with ``n / tau`` effective samples (``tau``: integrated correlation time in requests)."""
+    if n == 0:
+        return (0.0, 1.0)
+    n_eff = max(1.0, n / tau)
+    p = k / n
+    d = 1 + z * z / n_eff
+    c = (p + z * z / (2 * n_eff)) / d
+    h = z * math.sqrt(p * (1 - p) / n_eff + z * z / (4 * n_eff * n_eff)) / d
+    return (max(0.0, c - h), min(1.0, c + h))
+
+
+def correlation_time(series: np.ndarray) -> float:
+    """Integrated autocorrelation time (in requests) of a series in completion order, by batch means over
+    ``sqrt(n)`` batches: requests that overlap share the server's state (queue, batch), so n of them carry
+    less than n independent samples' worth of evidence. 1 for a constant or short series."""
+    x = np.asarray(series, dtype=float)
+    n = x.size
+    m = int(math.sqrt(n))
+    var = float(x.var()) if n else 0.0
+    if m < 4 or var <= 1e-12 * max(1.0, float(np.abs(x).max()) ** 2):
+        return 1.0
+    batches = x[: m * m].reshape(m, m).mean(axis=1)
+    return max(1.0, m * float(batches.var()) / var)
+
+
+@dataclass
+class Samples:
+    """Per-request outcomes of a probe, in completion order: the SLO metrics (NaN when undefined, e.g.
+    TPOT of a one-token answer) and whether the request failed."""
+
+    values: dict[str, list[float]] = field(default_factory=lambda: {m: [] for m in SLO_METRICS})
+    failed: list[bool] = field(default_factory=list)
+
+    def add(self, ttft: float | None, tpot: float | None, e2e: float | None, failed: bool) -> None:
+        for m, v in zip(SLO_METRICS, (ttft, tpot, e2e), strict=True):
+            self.values[m].append(math.nan if v is None else v)
+        self.failed.append(failed)
+
+    def add_record(self, r: dict[str, Any]) -> None:
+        """A ``requests.jsonl`` record, with the metric definitions of :mod:`loadgen.metrics`."""
+        ok = r["error"] is None
+        self.add(metrics.ttft(r) if ok else None, metrics.tpot(r) if ok else None, metrics.e2e(r) if ok else None,
+                 not ok)  # fmt: skip
+
+    def __len__(self) -> int:
+        return len(self.failed)
+
+
+@dataclass
+class SloCheck:
+    """One SLO at one probe: misses k of n, the share's interval, the percentile and its interval."""
+
+    key: str
+    limit: float
+    n: int
+    misses: int
+    share_lo: float
+    share_hi: float
+    value: float | None  # the percentile (point estimate); error_rate: the observed share
+    value_lo: float | None  # order-statistic interval of the percentile (None: unbounded)
+    value_hi: float | None
+    state: str  # "holds" | "violated" | "open"
+
+
+def check(samples: Samples, slo: SLO, z: float) -> SloCheck:
+    failed = np.asarray(samples.failed, dtype=bool)
+    n = int(failed.size)
+    if slo.metric == "error_rate":
+        miss = failed
+        value, vlo, vhi = (float(miss.mean()) if n else None), None, None
+    else:
+        raw = np.asarray(samples.values[slo.metric], dtype=float)
+        vals = np.where(failed, math.inf, raw)
+        vals = vals[~np.isnan(vals)]  # undefined (one-token TPOT) cannot miss
+        miss = vals > slo.limit
+        value, vlo, vhi = _quantile_interval(np.sort(vals), slo.quantile, z)
+    n, k = int(miss.size), int(miss.sum())
+    # misses cluster as the latencies do; with no miss yet, the latencies' own clustering stands in
+    finite = vals[np.isfinite(vals)] if slo.metric != "error_rate" else np.empty(0)
+    tau = max(correlation_time(miss), correlation_time(finite) if finite.size == n else 1.0)
+    lo, hi = wilson_eff(k, n, z, tau)
+    state = "holds" if hi <= slo.allowed else "violated" if lo > slo.allowed else "open"
+    return SloCheck(slo.key, slo.limit, n, k, lo, hi, value, vlo, vhi, state)
+
+
+def _quantile_interval(s: np.ndarray, q: float, z: float) -> tuple[float | None, float | None, float | None]:
+    """Point estimate and distribution-free (order-statistic, normal approximation) interval of the q-quantile."""
+    n = s.size
+    if n == 0:
+        return None, None, None
+    point = float(np.percentile(s, q * 100)) if np.isfinite(s).all() else _rank(s, math.ceil(q * n))
+    spread = z * math.sqrt(n * q * (1 - q))
+    return point, _rank(s, math.floor(n * q - spread)), _rank(s, math.ceil(n * q + spread) + 1)
+
+
+def _rank(s: np.ndarray, r: int) -> float | None:
+    """The r-th smallest (1-based); None outside 1..n or when infinite (a failed request)."""
+    if r < 1 or r > s.size or not np.isfinite(s[r - 1]):
+        return None
+    return float(s[r - 1])
+
+
+@dataclass
+class Decision:
+    verdict: str  # "pass" | "fail"
+    confident: bool
+    reason: str
+
+
+class Sequential:
+    """When is a probe decided? Looks at sample counts ``first·1.5^k`` (up to ``max_samples``), each at
+    z of ``confidence`` split over the looks (Bonferroni)."""
+
+    def __init__(self, slos: Sequence[SLO], confidence: float = 0.95, first: int = 30, max_samples: int = 2000) -> None:
+        self.slos, self.confidence = list(slos), confidence
+        self.looks = [first]
+        while self.looks[-1] < max_samples:
+            self.looks.append(min(max_samples, math.ceil(self.looks[-1] * 1.5)))
+        self.z = NormalDist().inv_cdf(1 - (1 - confidence) / len(self.looks))
+        self.max_samples = max_samples
+        self.next_look = 0
+
+    def checks(self, samples: Samples) -> list[SloCheck]:
+        return [check(samples, s, self.z) for s in self.slos]
+
+    def due(self, n: int) -> bool:
+        """Does a look fall at n samples?"""
+        return self.next_look < len(self.looks) and n >= self.looks[self.next_look]
+
+    def decide(self, samples: Samples) -> Decision | None:
+        """A decision at the next look that ``samples`` reached; None: more samples."""
+        if self.next_look >= len(self.looks) or len(samples) < self.looks[self.next_look]:
+            return None
+        while self.next_look < len(self.looks) and len(samples) >= self.looks[self.next_look]:
+            self.next_look += 1
+        cs = self.checks(samples)
+        bad = [c.key for c in cs if c.state == "violated"]
+        if bad:
+            return Decision("fail", True, f"{', '.join(bad)} violated")
+        if all(c.state == "holds" for c in cs):
+            return Decision("pass", True, "every SLO holds")
+        if len(samples) >= self.max_samples:
+            return self.point(samples, "sample cap")
+        return None
+
+    def point(self, samples: Samples, why: str) -> Decision:
+        """The verdict of the point estimates (not confident)."""
+        bad = [c.key for c, s in zip(self.checks(samples), self.slos, strict=True) if _over(c, s)]
+        return Decision("fail" if bad else "pass", False, f"{why}: point estimate" + (f", {', '.join(bad)} over" if bad else ""))
+
+
+def _over(c: SloCheck, s: SLO) -> bool:
+    """Over the SLO on the point estimate (no sample at all counts as over)."""
+    return c.n == 0 or c.misses / c.n > s.allowed
+
+
+class Backlog:
+    """Open-loop overload: the backlog (sent, not answered) grows by more than ``share`` of the arrival
+    rate over the second half of the probe, for at least ``min_s`` seconds."""
+
+    def __init__(self, rate: float, share: float = 0.1, min_s: float = 2.0) -> None:
+        self.rate, self.share, self.min_s = rate, share, min_s
+        self.trace: list[tuple[float, int]] = []
+
+    def overloaded(self, t: float, backlog: int) -> str | None:
+        self.trace.append((t, backlog))
+        if t < self.min_s:
+            return None
+        half = [(a, b) for a, b in self.trace if a >= t / 2]
+        if len(half) < 4:
+            return None
+        ts, bs = np.asarray(half, dtype=float).T
+        slope = float(np.polyfit(ts, bs, 1)[0])
+        if slope > self.share * self.rate and backlog > 10:
+            return f"backlog growing {slope:.1f} req/s (now {backlog} in flight)"
+        return None
+
+
+# --- probes -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Probe:
+    """One probe of the search, as it appears in the probe table and capacity.json."""
+
+    index: int
+    phase: str  # "pilot" | "search"
+    mode: str
+    load: float
+    verdict: str
+    confident: bool
+    reason: str
+    seconds: float
+    requests: int
+    errors: int
+    checks: list[SloCheck]
+    throughput: float | None = None  # successful req/s
+    goodput: float | None = None  # req/s meeting every SLO
+    mean_e2e: float | None = None
+    warnings: list[str] = field(default_factory=list)
+    dir: str | None = None
+
+
+class SearchStopped(Exception):
+    """A probe ended the search: ``status`` ``interrupted`` (SIGINT/SIGTERM) or ``server_gone``."""
+
+    def __init__(self, status: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Prober(Protocol):
+    async def probe(self, mode: str, load: float, seq: Sequential | None, max_seconds: float, index: int,
+                    phase: str) -> Probe: ...  # fmt: skip
+
+
+def _load_label(mode: str, load: float) -> str:
+    return f"c{int(load):03d}" if mode == "concurrency" else f"r{load:07.2f}"
+
+
+def _finish(
+    index: int, phase: str, mode: str, load: float, samples: Samples, seq: Sequential | None, slos: Sequence[SLO],
+    decision: Decision, seconds: float, span: float | None,
+) -> Probe:  # fmt: skip
+    z = seq.z if seq is not None else NormalDist().inv_cdf(0.975)
+    checks = [check(samples, s, z) for s in slos]
+    failed = np.asarray(samples.failed, dtype=bool)
+    e2e = np.asarray(samples.values["e2e"], dtype=float)[~failed] if len(samples) else np.empty(0)
+    good = sum(1 for i in range(len(samples)) if not samples.failed[i] and _meets(samples, i, slos))
+    return Probe(
+        index, phase, mode, load, decision.verdict, decision.confident, decision.reason, seconds, len(samples),
+        int(failed.sum()), checks, throughput=(len(samples) - int(failed.sum())) / span if span else None,
+        goodput=good / span if span else None, mean_e2e=float(e2e.mean()) if e2e.size else None,
+    )  # fmt: skip
+
+
+def _meets(samples: Samples, i: int, slos: Sequence[SLO]) -> bool:
+    for s in slos:
+        if s.metric != "error_rate":
+            v = samples.values[s.metric][i]
+            if not math.isnan(v) and v > s.limit:
+                return False
+    return True
+
+
+class SimProber:
+    """Probes the service model in virtual time: open loop with Poisson (or constant) arrivals, or closed
+    loop; decisions are checked every ``tick`` virtual seconds, as the live prober does."""
+
+    def __init__(
+        self, model: Any, jobs: tuple[int, int], slos: Sequence[SLO], seed: int = 0, process: str = "poisson",
+        tick: float = 0.25, warmup_s: float = 0.0,
+    ) -> None:  # fmt: skip
+        self.model, self.job, self.slos, self.seed, self.process = model, jobs, list(slos), seed, process
+        self.tick, self.warmup_s = tick, warmup_s
+        self.count = 0
+
+    async def probe(self, mode: str, load: float, seq: Sequential | None, max_seconds: float, index: int,
+                    phase: str) -> Probe:  # fmt: skip
+        from loadgen.servicemodel import simulate
+
+        self.count += 1
+        rng = np.random.default_rng([self.seed, self.count])
+        cap = seq.max_samples if seq is not None else _pilot_requests(int(load))
+        if mode == "concurrency":
+            c = int(load)
+            n = c + cap  # one wave of warm-up
+            tl = simulate(self.model, [self.job] * n, concurrency=c)[c:]
+        else:
+            n = int(max(cap * 1.2, load * max_seconds * 1.2)) + 10
+            gaps = rng.exponential(1 / load, n) if self.process == "poisson" else np.full(n, 1 / load)
+            tl = simulate(self.model, [self.job] * n, arrivals=np.cumsum(gaps).tolist())
+        if mode == "rate":  # warm-up: the first half second (at most 50 requests), as the live prober
+            tl = tl[min(50, math.ceil(load * 0.5)) :]
+        t0 = min(x.arrival for x in tl)
+        arrivals = np.asarray([x.arrival - t0 for x in tl])
+        ends = np.asarray([x.end - t0 for x in tl])
+        backlog = Backlog(load) if mode == "rate" else None
+        samples, t = Samples(), 0.0
+        decision: Decision | None = None
+        while decision is None:
+            t += self.tick
+            pending = (ends > t) & (arrivals <= t)
+            s_cut = float(arrivals[pending].min()) if pending.any() else t
+            idx = np.nonzero(arrivals < s_cut if pending.any() else arrivals <= t)[0]
+            last = t >= max_seconds or idx.size >= len(tl)
+            if idx.size > len(samples) and (last or idx.size >= cap or seq is not None and seq.due(int(idx.size))):
+                samples = Samples()
+                for x in (tl[k] for k in idx[np.argsort(arrivals[idx], kind="stable")]):
+                    samples.add(x.ttft, x.tpot, x.e2e, False)
+                if seq is not None:
+                    decision = seq.decide(samples)
+            if decision is not None:
+                break
+            if seq is None and len(samples) >= cap:
+                decision = _pilot_decision(samples, self.slos)
+            elif backlog is not None and (why := backlog.overloaded(t, int(pending.sum()))):
+                decision = Decision("fail", True, why)
+            elif last:
+                decision = seq.point(samples, "time cap") if seq is not None else _pilot_decision(samples, self.slos)
+        done = ends <= t
+        span = float(ends[done].max() - arrivals[done].min()) if done.sum() > 1 else None
+        return _finish(index, phase, mode, load, samples, seq, self.slos, decision, t, span)
+
+
+def _pilot_requests(c: int) -> int:
+    return max(8, 2 * c)
+
+
+def _pilot_decision(samples: Samples, slos: Sequence[SLO]) -> Decision:
+    bad = [s.key for s in slos if _over(check(samples, s, 0.0), s)]
+    if bad:
+        return Decision("fail", False, f"pilot: {', '.join(bad)} over")
+    return Decision("pass", False, "pilot: point estimates within the SLOs")
+
+
+class LiveProber:
+    """Probes a server with :func:`loadgen.engine.run_point`: rate mode with ``process`` arrivals (Poisson by
+    default), concurrency mode closed loop. The probe's records are read as they are written; the probe is
+    stopped (in-flight requests cancelled) as soon as it is decided."""
+
+    def __init__(
+        self, backend: Any, workload: Any, slos: Sequence[SLO], out_dir: Path, clock: RunClock | None = None,
+        process: str = "poisson", seed: int = 0, tick: float = 0.25, timeout: float = 600.0,
+        client_kind: str = "aiohttp",
+    ) -> None:  # fmt: skip
+        self.backend, self.workload, self.slos, self.out_dir = backend, workload, list(slos), out_dir
+        self.clock = clock or RunClock()
+        self.process, self.seed, self.tick, self.timeout, self.client_kind = process, seed, tick, timeout, client_kind
+
+    async def probe(self, mode: str, load: float, seq: Sequential | None, max_seconds: float, index: int,
+                    phase: str) -> Probe:  # fmt: skip
+        cap = seq.max_samples if seq is not None else _pilot_requests(int(load))
+        if mode == "concurrency" or phase == "pilot":
+            c = int(load)
+            spec = LoadSpec("closed", concurrency=c, num_requests=cap, warmup=c, seed=self.seed + index,
+                            duration=max_seconds, drain=0.0, timeout=self.timeout)  # fmt: skip
+        else:
+            spec = LoadSpec(self.process, concurrency=None, rate=load, num_requests=cap, seed=self.seed + index,
+                            warmup=min(50, math.ceil(load * 0.5)), duration=max_seconds, drain=0.0,
+                            timeout=self.timeout)  # fmt: skip
+        out = self.out_dir / "probes" / f"{index:02d}-{phase}-{_load_label(mode if phase != 'pilot' else 'concurrency', load)}"
+        progress = Progress()
+        task = asyncio.ensure_future(run_point(self.backend, self.workload, spec, out, self.clock,
+                                               progress=progress, client_kind=self.client_kind))  # fmt: skip
+        samples = Samples()
+        backlog = Backlog(load) if spec.process != "closed" else None
+        decision: Decision | None = None
+        t0 = self.clock.now()
+        starts: list[tuple[float, int]] = []  # (run-clock time, requests started by then)
+        path = out / "requests.jsonl"
+        while decision is None:
+            done, _ = await asyncio.wait({task}, timeout=self.tick)
+            now = self.clock.now()
+            starts.append((now, progress.started))
+            recs = read_records(path) if path.exists() else []
+            cohort = _cohort(recs, None if done else starts)
+            measured = [r for r in cohort if not r["warmup"]]
+            ready = done or len(measured) >= cap or seq is not None and seq.due(len(measured))
+            if len(measured) > len(samples) and ready:
+                samples = Samples()
+                for r in measured:
+                    samples.add_record(r)
+                if seq is not None:
+                    decision = seq.decide(samples)
+            if decision is not None:
+                break
+            if done:
+                decision = _pilot_decision(samples, self.slos) if seq is None else seq.point(samples, "sample/time cap")
+            elif seq is None and len(samples) >= cap:
+                decision = _pilot_decision(samples, self.slos)
+            elif backlog is not None and (why := backlog.overloaded(now - t0, progress.inflight)):
+                decision = Decision("fail", True, why)
+        seconds = self.clock.now() - t0
+        warnings: list[str] = []
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        elif task.exception() is None:
+            summary = task.result()
+            warnings = list(summary["client"]["warnings"])
+            if "interrupted" in summary:
+                raise SearchStopped("interrupted", f"interrupted by {summary['interrupted']['signal']}")
+            if "aborted" in summary:
+                raise SearchStopped("server_gone", summary["aborted"]["reason"])
+        span = _span(read_records(path) if path.exists() else [])
+        p = _finish(index, phase, mode, load, samples, seq, self.slos, decision, seconds, span)
+        lag = [r["sent"] - r["intended"] for r in measured]
+        if not warnings and lag and spec.process != "closed" and (p99 := float(np.percentile(lag, 99))) > metrics.LAG_WARN_S:
+            warnings.append(f"client schedule lag p99 {p99 * 1e3:.1f} ms: the client, not the server, may limit this probe")
+        p.warnings, p.dir = warnings, str(out)
+        return p
+
+
+def _cohort(records: list[dict[str, Any]], starts: list[tuple[float, int]] | None) -> list[dict[str, Any]]:
+    """The records of every request sent up to the latest moment by which all requests sent had ended
+    (sorted by send time): judging only finished requests of a still-running probe would favour the fast
+    ones. ``starts``: (time, requests started by then) samples of the engine's progress counter; None when
+    the probe is over. Requests the probe itself cancelled at its end count as unfinished."""
+    cut = min((r["sent"] for r in records if (r["error"] or {}).get("kind") == "cancelled"), default=math.inf)
+    by_sent = sorted((r for r in records if r["sent"] < cut), key=lambda r: r["sent"])
+    if starts is None:
+        return by_sent
+    sent = np.asarray([r["sent"] for r in by_sent])
+    for t, started in reversed(starts):
+        k = int(np.searchsorted(sent, t, side="right"))
+        if k >= started:
+            return by_sent[:k]
+    return []
+
+
+def _span(records: list[dict[str, Any]]) -> float | None:
+    measured = [r for r in records if not r["warmup"] and r["error"] is None]
+    if len(measured) < 2:
+        return None
+    return max(r["end"] for r in measured) - min(r["sent"] for r in measured)
+
+
+# --- the search ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class SearchConfig:
+    mode: str = "rate"
+    resolution: float = 0.05  # ± share of the capacity
+    budget_s: float = 600.0  # probe-seconds, pilot included
+    confidence: float = 0.95  # per probe verdict
+    max_probe_s: float = 60.0
+    max_samples: int = 2000
+    first_look: int = 30
+    max_concurrency: int = 256
+    max_rate: float = 1000.0
+    min_rate: float | None = None  # default: a tenth of the pilot's estimate
+    growth: float = 1.5
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if not 0 < self.resolution < 0.5:
+            raise ValueError("resolution must be between 0 and 0.5 (e.g. 0.05 for ±5 %)")
+        if self.budget_s <= 0 or self.max_probe_s <= 0:
+            raise ValueError("budget and probe time must be > 0 s")
+        if not 0.5 <= self.confidence < 1:
+            raise ValueError("confidence must be in [0.5, 1)")
+
+
+@dataclass
+class CapacityResult:
+    status: str  # "ok" | "budget" | "unresolved" | "unreachable" | "not_saturated" | "interrupted" | "server_gone"
+    mode: str
+    slos: list[str]
+    capacity: float | None  # the highest load that passed
+    interval: tuple[float | None, float | None]  # [highest pass, lowest fail]
+    resolution_met: bool
+    goodput: float | None
+    knee: float | None
+    estimate: float | None
+    probe_seconds: float
+    budget_s: float
+    confidence: float
+    message: str
+    probes: list[Probe]
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["interval"] = list(self.interval)
+        return d
+
+
+def _converged(mode: str, lo: float, hi: float, res: float) -> bool:
+    """Is [lo, hi] within ±res of its middle (for concurrency: adjacent integers, or within ±res)?"""
+    if mode == "concurrency" and hi - lo <= 1:
+        return True
+    return hi - lo <= res * (lo + hi) * (1 + 1e-9)
+
+
+def _next_inside(cfg: SearchConfig, probes: Sequence[Probe], lo: float, hi: float) -> float | None:
+    """The next load inside (lo, hi): one resolution step beside an undecided probe, else the middle;
+    None when every such load was probed already."""
+    tried = [p.load for p in probes if p.phase == "search"]
+    undecided = [p.load for p in probes if p.phase == "search" and not p.confident and lo < p.load < hi]
+    step = cfg.resolution
+    cands = [max(undecided) * (1 + step), min(undecided) * (1 - step)] if undecided else []
+    cands.append((lo + hi) / 2)
+    for x in cands:
+        if cfg.mode == "concurrency":
+            x = float(round(x)) if round(x) not in (lo, hi) else float(math.floor(x) if x > (lo + hi) / 2 else math.ceil(x))
+        if lo < x < hi and all(abs(x - t) > 1e-6 * max(1.0, t) for t in tried):
+            return x
+    return None
+
+
+async def search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig) -> CapacityResult:
+    """Pilot, bracket, bisect; see the module docstring."""
+    probes: list[Probe] = []
+
+    try:
+        return await _search(prober, slos, cfg, probes)
+    except SearchStopped as stop:
+        res = _result("budget", cfg, slos, None, None, 0.0, sum(p.seconds for p in probes), probes)
+        res.status, res.message = stop.status, f"{stop}; {len(probes)} probe(s) finished before (capacity.json)"
+        return res
+
+
+async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes: list[Probe]) -> CapacityResult:
+    spent = 0.0
+
+    async def run(mode: str, load: float, phase: str) -> Probe:
+        nonlocal spent
+        seq = Sequential(slos, cfg.confidence, cfg.first_look, cfg.max_samples) if phase == "search" else None
+        p = await prober.probe(mode, load, seq, min(cfg.max_probe_s, max(1.0, cfg.budget_s - spent)), len(probes), phase)
+        probes.append(p)
+        spent += p.seconds
+        return p
+
+    # 1. pilot: closed loop, doubling
+    c, last_ok, first_bad = 1, None, None
+    while spent < cfg.budget_s:
+        p = await run("concurrency", c, "pilot")
+        if p.verdict == "fail":
+            first_bad = p
+            break
+        last_ok = p
+        if c >= cfg.max_concurrency:
+            break
+        c = min(cfg.max_concurrency, c * 2)
+    hi: float | None = None
+    if first_bad is not None and any(c.state == "violated" for c in first_bad.checks):
+        first_bad.confident = True  # clear enough already (Wilson at 97.5 %, one look)
+    if cfg.mode == "concurrency":
+        x = last_ok.load if last_ok else 1.0
+        lo_bound, hi_bound = 1.0, float(cfg.max_concurrency)
+        hint = first_bad.load if first_bad else None
+        if first_bad is not None and first_bad.confident:  # the same closed loop: the pilot's verdict stands
+            hi, hint = first_bad.load, None
+    else:
+        ref = last_ok or first_bad
+        thr = (ref.throughput or (ref.load / ref.mean_e2e if ref and ref.mean_e2e else None)) if ref else None
+        x = (thr if last_ok else 0.5 * thr) if thr else 1.0
+        lo_bound = cfg.min_rate or x / 10
+        hi_bound = cfg.max_rate
+        hint = None
+        x = min(max(x, lo_bound), hi_bound)
+    estimate = x
+    if last_ok is None and first_bad is not None:  # fails already one at a time: confirm at the lowest load
+        x = lo_bound
+
+    # 2. bracket, then bisect; only confident verdicts move the bracket, an undecided probe (the SLO
+    # boundary is within its noise) is flanked by probes one resolution step either side
+    lo: float | None = None
+    status = "unreachable" if hi is not None and hi <= lo_bound else "budget"
+    while spent < cfg.budget_s and status == "budget":
+        p = await run(cfg.mode, x, "search")
+        if p.confident and p.verdict == "pass":
+            lo = x if lo is None else max(lo, x)
+        elif p.confident:
+            hi = x if hi is None else min(hi, x)
+        if lo is not None and hi is not None and lo >= hi:  # contradicting verdicts: re-test both ends
+            lo, hi = None, None
+        if hi is None and (p.verdict == "pass" or lo is not None):
+            if x >= hi_bound:
+                if p.confident and p.verdict == "pass":
+                    status = "not_saturated"
+                    break
+                if p.requests == 0:
+                    break
+                continue  # undecided at the highest load: probe it again while the budget lasts
+            nxt = hint if hint is not None and hint > x else x * (cfg.growth if p.confident else 1 + cfg.resolution)
+            x = min(hi_bound, nxt)
+        elif lo is None:
+            if x <= lo_bound:
+                if p.confident:
+                    status = "unreachable"
+                    break
+                if p.requests == 0:  # nothing finished in time: no verdict at all, and no lower load to try
+                    break
+                continue  # undecided at the lowest load: probe it again while the budget lasts
+            x = max(lo_bound, x / (cfg.growth if p.confident else 1 + cfg.resolution))
+        elif _converged(cfg.mode, lo, hi, cfg.resolution):
+            status = "ok"
+            break
+        else:
+            nxt = _next_inside(cfg, probes, lo, hi)
+            if nxt is None:
+                status = "unresolved"
+                break
+            x = nxt
+        if cfg.mode == "concurrency":
+            x = float(max(1, round(x) if round(x) != round(p.load) else round(p.load) + (1 if x > p.load else -1)))
+    return _result(status, cfg, slos, lo, hi, estimate, spent, probes)
+
+
+def _result(
+    status: str, cfg: SearchConfig, slos: Sequence[SLO], lo: float | None, hi: float | None, estimate: float,
+    spent: float, probes: list[Probe],
+) -> CapacityResult:  # fmt: skip
+    unit = "concurrency" if cfg.mode == "concurrency" else "req/s"
+    res_met = lo is not None and hi is not None and _converged(cfg.mode, lo, hi, cfg.resolution)
+    at = [p for p in probes if p.phase == "search" and p.load == lo and p.verdict == "pass"]
+    goodput = at[-1].goodput if at else None
+    messages = {
+        "ok": f"capacity {_fmt_load(lo)} {unit}: every SLO holds there; {_fmt_load(hi)} fails "
+              f"(resolution ±{cfg.resolution:.0%} reached)",
+        "budget": f"time budget of {cfg.budget_s:g} probe-seconds ran out; the bracket held is "
+                  f"[{_fmt_load(lo)}, {_fmt_load(hi)}] {unit}",
+        "unresolved": f"the SLO boundary is flatter than ±{cfg.resolution:.0%} at {cfg.max_samples} samples a "
+                      f"probe: the confident bracket is [{_fmt_load(lo)}, {_fmt_load(hi)}] {unit}",
+        "unreachable": f"the SLOs fail already at the lowest load ({_fmt_load(hi)} {unit}): unreachable on this "
+                       "server; relax them or fix the server",
+        "not_saturated": f"the SLOs still hold at the highest load searched ({_fmt_load(lo)} {unit}); raise "
+                         f"--max-{'concurrency' if cfg.mode == 'concurrency' else 'rate'}",
+    }  # fmt: skip
+    if status == "budget" and probes and probes[-1].requests == 0:
+        messages[status] += (f"; the last probe finished no request in {probes[-1].seconds:.0f} s: raise --max-probe-s "
+                             "(and --budget) for a server this slow")  # fmt: skip
+    failing = [p for p in probes if p.verdict == "fail" and p.errors]
+    if status == "unreachable" and failing:
+        p = failing[-1]
+        where = f" (records: {p.dir})" if p.dir else ""
+        messages[status] += f"; {p.errors} of {p.requests} requests failed at load {_fmt_load(p.load)}{where}"
+    return CapacityResult(
+        status, cfg.mode, [s.describe() for s in slos], lo, (lo, hi), res_met, goodput, knee(probes, cfg.mode),
+        estimate, spent, cfg.budget_s, cfg.confidence, messages[status], probes,
+    )  # fmt: skip
+
+
+def _fmt_load(x: float | None) -> str:
+    return "?" if x is None else f"{x:.3g}"
+
+
+def knee(probes: Sequence[Probe], mode: str) -> float | None:
+    """The load where latency bends up (Kneedle on the mean E2E of the search probes against load)."""
+    pts = sorted({p.load: p.mean_e2e for p in probes if p.phase == "search" and p.mean_e2e}.items())
+    if len(pts) < 3:
+        return None
+    x, y = np.asarray(pts, dtype=float).T
+    if np.ptp(x) == 0 or np.ptp(y) == 0:
+        return None
+    xn, yn = (x - x.min()) / np.ptp(x), (y - y.min()) / np.ptp(y)
+    return float(x[int(np.argmax(xn - yn))])
+
+
+async def linear_sweep(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, step: float) -> tuple[float, list[Probe]]:
+    """The baseline: loads step, 2·step, ... with the same statistical probes until one fails; returns the
+    probe-seconds and the probes."""
+    probes: list[Probe] = []
+    x = step
+    while True:
+        seq = Sequential(slos, cfg.confidence, cfg.first_look, cfg.max_samples)
+        p = await prober.probe(cfg.mode, x, seq, cfg.max_probe_s, len(probes), "sweep")
+        probes.append(p)
+        if p.verdict == "fail" or x >= (cfg.max_concurrency if cfg.mode == "concurrency" else cfg.max_rate):
+            return sum(q.seconds for q in probes), probes
+        x += step
+
+
+
+# --- bench gate on capacity -----------------------------------------------------------------------------
+
+
+def load_capacity(path: str | Path) -> dict[str, Any]:
+    """``capacity.json`` of a ``bench capacity`` result directory (or the file itself)."""
+    import json
+
+    p = Path(path)
+    file = p / "capacity.json" if p.is_dir() else p
+    if not file.is_file():
+        raise ValueError(f"{path}: no capacity.json (expected a `bench capacity` result directory)")
+    return dict(json.loads(file.read_text()))
+
+
+def gate_capacity(baseline: str, candidate: str, rules: Sequence[Any]) -> Any:
+    """``bench gate --metric capacity:-X%``: per server configuration, the capacity ratio candidate/baseline
+    lies in [lo_c / hi_b, hi_c / lo_b] (both searches' intervals; an integer concurrency capacity is at most
+    hi - 1); regression when that whole range is below ``1 - X``, pass when it is all at or above,
+    inconclusive otherwise."""
+    from loadgen.gate import Check, GateReport
+
+    rep = GateReport("invalid", baseline=baseline, candidate=candidate)
+    try:
+        docs = [load_capacity(baseline), load_capacity(candidate)]
+    except (ValueError, OSError) as exc:
+        rep.errors.append(str(exc))
+        return rep
+    keys = ("slo", "mode", "workload", "arrival")
+    diff = [f"{k}: {docs[0]['config'].get(k)!r} vs {docs[1]['config'].get(k)!r}" for k in keys
+            if docs[0]["config"].get(k) != docs[1]["config"].get(k)]  # fmt: skip
+    if diff:
+        rep.errors.append("the searches measure different things: " + "; ".join(diff))
+        return rep
+    base, cand = ({e["point_id"]: e for e in d["configs"] if "status" in e} for d in docs)
+    common = [p for p in base if p in cand]
+    if not common:
+        rep.errors.append(f"no server configuration in common: {sorted(base)} vs {sorted(cand)}")
+        return rep
+    for rule in rules:
+        if rule.metric != "capacity" or not rule.higher_is_better:
+            rep.errors.append(f"{rule}: with capacity results the gate takes capacity:-X% only")
+            return rep
+        step = 1.0 if docs[0]["config"].get("mode") == "concurrency" else 0.0  # an integer capacity is < hi
+        for pid in common:
+            b, c = base[pid]["interval"], cand[pid]["interval"]
+            b_lo, b_hi = b[0] or 0.0, b[1] - step if b[1] is not None else math.inf
+            c_lo, c_hi = c[0] or 0.0, c[1] - step if c[1] is not None else math.inf
+            lo = c_lo / b_hi if b_hi > 0 else 0.0
+            hi = c_hi / b_lo if b_lo > 0 else math.inf
+            verdict = "regression" if hi < rule.limit else "pass" if lo >= rule.limit else "inconclusive"
+            mid = [(x[0] + x[1]) / 2 if None not in x else x[0] for x in (b, c)]
+            ratio = mid[1] / mid[0] if mid[0] and mid[1] is not None else None
+            rep.checks.append(Check(
+                pid, "capacity", str(rule), verdict, mid[0], mid[1], ratio, (lo, hi), rule.limit, 1, 1,
+                reason=f"baseline [{_fmt_load(b[0])}, {_fmt_load(b[1])}], candidate [{_fmt_load(c[0])}, {_fmt_load(c[1])}]",
+            ))  # fmt: skip
+    verdicts = {c.verdict for c in rep.checks}
+    rep.verdict = "regression" if "regression" in verdicts else "inconclusive" if "inconclusive" in verdicts else "pass"
+    return rep

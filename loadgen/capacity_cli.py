@@ -1,0 +1,203 @@
+"""``bench capacity``: the highest load at which every SLO holds, with its interval (see loadgen/capacity.py).
+
+Writes ``<output-dir>/<run-id>/capacity.json`` (one entry per server configuration with ``--server``/``--grid``),
+each probe's records under ``probes/``, and ``capacity.html`` (the report section). Exit codes: 0 found
+(or the budget ran out: the bracket is stated), 2 bad input, 3 server unreachable, 4 the SLOs fail at the
+lowest load, 5 they still hold at the highest load searched.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import httpx
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from backends.launcher import GridPoint, LaunchError, server_grid, sweep_servers
+from loadgen.capacity import MODES, CapacityResult, LiveProber, SearchConfig, SloError, parse_slos, search
+from loadgen.cli import (
+    ApiKeyEnv,
+    ApiOpt,
+    BackendOpt,
+    Client,
+    ExtraBody,
+    Model,
+    OutputDir,
+    RunId,
+    Seed,
+    ServerGone,
+    Timeout,
+    Url,
+    UsageError,
+    WorkloadOpt,
+    console,
+    embedded_server,
+    load_workload,
+    make_backend,
+    read_api_key,
+)  # fmt: skip
+from loadgen.clock import RunClock
+from loadgen.engine import run_async
+from loadgen.exitcodes import ExitCode
+from loadgen.results import new_run_id
+
+EXIT = {"unreachable": ExitCode.SLO_UNREACHABLE, "not_saturated": ExitCode.NOT_SATURATED, "server_gone": ExitCode.SERVER_GONE}
+
+
+def probe_table(res: CapacityResult, title: str) -> Table:
+    unit = "conc." if res.mode == "concurrency" else "req/s"
+    t = Table(title=title)
+    for col in ("#", "phase", unit, "n", "err", *(c.key for c in res.probes[0].checks), "verdict", "s"):
+        t.add_column(col, justify="right")
+    for p in res.probes:
+        cells = []
+        for c in p.checks:
+            if c.key == "error_rate":
+                cells.append(f"{c.misses}/{c.n}")
+            else:
+                cells.append(f"{_ms(c.value)} [{_ms(c.value_lo)}, {_ms(c.value_hi)}]")
+        verdict = p.verdict + ("" if p.confident else "?")
+        colour = "green" if p.verdict == "pass" else "red"
+        load = f"{int(p.load)}" if p.phase == "pilot" or res.mode == "concurrency" else f"{p.load:.3g}"
+        t.add_row(str(p.index), p.phase, load, str(p.requests), str(p.errors), *cells,
+                  f"[{colour}]{verdict}[/] {p.reason}", f"{p.seconds:.1f}")  # fmt: skip
+    return t
+
+
+def _ms(v: float | None) -> str:
+    return "∞" if v is None else f"{v * 1e3:,.1f}"
+
+
+def _check_reachable(url: str) -> None:
+    try:
+        httpx.get(url.rstrip("/") + "/v1/models", timeout=10, trust_env=False)
+    except httpx.HTTPError as exc:
+        console.print(f"[red]error[/]: the server at {url} is unreachable ({type(exc).__name__}: {exc})")
+        raise typer.Exit(ExitCode.SERVER_GONE) from None
+
+
+def capacity_command(
+    slo: Annotated[str, typer.Option(help="SLOs, e.g. ttft_p99=1s,tpot_p99=60ms,e2e_p90=10s,error_rate=1% "
+                                     "(bare numbers are ms).")],  # fmt: skip
+    mode: Annotated[str, typer.Option(help="rate: open-loop req/s; concurrency: closed-loop sessions.")] = "rate",
+    url: Url = None, backend: BackendOpt = "auto", api: ApiOpt = None, model: Model = None,
+    workload: WorkloadOpt = "chat-short",
+    arrival: Annotated[str, typer.Option(help="Rate mode arrivals: poisson or constant.")] = "poisson",
+    resolution: Annotated[float, typer.Option(help="Target half-width of the interval, share of the capacity.")] = 0.05,
+    budget: Annotated[float, typer.Option(help="Probe-seconds the whole search may take.")] = 600.0,
+    confidence: Annotated[float, typer.Option(help="Confidence of each probe's verdict.")] = 0.95,
+    max_probe_s: Annotated[float, typer.Option(help="Longest probe, seconds.")] = 60.0,
+    max_samples: Annotated[int, typer.Option(help="Most requests one probe measures.")] = 2000,
+    max_concurrency: Annotated[int, typer.Option(help="Highest concurrency searched.")] = 256,
+    max_rate: Annotated[float, typer.Option(help="Highest rate searched, req/s.")] = 1000.0,
+    seed: Seed = 0, output_dir: OutputDir = Path("results"), run_id: RunId = None, api_key_env: ApiKeyEnv = None,
+    extra_body: ExtraBody = None, client: Client = "aiohttp", timeout: Timeout = 600.0,
+    server: Annotated[str | None, typer.Option(help="Start this server command per grid point, e.g. "
+                      "'llama-server -m {model} -np {np} --port {port}'.")] = None,  # fmt: skip
+    grid: Annotated[list[str] | None, typer.Option(help="Server grid axis NAME=V1,V2 (repeat for a product).")] = None,
+    server_timeout: Annotated[float, typer.Option(help="Seconds to wait for a started server's health.")] = 300.0,
+) -> None:  # fmt: skip
+    """Find the highest load (rate or concurrency) at which every SLO holds, with its interval."""
+    try:
+        slos = parse_slos(slo)
+        if mode not in MODES:
+            raise UsageError(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if arrival not in ("poisson", "constant"):
+            raise UsageError(f"--arrival must be poisson or constant, got {arrival!r}")
+        if url is not None and not re.match(r"^https?://", url):
+            raise UsageError(f"--url must start with http:// or https://, got {url!r}")
+        if server and url:
+            raise UsageError("--server starts the target itself; drop --url")
+        if grid and not server:
+            raise UsageError("--grid needs --server (the command template the grid fills in)")
+        if max_samples < 30 or max_concurrency < 1 or max_rate <= 0:
+            raise UsageError("--max-samples must be >= 30, --max-concurrency >= 1 and --max-rate > 0")
+        try:
+            cfg = SearchConfig(mode=mode, resolution=resolution, budget_s=budget, confidence=confidence,
+                               max_probe_s=max_probe_s, max_samples=max_samples, max_concurrency=max_concurrency,
+                               max_rate=max_rate)  # fmt: skip
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        grid_points = server_grid(server, [a for g in grid or [] for a in g.split()]) if server else []
+        api_key = read_api_key(api_key_env)
+        wl = load_workload(workload)
+    except SloError as exc:
+        console.print(f"[red]error[/]: {exc}")
+        raise typer.Exit(ExitCode.USAGE) from None
+    except (UsageError, ValueError, LaunchError) as exc:
+        console.print(f"[red]error[/]: {exc}")
+        raise typer.Exit(ExitCode.USAGE) from None
+    out = output_dir / (run_id or f"capacity-{new_run_id()}")
+    out.mkdir(parents=True, exist_ok=True)
+    config = {"command": "capacity", "slo": slo, "mode": mode, "url": url, "backend": backend, "workload": workload,
+              "arrival": arrival, "server": server, "grid": grid, "search": cfg.__dict__}  # fmt: skip
+    entries: list[dict[str, Any]] = []
+    stdout = Console(width=None if sys.stdout.isatty() else 200)
+
+    def one(target: str, gp: GridPoint | None = None, previous: Any = None) -> list[dict[str, Any]]:
+        _check_reachable(target)
+        be = make_backend(backend, target, model, api, api_key, False, extra_body)
+        where = out / gp.label if gp else out
+        prober = LiveProber(be, wl, slos, where, RunClock(), process=arrival, seed=seed, timeout=timeout,
+                            client_kind=client)  # fmt: skip
+        label = gp.label if gp else "server"
+        console.print(f"[dim]{label}: searching the {mode} capacity under {', '.join(s.describe() for s in slos)}[/]")
+        res = run_async(search(prober, slos, cfg))
+        stdout.print(probe_table(res, f"probes: {label}"))
+        for p in res.probes:
+            for w in p.warnings:
+                stdout.print(f"[yellow]warning[/] probe {p.index}: {w}")
+        colour = "green" if res.status == "ok" else "yellow" if res.status in ("budget", "unresolved") else "red"
+        stdout.print(f"[{colour}]{label}[/]: {res.message}")
+        if res.goodput is not None:
+            stdout.print(f"  goodput at capacity: {res.goodput:.2f} req/s; probe-seconds {res.probe_seconds:.0f}")
+        entry = {"point_id": label, "labels": dict(gp.params) if gp else {}, **res.to_json()}
+        entries.append(entry)
+        _write(out, config, entries)
+        if res.status == "interrupted":  # the finished probes are in capacity.json; no further configuration
+            raise typer.Exit(ExitCode.TERMINATED if "SIGTERM" in res.message else ExitCode.INTERRUPTED)
+        return [entry]
+
+    try:
+        if server:
+            results = sweep_servers(server, grid_points, out, one, health_timeout_s=server_timeout)
+            for r in results:
+                if "failed" in r:
+                    console.print(f"[red]failed[/] {r['point_id']}: {r['failed']['message']}")
+                    entries.append(r)
+            _write(out, config, entries)
+        elif url is None:
+            with embedded_server(out / "server.log") as target:
+                one(target)
+        else:
+            one(url)
+    except UsageError as exc:
+        console.print(f"[red]error[/]: {exc}")
+        raise typer.Exit(ExitCode.USAGE) from None
+    except ServerGone as exc:
+        console.print(f"[red]error[/]: {exc}")
+        raise typer.Exit(ExitCode.SERVER_GONE) from None
+    except KeyboardInterrupt:
+        console.print(f"[yellow]interrupted[/]: probes so far are in {out}")
+        raise typer.Exit(ExitCode.INTERRUPTED) from None
+    from loadgen.report.capacity import write_report
+
+    html = write_report(out)
+    stdout.print(f"capacity.json: {out / 'capacity.json'}\nreport: {html}")
+    done = [e for e in entries if "status" in e]
+    if len(done) < len(entries):
+        raise typer.Exit(ExitCode.FAILED)
+    codes = [EXIT[e["status"]] for e in done if e["status"] in EXIT]
+    if codes:
+        raise typer.Exit(codes[0])
+
+
+def _write(out: Path, config: dict[str, Any], entries: list[dict[str, Any]]) -> None:
+    doc = {"config": config, "configs": entries, **({"result": entries[0]} if len(entries) == 1 else {})}
+    (out / "capacity.json").write_text(json.dumps(doc, indent=1, default=str))

@@ -1,0 +1,290 @@
+"""A test server with a known answer: the null server's SSE protocol paced by a service model.
+
+The model (:class:`ServiceModel`) is a small continuous-batching server:
+
+* ``slots`` requests run at once; a request beyond them waits in a FIFO queue for a free slot;
+* a request that gets a slot first prefills for ``prefill_base + prefill_per_token × prompt tokens``
+  seconds, then streams its first token;
+* every further token takes one decode step of ``decode_base + decode_per_seq × b`` seconds, ``b`` being
+  the slots occupied when the step starts (a bigger batch makes every step slower);
+* prompt tokens are whitespace-separated words (as the null server counts them), output tokens are
+  ``max_tokens`` (one token per stream event).
+
+:func:`simulate` runs the same model as a discrete-event simulation in virtual time, so the true
+latencies at any load, and the true capacity under any SLO (:func:`true_capacity`), are derived, not
+measured. The live server (``python -m loadgen.servicemodel``, :class:`ServiceModelProcess`) follows the
+same rules on the wall clock, each step scheduled on an absolute time line so timer jitter does not
+accumulate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import heapq
+import json
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from loadgen.nullserver import Behaviour, NullServerProcess, _chunk, _Conn, _Stream, serve
+
+
+@dataclass(frozen=True)
+class ServiceModel:
+    slots: int = 8
+    prefill_base: float = 0.004
+    prefill_per_token: float = 0.0001
+    decode_base: float = 0.004
+    decode_per_seq: float = 0.001
+
+    def __post_init__(self) -> None:
+        if self.slots < 1 or min(self.prefill_base, self.prefill_per_token, self.decode_base, self.decode_per_seq) < 0:
+            raise ValueError("service model: slots >= 1 and non-negative costs")
+
+    def prefill(self, prompt_tokens: int) -> float:
+        return self.prefill_base + self.prefill_per_token * prompt_tokens
+
+    def step(self, occupied: int) -> float:
+        return self.decode_base + self.decode_per_seq * occupied
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """One simulated request: arrival, first token and last token times (s)."""
+
+    arrival: float
+    first: float
+    end: float
+    output_tokens: int
+
+    @property
+    def ttft(self) -> float:
+        return self.first - self.arrival
+
+    @property
+    def e2e(self) -> float:
+        return self.end - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.end - self.first) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+def simulate(
+    model: ServiceModel, jobs: Sequence[tuple[int, int]], arrivals: Sequence[float] | None = None,
+    concurrency: int | None = None,
+) -> list[Timeline]:  # fmt: skip
+    """The model's exact timelines for ``jobs`` ``(prompt_tokens, output_tokens)`` in dispatch order: sent at
+    ``arrivals`` (open loop) or by ``concurrency`` sessions that send the next job when theirs ends."""
+    if (arrivals is None) == (concurrency is None):
+        raise ValueError("simulate: give arrivals (open loop) or concurrency (closed loop)")
+    n = len(jobs)
+    arrive, first, end = [0.0] * n, [0.0] * n, [0.0] * n
+    left = [out for _, out in jobs]
+    events: list[tuple[float, int, int, int]] = []  # (time, seq, kind, job); kind 0 arrive, 1 token
+    seq = 0
+
+    def push(t: float, kind: int, j: int) -> None:
+        nonlocal seq
+        heapq.heappush(events, (t, seq, kind, j))
+        seq += 1
+
+    sent = 0
+    if arrivals is not None:
+        for j, t in enumerate(arrivals[:n]):
+            push(t, 0, j)
+        n = min(n, len(arrivals))
+    else:
+        for _ in range(min(concurrency or 1, n)):
+            push(0.0, 0, sent)
+            sent += 1
+    busy, queue = 0, deque[int]()
+
+    def admit(j: int, t: float) -> None:
+        push(t + model.prefill(jobs[j][0]), 1, j)
+
+    while events:
+        t, _, kind, j = heapq.heappop(events)
+        if kind == 0:
+            arrive[j] = t
+            if busy < model.slots:
+                busy += 1
+                admit(j, t)
+            else:
+                queue.append(j)
+            continue
+        if left[j] == jobs[j][1]:
+            first[j] = t
+        left[j] -= 1
+        if left[j] > 0:
+            push(t + model.step(busy), 1, j)
+            continue
+        end[j] = t
+        if queue:
+            admit(queue.popleft(), t)
+        else:
+            busy -= 1
+        if concurrency is not None and sent < n:
+            push(t, 0, sent)
+            sent += 1
+    return [Timeline(arrive[j], first[j], end[j], jobs[j][1]) for j in range(n)]
+
+
+def latencies(timelines: Sequence[Timeline], metric: str) -> np.ndarray:
+    values = [getattr(tl, metric) for tl in timelines]
+    return np.asarray([v for v in values if v is not None], dtype=float)
+
+
+def holds(model_timelines: Sequence[Timeline], slos: Sequence[Any]) -> bool:
+    """Do the timelines meet every SLO? (:func:`loadgen.capacity.check` with no allowance for sampling.)"""
+    from loadgen.capacity import Samples, check
+
+    samples = Samples()
+    for tl in model_timelines:
+        samples.add(tl.ttft, tl.tpot, tl.e2e, False)
+    return all(check(samples, s, 0.0).misses <= s.allowed * len(samples) for s in slos)
+
+
+def true_capacity(
+    model: ServiceModel, job: tuple[int, int], slos: Sequence[Any], mode: str, process: str = "poisson",
+    requests: int = 10000, seeds: int = 2, max_load: float = 4096,
+) -> float:  # fmt: skip
+    """The model's capacity under ``slos``: the highest concurrency (closed loop, steady state after a
+    wave) or the highest rate (open loop; Poisson: the exceedance over ``seeds`` × ``requests`` arrivals
+    with common random numbers; constant: exact) at which every SLO holds. Rates to 0.2 %."""
+    if mode == "concurrency":
+        c = 1
+        while c <= max_load:
+            n = max(requests // 10, 20 * c)
+            if not holds(simulate(model, [job] * (n + 2 * c), concurrency=c)[2 * c :], slos):
+                return float(c - 1)
+            c += 1
+        return math.inf
+    unit = [np.random.default_rng(s).exponential(1.0, requests) for s in range(seeds)]
+    if process == "constant":
+        unit = [np.ones(requests)]
+
+    def ok(rate: float) -> bool:
+        warm = requests // 20
+        return holds([tl for u in unit for tl in simulate(model, [job] * requests, np.cumsum(u / rate).tolist())[warm:]],
+                     slos)  # fmt: skip
+
+    lo, hi = 1e-3, 1.0
+    while ok(hi):
+        lo, hi = hi, hi * 2
+        if hi > max_load:
+            return math.inf
+    while hi - lo > 2e-3 * lo:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+# --- the live server ---------------------------------------------------------------------------------
+
+
+class _Slots:
+    """The model's slots and FIFO queue on the event loop. A slot passes to the next in line at the model
+    time its holder was due to end, not when the late timer fired, so timer lateness does not accumulate
+    into the queue (the server stays on the model's time line)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.busy = n, 0
+        self.waiting: deque[asyncio.Future[float]] = deque()
+
+    async def acquire(self, now: float) -> float:
+        """Wait for a slot; returns the model time the slot was free from."""
+        if self.busy < self.n:
+            self.busy += 1
+            return now
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting.append(fut)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # the slot was handed over just now: pass it on
+                self.release(fut.result())
+            raise
+
+    def release(self, at: float) -> None:
+        while self.waiting:
+            fut = self.waiting.popleft()
+            if not fut.done():
+                fut.set_result(at)  # the slot passes to the next in line; busy stays
+                return
+        self.busy -= 1
+
+
+class _ModelConn(_Conn):
+    fast = False
+
+    def __init__(self, model: ServiceModel, slots: _Slots) -> None:
+        super().__init__(Behaviour())
+        self.model, self.slots = model, slots
+
+    async def _paced(self, stream: _Stream, b: Behaviour) -> None:
+        t = self.transport
+        assert t is not None
+        loop = asyncio.get_running_loop()
+        t.write(self._head())
+        due = await self.slots.acquire(loop.time())
+        try:
+            due += self.model.prefill(stream.prompt_tokens)
+            for i in range(stream.n):
+                if i:
+                    due += self.model.step(self.slots.busy)
+                while (delay := due - loop.time()) > 0:
+                    await asyncio.sleep(delay)
+                if t.is_closing():
+                    return
+                t.write(_chunk(stream.event(i)))
+        finally:
+            self.slots.release(min(due, loop.time()))
+        t.write(_chunk(stream.tail()))
+        t.write(b"0\r\n\r\n")
+        self.busy = False
+        self._done()
+        self._next()
+
+
+class ServiceModelProcess(NullServerProcess):
+    """The service-model server in a child process; ``with ServiceModelProcess(ServiceModel()) as url: ...``."""
+
+    module = "loadgen.servicemodel"
+
+    def __init__(self, model: ServiceModel, host: str = "127.0.0.1") -> None:
+        super().__init__(host)
+        self.model = model
+
+    def options(self) -> list[str]:
+        return ["--model", json.dumps(asdict(self.model))]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m loadgen.servicemodel", description=__doc__.split("\n")[0])
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8098)
+    ap.add_argument("--model", default="{}", help="JSON object of ServiceModel fields")
+    ap.add_argument("--slots", type=int, default=None, help="slots (overrides --model; for --server/--grid np=...)")
+    args = ap.parse_args(argv)
+    model = ServiceModel(**{**json.loads(args.model), **({"slots": args.slots} if args.slots else {})})
+    slots = _Slots(model.slots)
+
+    async def run() -> None:
+        await serve(args.host, args.port, Behaviour(), protocol=lambda: _ModelConn(model, slots))
+
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(run())
+    else:
+        uvloop.run(run())
+
+
+if __name__ == "__main__":
+    main()

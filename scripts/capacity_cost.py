@@ -1,0 +1,100 @@
+"""Cost of `bench capacity`'s search against a linear sweep at the same resolution, on the known-answer
+service model: median probe-seconds over seeds, per SLO set and mode (virtual time), and optionally live
+against the service-model server (``--live``). Writes a JSON record.
+
+    python scripts/capacity_cost.py --seeds 10 --out results/capacity_cost.json [--live 3] [--poisson 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from tempfile import TemporaryDirectory
+
+from backends.openai import OpenAIBackend
+from loadgen.calibrate import FixedWorkload
+from loadgen.capacity import LiveProber, SearchConfig, SimProber, linear_sweep, parse_slos, search
+from loadgen.engine import run_async
+from loadgen.servicemodel import ServiceModel, ServiceModelProcess, true_capacity
+
+CASES = [("concurrency", "closed", "tpot_p90=9.5ms"), ("concurrency", "closed", "ttft_p99=40ms"),
+         ("concurrency", "closed", "e2e_p90=150ms,error_rate=1%"), ("rate", "constant", "tpot_p90=9.5ms"),
+         ("rate", "constant", "ttft_p99=40ms"), ("rate", "constant", "ttft_p90=25ms,tpot_p99=11ms")]  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seeds", type=int, default=10, help="virtual-time seeds per case (0: none)")
+    ap.add_argument("--live", type=int, default=0, help="also run this many seeds live against the server")
+    ap.add_argument("--poisson", type=int, default=0, help="seeds of the Poisson-arrival searches (virtual time)")
+    ap.add_argument("--out", type=Path, default=Path("results/capacity_cost.json"))
+    args = ap.parse_args()
+    model, job = ServiceModel(), (60, 16)
+    rows = []
+    for mode, process, slo in CASES if args.seeds else []:
+        slos = parse_slos(slo)
+        truth = true_capacity(model, job, slos, mode, "constant" if mode == "rate" else "poisson", requests=3000)
+        step = max(1.0, round(0.1 * truth)) if mode == "concurrency" else 0.1 * truth
+        s_cost, l_cost, hits = [], [], 0
+        for seed in range(args.seeds):
+            cfg = SearchConfig(mode)
+            res = run_async(search(SimProber(model, job, slos, seed=seed, process=process), slos, cfg))
+            lo, hi = res.interval
+            hits += res.status == "ok" and lo <= truth and (truth < hi if mode == "concurrency" else truth <= hi)
+            s_cost.append(res.probe_seconds)
+            l_cost.append(run_async(linear_sweep(SimProber(model, job, slos, seed=seed, process=process), slos, cfg,
+                                                 step))[0])  # fmt: skip
+        row = {"mode": mode, "slo": slo, "truth": truth, "seeds": args.seeds, "interval_hits": hits,
+               "search_s_median": statistics.median(s_cost), "linear_s_median": statistics.median(l_cost),
+               "ratio": statistics.median(s_cost) / statistics.median(l_cost), "where": "virtual time"}  # fmt: skip
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    if args.live:
+        live = ServiceModel(slots=8, prefill_base=0.002, prefill_per_token=0.00005, decode_base=0.002,
+                            decode_per_seq=0.004)  # fmt: skip
+        wl = FixedWorkload(max_tokens=8, prompt="w " * 60)
+        for mode, process, slo in (("concurrency", "closed", "tpot_p90=20ms"), ("rate", "constant", "ttft_p99=20ms")):
+            slos = parse_slos(slo)
+            truth = true_capacity(live, (60, 8), slos, mode, "constant", requests=3000)
+            step = 1.0 if mode == "concurrency" else 0.1 * truth
+            s_cost, l_cost, hits = [], [], 0
+            with ServiceModelProcess(live) as url, TemporaryDirectory() as tmp:
+                for seed in range(args.live):
+                    cfg = SearchConfig(mode, budget_s=300, max_probe_s=30, max_samples=1000)
+                    for kind in ("search", "linear"):
+                        prober = LiveProber(OpenAIBackend(url, model="null"), wl, slos, Path(tmp) / f"{kind}{seed}",
+                                            process=process, seed=seed, timeout=30)  # fmt: skip
+                        t = time.monotonic()
+                        if kind == "search":
+                            res = run_async(search(prober, slos, cfg))
+                            lo, hi = res.interval
+                            hits += res.status == "ok" and lo <= truth and (truth < hi if mode == "concurrency" else truth <= hi)
+                            s_cost.append(res.probe_seconds)
+                        else:
+                            l_cost.append(run_async(linear_sweep(prober, slos, cfg, step))[0])
+                        cost = (s_cost if kind == "search" else l_cost)[-1]
+                        print(mode, kind, seed, round(cost, 1), "probe-s", round(time.monotonic() - t, 1), "wall-s", flush=True)
+            rows.append({"mode": mode, "slo": slo, "truth": truth, "seeds": args.live, "interval_hits": hits,
+                         "search_s_median": statistics.median(s_cost), "linear_s_median": statistics.median(l_cost),
+                         "ratio": statistics.median(s_cost) / statistics.median(l_cost), "where": "live"})  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+    for slo in ("tpot_p90=9.5ms", "ttft_p99=40ms") if args.poisson else []:  # Poisson: the soft boundary
+        slos = parse_slos(slo)
+        truth = true_capacity(model, job, slos, "rate", "poisson")
+        runs = []
+        for seed in range(args.poisson):
+            res = run_async(search(SimProber(model, job, slos, seed=seed, process="poisson"), slos, SearchConfig("rate")))
+            lo, hi = res.interval
+            runs.append({"status": res.status, "interval": [lo, hi], "probe_s": res.probe_seconds,
+                         "contains": (lo or 0.0) <= truth <= (hi if hi is not None else float("inf"))})  # fmt: skip
+        rows.append({"mode": "rate", "process": "poisson", "slo": slo, "truth": truth, "runs": runs, "where": "virtual time"})
+        print(json.dumps(rows[-1]), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

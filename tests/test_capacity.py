@@ -1,0 +1,222 @@
+"""`bench capacity` against servers with a known answer: the service model in virtual time (every seed and
+SLO set) and the live service-model server on loopback, plus SLO parsing and the CLI's exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from backends.openai import OpenAIBackend
+from loadgen.calibrate import FixedWorkload
+from loadgen.capacity import (
+    LiveProber,
+    Samples,
+    SearchConfig,
+    Sequential,
+    SimProber,
+    SloError,
+    check,
+    linear_sweep,
+    parse_slos,
+    search,
+)  # fmt: skip
+from loadgen.engine import run_async
+from loadgen.exitcodes import ExitCode
+from loadgen.servicemodel import ServiceModel, ServiceModelProcess, simulate, true_capacity
+
+SIM = ServiceModel()  # 8 slots, prefill 4 ms + 0.1 ms/token, decode step 4 ms + 1 ms per occupied slot
+SIM_JOB = (60, 16)
+
+
+def test_parse_slos_and_malformed_keys_are_named():
+    slos = parse_slos("ttft_p99=1s,tpot_p99=60ms,e2e_p90=2500,error_rate=1%")
+    assert [(s.key, s.limit) for s in slos] == [("ttft_p99", 1.0), ("tpot_p99", 0.06), ("e2e_p90", 2.5),
+                                                ("error_rate", 0.01)]  # fmt: skip
+    assert slos[0].allowed == pytest.approx(0.01) and slos[3].allowed == pytest.approx(0.01)
+    for bad, named in [("ttft_q99=1s", "ttft_q99"), ("tpot_p99=fast", "tpot_p99"), ("itl_p50=5ms", "itl_p50"),
+                       ("ttft_p99", "ttft_p99"), ("error_rate=150%", "error_rate"), ("ttft_p0=1s", "ttft_p0"),
+                       ("ttft_p99=1s,ttft_p99=2s", "ttft_p99")]:  # fmt: skip
+        with pytest.raises(SloError, match=named):
+            parse_slos(bad)
+
+
+def test_simulator_matches_the_closed_form_below_the_slots():
+    for c in (1, 4, 8):
+        tl = simulate(SIM, [SIM_JOB] * (20 * c), concurrency=c)[2 * c :]
+        assert {round(x.ttft, 9) for x in tl} == {round(SIM.prefill(60), 9)}
+        assert {round(x.tpot or 0, 9) for x in tl} == {round(SIM.step(c), 9)}
+    queued = simulate(SIM, [SIM_JOB] * 90, concurrency=9)[18:]
+    assert np.mean([x.ttft for x in queued]) > SIM.prefill(60) + 0.005  # nine sessions queue for eight slots
+    assert true_capacity(SIM, SIM_JOB, parse_slos("tpot_p90=9.5ms"), "concurrency") == 5
+
+
+def test_sequential_decisions_are_calibrated():
+    """At a miss share on the allowed line, a verdict said with confidence is wrong in <~5 % of probes."""
+    slo = parse_slos("ttft_p90=100ms")
+    wrong = 0
+    for seed in range(200):
+        rng = np.random.default_rng(seed)
+        seq, samples = Sequential(slo, 0.95, 30, 600), Samples()
+        d = None
+        for v in rng.uniform(0, 0.1 / 0.88, 600):  # 12 % above the limit: truly violated
+            samples.add(v, None, v, False)
+            if seq.due(len(samples)) and (d := seq.decide(samples)) is not None:
+                break
+        wrong += d is not None and d.confident and d.verdict == "pass"
+    assert wrong <= 10
+    s = Samples()
+    for _ in range(50):
+        s.add(0.2, None, 0.2, False)
+    c = check(s, slo[0], 2.0)
+    assert c.state == "violated" and c.misses == 50
+
+
+SIM_CASES = [
+    ("concurrency", "poisson", "tpot_p90=9.5ms"),
+    ("concurrency", "poisson", "e2e_p90=150ms,error_rate=1%"),
+    ("rate", "constant", "ttft_p99=40ms"),
+    ("rate", "constant", "ttft_p90=25ms,tpot_p99=11ms"),
+]
+
+
+@pytest.mark.parametrize(("mode", "process", "slo"), SIM_CASES)
+def test_search_interval_contains_the_true_capacity_in_virtual_time(mode, process, slo):
+    slos = parse_slos(slo)
+    truth = true_capacity(SIM, SIM_JOB, slos, mode, process, requests=3000)
+    hits, cost = 0, []
+    for seed in range(10):
+        res = run_async(search(SimProber(SIM, SIM_JOB, slos, seed=seed, process=process), slos, SearchConfig(mode)))
+        lo, hi = res.interval
+        assert res.status == "ok" and res.resolution_met, res.message
+        assert hi - lo <= max(1.0, 0.05 * (lo + hi) * (1 + 1e-9))
+        hits += lo <= truth and (truth < hi if mode == "concurrency" else truth <= hi)
+        cost.append(res.probe_seconds)
+    assert hits >= 9, (truth, hits)
+    # cost: at most half the probe-seconds of a linear sweep at the same resolution with the same probes
+    step = max(1.0, round(0.1 * truth)) if mode == "concurrency" else 0.1 * truth
+    lin = run_async(linear_sweep(SimProber(SIM, SIM_JOB, slos, seed=0, process=process), slos, SearchConfig(mode), step))
+    assert float(np.median(cost)) <= 0.5 * lin[0], (cost, lin[0])
+
+
+# The live known-answer server: 8 slots, prefill 2 ms + 0.05 ms/token, decode step 2 ms + 4 ms per occupied slot.
+LIVE = ServiceModel(slots=8, prefill_base=0.002, prefill_per_token=0.00005, decode_base=0.002, decode_per_seq=0.004)
+LIVE_WL = FixedWorkload(max_tokens=8, prompt="w " * 60)
+LIVE_CASES = [
+    ("concurrency", "constant", "tpot_p90=20ms"),  # TPOT = 2 + 4c ms: capacity 4
+    ("rate", "constant", "ttft_p90=20ms"),  # the slots saturate: the queue grows without bound
+]
+
+
+@pytest.mark.parametrize(("mode", "process", "slo"), LIVE_CASES)
+def test_live_search_finds_the_known_capacity(tmp_path, mode, process, slo):
+    slos = parse_slos(slo)
+    truth = true_capacity(LIVE, (60, 8), slos, mode, process, requests=3000)
+    cfg = SearchConfig(mode, budget_s=60, max_probe_s=10, max_samples=400)
+    hits, runs = 0, []
+    with ServiceModelProcess(LIVE) as url:
+        for seed in range(5):
+            prober = LiveProber(OpenAIBackend(url, model="null"), LIVE_WL, slos, tmp_path / f"s{seed}",
+                                process=process, seed=seed, timeout=30)  # fmt: skip
+            res = run_async(search(prober, slos, cfg))
+            runs.append((res.status, res.interval))
+            assert all(p.errors == 0 for p in res.probes)
+            lo, hi = res.interval
+            hits += res.status == "ok" and lo <= truth and (truth < hi if mode == "concurrency" else truth <= hi)
+    assert hits >= 4, (truth, runs)
+
+
+def _bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-c", "from loadgen.cli import main; main()", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_exit_codes(tmp_path):
+    wl = tmp_path / "fixed.toml"
+    wl.write_text('description = "fixed"\n[[classes]]\nname = "fixed"\nprompt = 60\noutput = 8\n')
+    common = ["--workload", str(wl), "--output-dir", str(tmp_path), "--mode", "concurrency", "--budget", "40"]
+    bad = _bench("capacity", "--url", "http://127.0.0.1:9", "--slo", "ttft_p99=1s,tbt_p99=5ms", *common)
+    assert bad.returncode == ExitCode.USAGE and "tbt_p99" in bad.stderr
+    gone = _bench("capacity", "--url", "http://127.0.0.1:9", "--slo", "ttft_p99=1s", *common)
+    assert gone.returncode == ExitCode.SERVER_GONE and "unreachable" in gone.stderr
+    with ServiceModelProcess(LIVE) as url:
+        never = _bench("capacity", "--url", url, "--slo", "ttft_p90=1ms", "--run-id", "never", *common)
+        assert never.returncode == ExitCode.SLO_UNREACHABLE, never.stdout + never.stderr
+        assert "unreachable" in never.stdout
+        easy = _bench("capacity", "--url", url, "--slo", "e2e_p90=60s", "--run-id", "easy", "--max-concurrency", "8",
+                      *common)  # fmt: skip
+        assert easy.returncode == ExitCode.NOT_SATURATED, easy.stdout + easy.stderr
+        assert "still hold" in easy.stdout
+
+
+def test_cli_capacity_per_server_configuration_and_gate(tmp_path):
+    """--server/--grid gives one capacity per slot count (known: the slots, as the queue breaks the TTFT SLO),
+    and bench gate on capacity passes a result against itself and fails a capacity drop."""
+    wl = tmp_path / "fixed.toml"
+    wl.write_text('description = "fixed"\n[[classes]]\nname = "fixed"\nprompt = 60\noutput = 8\n')
+    slo = "ttft_p90=25ms"
+    model = json.dumps({k: v for k, v in vars(LIVE).items() if k != "slots"}).replace("{", "{{").replace("}", "}}")
+    server = f"python -m loadgen.servicemodel --host 127.0.0.1 --port {{port}} --slots {{np}} --model '{model}'"
+    r = _bench("capacity", "--server", server, "--grid", "np=2,4", "--slo", slo, "--mode", "concurrency",
+               "--workload", str(wl), "--budget", "40", "--output-dir", str(tmp_path), "--run-id", "grid")  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads((tmp_path / "grid" / "capacity.json").read_text())
+    got = {e["labels"]["np"]: e for e in doc["configs"]}
+    assert sorted(got) == ["2", "4"] and "probes: np2" in r.stdout and "probes: np4" in r.stdout
+    assert (tmp_path / "grid" / "capacity.html").stat().st_size > 100_000
+    for np_, e in got.items():
+        truth = true_capacity(ServiceModel(**{**vars(LIVE), "slots": int(np_)}), (60, 8), parse_slos(slo), "concurrency")
+        lo, hi = e["interval"]
+        assert e["status"] == "ok" and lo <= truth < hi, (np_, truth, e["interval"])
+        assert e["capacity"] == lo and e["goodput"] > 0 and f"np{np_}: capacity {int(lo)} concurrency" in r.stdout
+        assert all(p["errors"] == 0 for p in e["probes"])
+    # the gate: the same result passes; a candidate whose capacity fell by half is a regression
+    same = _bench("gate", "--baseline", str(tmp_path / "grid"), "--candidate", str(tmp_path / "grid"),
+                  "--metric", "capacity:-10%")  # fmt: skip
+    assert same.returncode == 0, same.stdout + same.stderr
+    worse = tmp_path / "worse"
+    worse.mkdir()
+    for e in doc["configs"]:
+        e["interval"] = [x / 2 for x in e["interval"]]
+    (worse / "capacity.json").write_text(json.dumps(doc))
+    drop = _bench("gate", "--baseline", str(tmp_path / "grid"), "--candidate", str(worse), "--metric", "capacity:-10%")
+    assert drop.returncode == 1, drop.stdout + drop.stderr
+    other = _bench("gate", "--baseline", str(tmp_path / "grid"), "--candidate", str(worse), "--metric", "capacity:+10%")
+    assert other.returncode == 2 and "capacity:-X%" in other.stdout + other.stderr
+
+
+def test_cli_sigint_stops_the_search_and_keeps_the_probes(tmp_path):
+    """Ctrl-C mid-search: exit 130, capacity.json says interrupted and keeps the probes that finished."""
+    wl = tmp_path / "fixed.toml"
+    wl.write_text('description = "fixed"\n[[classes]]\nname = "fixed"\nprompt = 60\noutput = 8\n')
+    with ServiceModelProcess(LIVE) as url:
+        cmd = [sys.executable, "-c", "from loadgen.cli import main; main()", "capacity", "--url", url, "--slo",
+               "tpot_p90=20ms", "--mode", "concurrency", "--workload", str(wl), "--output-dir", str(tmp_path),
+               "--run-id", "int"]  # fmt: skip
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+        path = tmp_path / "int" / "probes"
+        deadline = time.monotonic() + 60
+        while not (path.exists() and len(list(path.iterdir())) >= 2) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == ExitCode.INTERRUPTED, out + err
+    doc = json.loads((tmp_path / "int" / "capacity.json").read_text())["result"]
+    assert doc["status"] == "interrupted" and "SIGINT" in doc["message"] and len(doc["probes"]) >= 1
+    assert all(p["errors"] == 0 for p in doc["probes"])
+
+
+def test_no_finished_request_is_no_verdict():
+    """A server too slow for the probe time is not 'unreachable': the search says the budget ran out."""
+    slow = ServiceModel(prefill_base=100.0)
+    slos = parse_slos("ttft_p90=1s")
+    for mode in ("concurrency", "rate"):
+        res = run_async(search(SimProber(slow, SIM_JOB, slos), slos, SearchConfig(mode, budget_s=6, max_probe_s=2)))
+        assert res.status == "budget" and "raise --max-probe-s" in res.message, res.message
