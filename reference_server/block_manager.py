@@ -1,4 +1,10 @@
-"""Paged KV-cache bookkeeping: fixed-size blocks, ref counts, prefix caching by chained block hashes.
+"""Paged KV-cache bookkeeping: fixed-size blocks, ref counts, prefix caching by chained block keys.
+
+A full block's key is ``sha256(parent key + its token ids)``, so it names the whole prefix up to the
+block's end (as vLLM keys its cache since GHSA-rm76-4mrf-v9r8; Python's ``hash`` is 64 bits, unseeded for
+ints and tuples, and collisions can be crafted). A hit is moreover checked exactly: the cached block must
+hold the same tokens *and* the same parent key as the chain being matched, so even a colliding digest
+never returns KV computed for another prefix.
 
 A block with ref count 0 is *free* even when it still holds a cached prefix: it sits in an LRU list
 and is either re-used by a prefix hit (ref count goes back to 1) or evicted when a new block is
@@ -6,6 +12,8 @@ needed (oldest first). Hence ``num_free + num_used == num_blocks`` always holds.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -16,12 +24,14 @@ from reference_server.sequence import Sequence
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None
+    hash: bytes | None = None  # key of the prefix this block ends (None: not in the cache)
+    parent: bytes = b""  # key of the prefix before it (b"" for a first block)
     token_ids: tuple[int, ...] = ()
 
 
-def chain_hash(prev: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((prev, token_ids))
+def chain_hash(prev: bytes, token_ids: tuple[int, ...]) -> bytes:
+    """Key of the prefix ``prev`` + ``token_ids``: sha256 over the parent key and the tokens as int64."""
+    return hashlib.sha256(prev + array("q", token_ids).tobytes()).digest()
 
 
 class BlockManager:
@@ -31,7 +41,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[int, int] = {}  # chained hash -> block id
+        self.cached: dict[bytes, int] = {}  # prefix key -> block id
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
 
@@ -54,12 +64,12 @@ class BlockManager:
             return []
         bs = self.block_size
         hits: list[int] = []
-        prev: int | None = None
+        prev = b""
         for i in range((seq.num_tokens - 1) // bs):
             toks = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = chain_hash(prev, toks)
             bid = self.cached.get(h)
-            if bid is None or self.blocks[bid].token_ids != toks:
+            if bid is None or self.blocks[bid].token_ids != toks or self.blocks[bid].parent != prev:
                 break
             hits.append(bid)
             prev = h
@@ -100,7 +110,7 @@ class BlockManager:
             block = self.blocks[bid]
             if block.hash is not None and self.cached.get(block.hash) == bid:
                 del self.cached[block.hash]
-            block.hash, block.token_ids, block.ref_count = None, (), 1
+            block.hash, block.parent, block.token_ids, block.ref_count = None, b"", (), 1
             seq.block_table.append(bid)
 
     def commit(self, seq: Sequence) -> None:
@@ -111,11 +121,12 @@ class BlockManager:
         while len(seq.block_hashes) < seq.num_computed_tokens // bs:
             i = len(seq.block_hashes)
             toks = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, toks)
+            prev = seq.block_hashes[-1] if seq.block_hashes else b""
+            h = chain_hash(prev, toks)
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:
-                block.hash, block.token_ids = h, toks
+                block.hash, block.parent, block.token_ids = h, prev, toks
                 self.cached.setdefault(h, block.block_id)
 
     def release(self, seq: Sequence) -> None:

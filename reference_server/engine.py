@@ -3,14 +3,21 @@
 ``Engine.step`` is synchronous (tests drive it directly); ``Engine.start`` runs it in a background
 thread that sleeps while idle (``Engine.on_own_thread`` builds the engine on that thread in the first
 place, which the server does). Outputs go to one sink callback per step (the server bridges them onto
-its asyncio loop in a single thread-safe call)."""
+its asyncio loop in a single thread-safe call).
+
+Faults are contained at the smallest scope that holds them: an exception while emitting one request's
+tokens (detokenizer, stop strings) fails that request alone; one that spoils the step (scheduling, the
+forward pass, sampling: a kernel error, out of memory) fails the step's requests; both free the blocks
+and the loop goes on. Anything else ends the loop: every request in flight then gets an error output,
+``alive`` turns False and ``add_request`` raises ``EngineDead``, so that callers answer at once."""
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -39,6 +46,7 @@ class RequestOutput:
     cached_tokens: int
     spec_drafted: int = 0  # speculative decoding: draft tokens verified for this request so far
     spec_accepted: int = 0  # of which accepted
+    error: str | None = None  # set when the request failed (finish_reason "error"): what went wrong
 
 
 @dataclass
@@ -57,12 +65,22 @@ class IterationRecord:
     num_waiting: int
     preempted: list[str]
     padding_tokens: int = 0  # static/dynamic batching: rows computed for finished members (output unused)
+    output_tokens: int = 0  # tokens emitted to requests (sampled tokens plus accepted draft tokens)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
 OutputSink = Callable[[list[RequestOutput]], None]
+log = logging.getLogger(__name__)
+
+
+class EngineDead(RuntimeError):
+    """The engine loop has ended after an unexpected error; no request can be served."""
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 class Engine:
@@ -85,6 +103,10 @@ class Engine:
         self.iterations: deque[IterationRecord] = deque(maxlen=config.iteration_log_size)
         self.num_iterations = 0
         self.on_iteration: list[Callable[[IterationRecord], None]] = []
+        self.on_finish: list[Callable[[str], None]] = []  # called with the finish reason of every request
+        self.num_finished: Counter[str] = Counter()  # requests ended, by reason (stop/length/abort/error)
+        self.fatal: str | None = None  # why the loop died, once it has
+        self._lock = threading.Lock()  # orders add_request against the loop's death
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, Detokenizer] = {}
         self._stop_ids: dict[str, set[int]] = {}
@@ -103,13 +125,21 @@ class Engine:
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_model_len}")
         seq = Sequence(prompt_ids, params, seq_id, priority)
-        self._commands.put(("add", seq))
+        with self._lock:
+            if self.fatal is not None:
+                raise EngineDead(f"the engine has stopped after an error ({self.fatal})")
+            self._commands.put(("add", seq))
         self._wake.set()
         return seq
 
     def abort(self, seq_id: str) -> None:
         self._commands.put(("abort", seq_id))
         self._wake.set()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the loop is running and can serve requests."""
+        return self.fatal is None and self._running and self._thread is not None and self._thread.is_alive()
 
     def num_waiting(self) -> int:
         """Requests not yet admitted to the running batch (including ones not yet seen by the loop)."""
@@ -134,35 +164,67 @@ class Engine:
             else:
                 seq = self._seqs.get(str(arg))
                 if seq is not None and seq.status is not SeqStatus.FINISHED:
-                    self.scheduler.finish(seq, "abort")
-                    self._forget(seq)
+                    self._finish(seq, "abort")
 
-    def _forget(self, seq: Sequence) -> None:
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        """End ``seq`` (stop, length, abort, error): free its blocks and per-request state, count it."""
+        self.scheduler.finish(seq, reason)
         if self.spec is not None:
             self.spec.release(seq)
         self._seqs.pop(seq.seq_id, None)
         self._detok.pop(seq.seq_id, None)
         self._stop_ids.pop(seq.seq_id, None)
+        self.num_finished[reason] += 1
+        for hook in self.on_finish:
+            hook(reason)
+
+    def _failed(self, seq: Sequence, error: str) -> RequestOutput:
+        return RequestOutput(seq.seq_id, "", [], True, "error", seq.num_prompt_tokens, seq.num_output_tokens,
+                             seq.num_cached_tokens, seq.spec_drafted, seq.spec_accepted, error=error)
+
+    def _fail(self, seq: Sequence, exc: Exception, scope: str) -> RequestOutput:
+        """End ``seq`` because of ``exc`` (raised while handling ``scope``); its error output."""
+        log.error("request %s failed (%s): %s", seq.seq_id, scope, _describe(exc), exc_info=exc)
+        if seq.status is not SeqStatus.FINISHED:
+            self._finish(seq, "error")
+        return self._failed(seq, f"internal error in {scope}: {_describe(exc)}")
 
     def step(self) -> list[RequestOutput]:
-        """One iteration. Returns the outputs of the requests that produced a token."""
+        """One iteration. Returns the outputs of the requests that produced a token or failed."""
         self._drain()
         if not self.scheduler.has_work():
             return []
         start = time.time()
-        if self.spec is not None:  # drafts first: the scheduler gives each a 1 + k token gap
-            self.spec.propose([s for s in self.scheduler.running if s.num_tokens - s.num_computed_tokens == 1])
-        batch = self.scheduler.schedule()
-        results = self.runner.step(batch, self.spec)
-        outputs = [self._emit(seq, toks) for seq, toks in results]
+        batch = ScheduledBatch()
+        try:
+            if self.spec is not None:  # drafts first: the scheduler gives each a 1 + k token gap
+                self.spec.propose([s for s in self.scheduler.running if s.num_tokens - s.num_computed_tokens == 1])
+            batch = self.scheduler.schedule()
+            decode = sum(n for s, n in batch.items if s.num_computed_tokens >= s.num_prompt_tokens)
+            results = self.runner.step(batch, self.spec)
+        except Exception as e:  # the step is spoilt: its requests fail (all in flight if it never formed)
+            victims = [s for s, _ in batch.items] or self.scheduler.running + self.scheduler.waiting
+            return [self._fail(s, e, "the engine step") for s in list(victims)]
+        emitted: list[tuple[Sequence, RequestOutput]] = []
+        for seq, toks in results:
+            try:
+                out = self._emit(seq, toks)
+            except Exception as e:  # this request's own fault (detokenizer, stop strings): it alone fails
+                out = self._fail(seq, e, "its output")
+            emitted.append((seq, out))
         self.scheduler.advance(batch)  # after the new tokens are appended: full blocks hash their tokens
-        self._record(batch, start)
+        for seq, out in emitted:
+            if out.finish_reason in ("stop", "length"):
+                self._finish(seq, out.finish_reason)
+        outputs = [out for _, out in emitted]
+        self._record(batch, start, decode, sum(len(o.token_ids) for o in outputs if o.error is None))
         if self.config.step_sleep_ms > 0:
             time.sleep(self.config.step_sleep_ms / 1000)
         return outputs
 
     def _emit(self, seq: Sequence, toks: list[int]) -> RequestOutput:
-        """Append this step's tokens (several when a draft was accepted) up to the first stop."""
+        """Append this step's tokens (several when a draft was accepted) up to the first stop; a request
+        that stops is finished by the caller once the step's blocks are published."""
         detok = self._detok[seq.seq_id]
         reason = None
         text = ""
@@ -182,24 +244,26 @@ class Engine:
                 break
         if reason is not None:
             text += detok.flush()
-            self.scheduler.finish(seq, reason)
-            self._forget(seq)
         return RequestOutput(seq.seq_id, text, emitted, reason is not None, reason, seq.num_prompt_tokens,
                              seq.num_output_tokens, seq.num_cached_tokens, seq.spec_drafted, seq.spec_accepted)
 
-    def _record(self, batch: ScheduledBatch, start: float) -> None:
-        decode = sum(1 for s, n in batch.items if n == 1 and s.num_computed_tokens > s.num_prompt_tokens)
+    def _record(self, batch: ScheduledBatch, start: float, decode: int, output_tokens: int) -> None:
+        """``decode``: tokens computed for rows past their prompt (a decode, or a draft being verified)."""
         rec = IterationRecord(
             i=self.num_iterations, t_unix=start, t_end_unix=time.time(), seq_ids=[s.seq_id for s, _ in batch.items],
             prefill_tokens=batch.num_tokens - decode, decode_tokens=decode,
             kv_blocks_used=self.block_manager.num_used, kv_blocks_total=self.block_manager.num_blocks,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             preempted=[s.seq_id for s in batch.preempted], padding_tokens=len(batch.padding),
+            output_tokens=output_tokens,
         )
         self.num_iterations += 1
         self.iterations.append(rec)
         for hook in self.on_iteration:
-            hook(rec)
+            try:
+                hook(rec)
+            except Exception:  # an observer's bug must not stop serving
+                log.exception("iteration hook %r failed", hook)
 
     def iterations_since(self, since: int, limit: int = 1000) -> list[IterationRecord]:
         """Records with index >= ``since`` still in the ring buffer (oldest first, at most ``limit``)."""
@@ -270,11 +334,36 @@ class Engine:
 
     def _loop(self) -> None:
         assert self._sink is not None
-        while self._running:
-            if not self.scheduler.has_work() and self._commands.empty():
-                self._wake.wait(0.5)
-                self._wake.clear()
-                continue
-            outputs = self.step()
-            if outputs:
-                self._sink(outputs)
+        try:
+            while self._running:
+                if not self.scheduler.has_work() and self._commands.empty():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                outputs = self.step()
+                if outputs:
+                    self._sink(outputs)
+        except BaseException as e:
+            self._die(e)
+            if not isinstance(e, Exception):
+                raise
+
+    def _die(self, exc: BaseException) -> None:
+        """The loop cannot go on: refuse new requests, and fail every request in flight (no one waits)."""
+        with self._lock:
+            self.fatal = _describe(exc)
+        log.critical("the engine loop died; every request in flight fails: %s", self.fatal, exc_info=exc)
+        seqs = list(self._seqs.values())
+        while True:
+            try:
+                cmd, arg = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if cmd == "add":
+                assert isinstance(arg, Sequence)
+                seqs.append(arg)
+        if seqs and self._sink is not None:
+            try:
+                self._sink([self._failed(s, f"the engine stopped: {self.fatal}") for s in seqs])
+            except Exception:
+                log.exception("could not hand the failed requests back")

@@ -1,8 +1,10 @@
 """Scheduling policies beyond FIFO: shortest-job-first and priority, both aged against starvation.
 
 A policy orders the waiting queue (``waiting_key``, smaller first) and names the running request to
-preempt when the KV pool runs dry (``victim``). Aging: every ``aging_s`` seconds a request has waited
-counts as one step better, so a long job or a low priority one is served eventually.
+preempt when the KV pool runs dry (``victim``). Aging: every ``aging_s`` seconds since a request arrived
+count as one step better, for admission and for the choice of a victim alike. Time since arrival (not
+since the last admission) keeps running through a preemption, so a request cannot be chosen as the victim
+again and again: each time it comes back it ranks higher against everyone who arrived after it.
 """
 
 from __future__ import annotations
@@ -30,12 +32,15 @@ class SjfPolicy:
     def job_size(self, seq: Sequence) -> float:
         return (seq.num_tokens - seq.num_computed_tokens) + (seq.params.max_tokens - seq.num_output_tokens)
 
+    def aged_size(self, seq: Sequence, now: float) -> float:
+        return self.job_size(seq) - self.aging_tokens * _waited(seq, now) / self.aging_s
+
     def waiting_key(self, seq: Sequence) -> tuple[float, ...]:
-        aged = self.job_size(seq) - self.aging_tokens * _waited(seq, time.monotonic()) / self.aging_s
-        return (aged, seq.order)
+        return (self.aged_size(seq, time.monotonic()), seq.order)
 
     def victim(self, running: list[Sequence]) -> Sequence:
-        return max(running, key=lambda s: (self.job_size(s), s.order))
+        now = time.monotonic()
+        return max(running, key=lambda s: (self.aged_size(s, now), s.order))
 
     def should_preempt(self, incoming: Sequence, running: list[Sequence]) -> Sequence | None:
         return None  # SJF orders the queue; it does not evict running work
@@ -44,8 +49,9 @@ class SjfPolicy:
 class PriorityPolicy:
     """Higher ``priority`` first (ties FIFO); each ``aging_s`` waited adds one priority level.
 
-    The victim is the lowest-priority running request (latest arrival among equals), so a full pool
-    preempts low-priority work in favour of high-priority arrivals."""
+    The victim is the running request of the lowest aged priority (latest arrival among equals), so a
+    full pool preempts low-priority work in favour of high-priority arrivals, but not a low-priority
+    request that has been in the system long enough to outrank them."""
 
     def __init__(self, aging_s: float = 10.0) -> None:
         self.aging_s = aging_s
@@ -57,11 +63,13 @@ class PriorityPolicy:
         return (-self.effective(seq, time.monotonic()), seq.order)
 
     def victim(self, running: list[Sequence]) -> Sequence:
-        return min(running, key=lambda s: (s.priority, -s.order))
+        now = time.monotonic()
+        return min(running, key=lambda s: (self.effective(s, now), -s.order))
 
     def should_preempt(self, incoming: Sequence, running: list[Sequence]) -> Sequence | None:
-        """A running request of lower priority to make room for ``incoming``, if any."""
-        lower = [s for s in running if s.priority < incoming.priority]
+        """A running request of lower aged priority to make room for ``incoming``, if any."""
+        now = time.monotonic()
+        lower = [s for s in running if self.effective(s, now) < self.effective(incoming, now)]
         return self.victim(lower) if lower else None
 
 

@@ -96,7 +96,7 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
-        if was_running and reason != "abort" and not self.gate.continuous and self.running:
+        if was_running and reason in ("stop", "length") and not self.gate.continuous and self.running:
             self.padding.append(seq)
         else:
             self.bm.release(seq)
@@ -184,9 +184,10 @@ class Scheduler:
         return batch
 
     def advance(self, batch: ScheduledBatch) -> None:
-        """Record the step's KV as computed (and publish full blocks to the prefix cache)."""
+        """Record the step's KV as computed and publish full blocks to the prefix cache (also for a
+        request that this step's output is about to finish: its last blocks are valid too)."""
         for seq, n in batch.items:
-            if seq.status is SeqStatus.FINISHED:  # ended by this step's output (stop token, length)
+            if seq.status is SeqStatus.FINISHED:  # failed or aborted during this step: blocks released
                 continue
             seq.num_computed_tokens += n
             self.bm.commit(seq)

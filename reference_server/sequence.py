@@ -16,9 +16,14 @@ class SeqStatus(Enum):
     FINISHED = "finished"
 
 
+SAMPLING_EPS = 1e-5
+"""Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``): dividing logits by a tinier one
+overflows to inf and the softmax to NaN."""
+
+
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0  # 0 -> greedy
+    temperature: float = 1.0  # below SAMPLING_EPS -> greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 -> off
     seed: int | None = None
@@ -29,7 +34,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
 
 _counter = itertools.count()
@@ -49,7 +54,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at (last) admission
         self.block_table: list[int] = []
-        self.block_hashes: list[int] = []  # chained hashes of this sequence's full, computed blocks
+        self.block_hashes: list[bytes] = []  # prefix keys of this sequence's full, computed blocks
         self.status = SeqStatus.WAITING
         self.params = params
         self.finish_reason: str | None = None

@@ -1,25 +1,33 @@
 """OpenAI-compatible HTTP front end (FastAPI + uvicorn) over the engine thread.
 
 Endpoints: ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming with ``[DONE]``), ``/v1/models``,
-``/health``, ``/metrics`` (Prometheus) and ``GET /v1/iterations?since=N`` (exact per-step records)."""
+``/health``, ``/metrics`` (Prometheus) and ``GET /v1/iterations?since=N`` (exact per-step records).
+
+One request can never stop the server: bad input is a 4xx naming the field (as strict as vLLM; a field
+the server does not implement is rejected unless null or its neutral default, so that vLLM's `bench serve`,
+guidellm and the `openai` package work unchanged), a fault while serving one request is a 500 (or an
+``error`` event on its stream) for that request alone, a client that goes away has its request aborted
+(streaming or not), and if the engine loop ever dies ``/health`` and every request answer 503 at once."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Literal
 
+import jinja2
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -31,8 +39,45 @@ from prometheus_client import (
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from reference_server.config import EngineConfig
-from reference_server.engine import Engine, IterationRecord, RequestOutput
+from reference_server.engine import Engine, EngineDead, IterationRecord, RequestOutput
 from reference_server.sequence import SamplingParams
+
+log = logging.getLogger(__name__)
+
+# -- limits ----------------------------------------------------------------------------------------------
+MAX_BODY_BYTES = 4 << 20  # a 32k-token prompt is ~0.2 MB as text or as token ids
+MAX_STOP_STRINGS = 32  # stop strings are scanned on the engine thread for every token
+MAX_STOP_CHARS = 512
+MAX_STOP_TOKEN_IDS = 1024
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seeds (as vLLM) and priorities
+
+
+def _neutral(*values: object) -> Callable[[object], bool]:
+    """A test for "this field asks for nothing": null or one of ``values`` (same type: True is not 1)."""
+    def test(v: object) -> bool:
+        return v is None or any(type(v) is type(x) and v == x for x in values) or (
+            isinstance(v, float) and any(type(x) is int and v == x for x in values))
+    return test
+
+
+# Fields of the OpenAI/vLLM APIs that this server does not implement: accepted only when they ask for
+# nothing (clients such as vLLM's bench serve send ``"logprobs": null, "repetition_penalty": 1.0``),
+# otherwise a 400 -- never silently ignored.
+UNSUPPORTED: dict[str, Callable[[object], bool]] = {
+    "logprobs": _neutral(False), "top_logprobs": _neutral(0), "prompt_logprobs": _neutral(),
+    "echo": _neutral(False), "best_of": _neutral(1), "suffix": _neutral(""),
+    "presence_penalty": _neutral(0), "frequency_penalty": _neutral(0), "repetition_penalty": _neutral(1),
+    "length_penalty": _neutral(1), "min_p": _neutral(0), "min_tokens": _neutral(0),
+    "logit_bias": _neutral({}), "allowed_token_ids": _neutral(), "bad_words": _neutral([]),
+    "response_format": _neutral({"type": "text"}), "tools": _neutral([]), "functions": _neutral([]),
+    "tool_choice": _neutral("none", "auto"), "function_call": _neutral("none", "auto"),
+    "guided_json": _neutral(), "guided_regex": _neutral(), "guided_choice": _neutral(),
+    "guided_grammar": _neutral(), "structured_outputs": _neutral(), "prediction": _neutral(),
+    "use_beam_search": _neutral(False), "include_stop_str_in_output": _neutral(False),
+    "skip_special_tokens": _neutral(True), "truncate_prompt_tokens": _neutral(),
+    "add_generation_prompt": _neutral(True), "continue_final_message": _neutral(False),
+    "chat_template": _neutral(), "chat_template_kwargs": _neutral({}), "return_tokens_as_token_ids": _neutral(False),
+}
 
 
 # -- request bodies --------------------------------------------------------------------------------------
@@ -49,14 +94,14 @@ class _Common(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     n: int = Field(default=1, ge=1, le=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
-    priority: int = 0  # --policy priority: higher is served first (and may preempt lower)
+    priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)  # --policy priority: higher first
 
 
 class CompletionRequest(_Common):
@@ -85,10 +130,24 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
-    def response(self) -> JSONResponse:
-        kind = {429: "rate_limit_error", 404: "not_found_error"}.get(self.status, "invalid_request_error")
-        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
+    @property
+    def body(self) -> dict[str, Any]:
+        kind = {429: "rate_limit_error", 404: "not_found_error", 413: "request_too_large",
+                500: "internal_server_error", 503: "service_unavailable"}.get(self.status, "invalid_request_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> Response:
+        # ASCII JSON: a message quoting the client's text may hold lone surrogates, which UTF-8 cannot
+        return Response(json.dumps(self.body), status_code=self.status, media_type="application/json")
+
+
+def _clip(value: object, n: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
 
 
 # -- metrics ---------------------------------------------------------------------------------------------
@@ -106,8 +165,11 @@ class Metrics:
         self.prefix_hits = Counter("servelab_prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
         self.iterations = Counter("servelab_iterations", "Engine steps", registry=r)
         self.prompt_tokens = Counter("servelab_prompt_tokens", "Prompt tokens computed (prefill)", registry=r)
-        self.generation_tokens = Counter("servelab_generation_tokens", "Tokens generated", registry=r)
-        self.requests = Counter("servelab_requests_finished", "Finished requests", ["finish_reason"], registry=r)
+        self.generation_tokens = Counter("servelab_generation_tokens", "Tokens generated (accepted draft tokens included)",
+                                         registry=r)
+        self.requests = Counter("servelab_requests_finished", "Requests ended, by finish reason (stop, length, "
+                                "abort: the client went away, error: failed on the server)", ["finish_reason"], registry=r)
+        self.alive = Gauge("servelab_engine_alive", "1 while the engine loop runs, 0 once it has died", registry=r)
         buckets = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
         self.tokens_per_iter = Histogram("servelab_tokens_per_iteration", "Tokens computed per engine step",
                                          buckets=buckets, registry=r)
@@ -118,18 +180,23 @@ class Metrics:
         self.spec_accepted = Counter("servelab_spec_accepted_tokens", "Speculative draft tokens accepted", registry=r)
         self.spec_steps = Counter("servelab_spec_verify_steps", "Verification passes that carried a draft", registry=r)
         self.kv_total.set(engine.block_manager.num_blocks)
+        # read when scraped, so they are current while the engine idles (after aborts, say)
+        self.running.set_function(lambda: len(engine.scheduler.running))
+        self.waiting.set_function(engine.num_waiting)
+        self.kv_used.set_function(lambda: engine.block_manager.num_used)
+        self.alive.set_function(lambda: int(engine.alive))
         self._engine = engine
         self._seen = (0, 0, 0, 0, 0, 0)
 
+    def on_finish(self, reason: str) -> None:
+        self.requests.labels(reason).inc()
+
     def on_iteration(self, rec: IterationRecord) -> None:
-        """Engine-thread hook: gauges, per-step histogram and counter deltas."""
+        """Engine-thread hook: per-step histogram and counter deltas."""
         bm, sch = self._engine.block_manager, self._engine.scheduler
-        self.running.set(rec.num_running)
-        self.waiting.set(rec.num_waiting)
-        self.kv_used.set(rec.kv_blocks_used)
         self.iterations.inc()
         self.prompt_tokens.inc(rec.prefill_tokens)
-        self.generation_tokens.inc(rec.decode_tokens)
+        self.generation_tokens.inc(rec.output_tokens)
         self.tokens_per_iter.observe(rec.prefill_tokens + rec.decode_tokens)
         spec = self._engine.spec
         now = (sch.num_preemptions, bm.prefix_queries, bm.prefix_hits,
@@ -158,7 +225,9 @@ class Server:
         self.model_name = model_name
         self.metrics = Metrics(engine)
         engine.on_iteration.append(self.metrics.on_iteration)
+        engine.on_finish.append(self.metrics.on_finish)
         self.streams: dict[str, _Stream] = {}
+        self._noted: set[str] = set()  # unknown request fields already logged
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def sink(self, outputs: list[RequestOutput]) -> None:
@@ -175,33 +244,59 @@ class Server:
             (self.metrics.ttft.observe(now - st.start) if st.last is None else self.metrics.itl.observe(now - st.last))
             st.last = now
             st.queue.put_nowait(out)
-            if out.finished:
-                self.metrics.requests.labels(out.finish_reason or "stop").inc()
+
+    async def watchdog(self, period: float = 1.0) -> None:
+        """Fails the open requests once the engine has died (its loop fails them itself; this is the
+        guarantee that no client waits on a dead engine even if that hand-over did not happen)."""
+        while self.engine.alive or self.engine.fatal is None:
+            await asyncio.sleep(period)
+        while True:
+            for seq_id, st in list(self.streams.items()):
+                st.queue.put_nowait(RequestOutput(seq_id, "", [], True, "error", 0, 0, 0,
+                                                  error=f"the engine stopped: {self.engine.fatal}"))
+            await asyncio.sleep(period)
 
     # -- request handling ---------------------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_name, ""):
-            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.model_name!r} (GET /v1/models)",
-                           "model", "model_not_found")
+            raise ApiError(404, f"model {_clip(model)} does not exist; this server serves {self.model_name!r} "
+                                "(GET /v1/models)", "model", "model_not_found")
 
-    def _params(self, req: _Common, max_tokens: int | None) -> SamplingParams:
+    def _params(self, req: _Common, max_tokens: int) -> SamplingParams:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if any(not s for s in stop):
             raise ApiError(400, "stop strings must not be empty", "stop")
+        if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
+            raise ApiError(400, f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters "
+                                f"each (got {len(stop)}, the longest {max(len(s) for s in stop)})", "stop")
+        vocab = self.engine.runner.spec.vocab
+        stop_ids = list(req.stop_token_ids or [])
+        if any(not 0 <= t < vocab for t in stop_ids):
+            raise ApiError(400, f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
+        if req.priority and self.engine.config.policy != "priority":
+            raise ApiError(400, f"priority {req.priority} needs a server started with --policy priority "
+                                f"(this one runs --policy {self.engine.config.policy})", "priority")
         return SamplingParams(
             temperature=req.temperature, top_p=req.top_p, top_k=max(0, req.top_k), seed=req.seed,
-            max_tokens=max_tokens or 0, ignore_eos=req.ignore_eos, stop=stop,
-            stop_token_ids=list(req.stop_token_ids or []),
+            max_tokens=max_tokens, ignore_eos=req.ignore_eos, stop=stop, stop_token_ids=stop_ids,
         )
 
-    def _submit(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> tuple[str, _Stream]:
+    def _submit(self, prompt_ids: list[int], params: SamplingParams, explicit_max: bool,
+                priority: int = 0) -> tuple[str, _Stream]:
+        """Queue the request; ``params.max_tokens`` asked for explicitly must fit the context (as in
+        vLLM), the default is cut to what is left of it."""
         limit = self.engine.max_model_len
         if not prompt_ids:
             raise ApiError(400, "the prompt is empty", "prompt")
         if len(prompt_ids) >= limit:
-            raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens but the context holds {limit}; "
-                                "shorten the prompt", "prompt", "context_length_exceeded")
+            raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens but this model's context holds {limit} "
+                                "(prompt and output together); shorten the prompt", "prompt", "context_length_exceeded")
         room = limit - len(prompt_ids)
+        if explicit_max and params.max_tokens > room:
+            raise ApiError(400, f"this model's context holds {limit} tokens, but {len(prompt_ids)} prompt tokens + "
+                                f"{params.max_tokens} max_tokens = {len(prompt_ids) + params.max_tokens}; lower "
+                                f"max_tokens to at most {room} or shorten the prompt", "max_tokens",
+                           "context_length_exceeded")
         params.max_tokens = min(params.max_tokens, room) if params.max_tokens else room
         if self.engine.num_waiting() >= self.engine.config.max_waiting:
             raise ApiError(429, f"too many requests waiting (--max-waiting {self.engine.config.max_waiting}); "
@@ -209,7 +304,11 @@ class Server:
         seq_id = uuid.uuid4().hex
         stream = _Stream()
         self.streams[seq_id] = stream
-        self.engine.add_request(prompt_ids, params, seq_id, priority)
+        try:
+            self.engine.add_request(prompt_ids, params, seq_id, priority)
+        except EngineDead as e:
+            self.streams.pop(seq_id, None)
+            raise ApiError(503, str(e), None, "engine_dead") from None
         return seq_id, stream
 
     async def _outputs(self, seq_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
@@ -225,52 +324,118 @@ class Server:
             if not finished:
                 self.engine.abort(seq_id)
 
-    async def handle(self, request: Request, chat: bool) -> Response:
+    def _error(self, out: RequestOutput) -> ApiError:
+        """The error a failed request answers with: 503 once the engine is gone, else a 500 naming the cause."""
+        if not self.engine.alive:
+            return ApiError(503, out.error or "the engine stopped", None, "engine_dead")
+        return ApiError(500, out.error or "internal error", None, "internal_error")
+
+    async def _body(self, request: Request) -> dict[str, Any]:
+        """The JSON object of the request, read up to MAX_BODY_BYTES (413 beyond)."""
+        too_large = ApiError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", None, "request_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise too_large
+            chunks.append(chunk)
         try:
-            body = json.loads(await request.body())
+            body = json.loads(b"".join(chunks), parse_constant=_reject_constant)
         except (ValueError, UnicodeDecodeError) as e:
             raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ApiError(400, "the request body is not valid JSON: nested too deeply") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
+        return body
+
+    @staticmethod
+    def _check_supported(body: dict[str, Any]) -> None:
+        for name, neutral in UNSUPPORTED.items():
+            if name in body and not neutral(body[name]):
+                raise ApiError(400, f"{name!r} is not supported by this server (got {_clip(body[name])}); "
+                                    "leave it out or send null", name, "unsupported_parameter")
+
+    def _note_extra(self, req: _Common) -> None:
+        """Fields outside the API (and outside UNSUPPORTED) are accepted, as by vLLM, and logged once."""
+        for name in (req.model_extra or {}).keys() - self._noted:
+            if len(self._noted) < 1000:
+                self._noted.add(name)
+                log.warning("request field %s is not part of the API and is ignored", _clip(name))
+
+    def _encode(self, text: str) -> list[int]:
+        try:
+            return self.engine.codec.encode(text)
+        except (UnicodeError, TypeError) as e:  # lone surrogates (valid JSON, not valid Unicode text)
+            raise ApiError(400, f"the prompt is not valid Unicode text: {e}", "prompt") from None
+
+    def _chat_prompt(self, req: ChatRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.content if isinstance(m.content, str)
+                     else "".join(p.text for p in m.content)} for m in req.messages]
+        try:
+            text = self.engine.codec.apply_chat_template(messages)
+        except jinja2.TemplateError as e:
+            raise ApiError(400, f"the chat template rejects these messages: {e}", "messages") from None
+        return self._encode(text)
+
+    def _completion_prompt(self, req: CompletionRequest) -> list[int]:
+        p = req.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str):
+            if len(p) != 1:
+                raise ApiError(400, "only one prompt per request is supported", "prompt")
+            p = p[0]
+        if isinstance(p, str):
+            return self._encode(p)
+        if len(p) >= self.engine.max_model_len:  # before looking at each id
+            raise ApiError(400, f"the prompt has {len(p)} tokens but this model's context holds "
+                                f"{self.engine.max_model_len}; shorten the prompt", "prompt", "context_length_exceeded")
+        vocab = self.engine.runner.spec.vocab
+        if any(not 0 <= t < vocab for t in p):  # type: ignore[operator]
+            raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+        return [int(t) for t in p]  # type: ignore[arg-type]
+
+    async def handle(self, request: Request, chat: bool) -> Response:
+        if not self.engine.alive:
+            raise ApiError(503, f"the engine has stopped ({self.engine.fatal or 'shutting down'})", None, "engine_dead")
+        body = await self._body(request)
+        self._check_supported(body)
         try:
             req: _Common = (ChatRequest if chat else CompletionRequest).model_validate(body)
         except ValidationError as e:
             err = e.errors()[0]
             param = ".".join(str(p) for p in err["loc"])
-            raise ApiError(400, f"invalid field {param!r}: {err['msg']}", param) from None
+            raise ApiError(400, f"invalid field {_clip(param)}: {err['msg']}", param) from None
         self._check_model(req.model)
-        codec = self.engine.codec
+        self._note_extra(req)
         if isinstance(req, ChatRequest):
-            messages = [{"role": m.role, "content": m.content if isinstance(m.content, str)
-                         else "".join(p.text for p in m.content)} for m in req.messages]
-            prompt_ids = codec.encode(codec.apply_chat_template(messages))
-            max_tokens = req.max_completion_tokens or req.max_tokens
+            prompt_ids = await asyncio.to_thread(self._chat_prompt, req)
+            asked = req.max_completion_tokens or req.max_tokens
+            max_tokens = asked or 0
         else:
             assert isinstance(req, CompletionRequest)
-            p = req.prompt
-            if isinstance(p, list) and p and isinstance(p[0], str):
-                if len(p) != 1:
-                    raise ApiError(400, "only one prompt per request is supported", "prompt")
-                p = p[0]
-            if isinstance(p, list):
-                if any(t < 0 or t >= self.engine.runner.spec.vocab for t in p):  # type: ignore[operator]
-                    raise ApiError(400, "prompt token ids out of the vocabulary range", "prompt")
-                prompt_ids = [int(t) for t in p]
-            else:
-                prompt_ids = codec.encode(p)
-            max_tokens = req.max_tokens or 16
-        seq_id, stream = self._submit(prompt_ids, self._params(req, max_tokens), req.priority)
+            prompt_ids = await asyncio.to_thread(self._completion_prompt, req)
+            asked = req.max_tokens
+            max_tokens = asked or 16  # the OpenAI default for completions
+        seq_id, stream = self._submit(prompt_ids, self._params(req, max_tokens), asked is not None, req.priority)
         rid = ("chatcmpl-" if chat else "cmpl-") + seq_id
         if req.stream:
             opts = req.stream_options or StreamOptions()
             return StreamingResponse(self._sse(rid, seq_id, stream, chat, opts), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
+        return await _until_disconnect(request, self._complete(rid, seq_id, stream, chat))
+
+    async def _complete(self, rid: str, seq_id: str, stream: _Stream, chat: bool) -> Response:
         text, last = [], None
         async for out in self._outputs(seq_id, stream):
             text.append(out.text)
             last = out
         assert last is not None
-        return JSONResponse(self._final(rid, chat, "".join(text), last))
+        if last.error is not None:
+            return self._error(last).response()
+        return Response(json.dumps(self._final(rid, chat, "".join(text), last)), media_type="application/json")
 
     def _usage(self, out: RequestOutput) -> dict[str, Any]:
         usage: dict[str, Any] = {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
@@ -304,6 +469,9 @@ class Server:
         last: RequestOutput | None = None
         async for out in self._outputs(seq_id, stream):
             last = out
+            if out.error is not None:  # as vLLM: an error event, then [DONE]
+                yield b"data: " + json.dumps(self._error(out).body).encode() + b"\n\n"
+                break
             if not out.text and not out.finished:
                 continue
             if chat:
@@ -315,9 +483,32 @@ class Server:
                 choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
             first = False
             yield chunk([choice], self._usage(out) if opts.include_usage and opts.continuous_usage_stats else None)
-        if opts.include_usage and last is not None:
+        if opts.include_usage and last is not None and last.error is None:
             yield chunk([], self._usage(last))
         yield b"data: [DONE]\n\n"
+
+
+async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
+    """Await ``work`` unless the client hangs up first: then cancel it (which aborts its request in the
+    engine) instead of computing an answer nobody reads. The body has been read, so the next ASGI
+    message is the disconnect."""
+
+    async def hung_up() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(hung_up())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled() or not task.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return Response(status_code=499)  # nginx's "client closed request"; nobody receives it
+    return task.result()
 
 
 def create_app(engine: Engine, model_name: str) -> FastAPI:
@@ -328,14 +519,16 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         server.loop = asyncio.get_running_loop()
         engine.start(server.sink)
+        watchdog = asyncio.create_task(server.watchdog())
         yield
+        watchdog.cancel()
         engine.stop()
 
     app = FastAPI(title="servelab reference server", lifespan=lifespan)
     app.state.server = server
 
     @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+    async def _api_error(_: Request, exc: ApiError) -> Response:
         return exc.response()
 
     @app.post("/v1/completions")
@@ -352,8 +545,11 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
                                              "max_model_len": engine.max_model_len}]}
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> Response:
+        if not engine.alive:
+            return ApiError(503, f"the engine has stopped ({engine.fatal or 'shutting down'})", None,
+                            "engine_dead").response()
+        return Response(json.dumps({"status": "ok"}), media_type="application/json")
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -1,12 +1,61 @@
-"""Shared fixtures (keep small): a null/fault-injection SSE server on loopback, in its own process."""
+"""Shared fixtures (keep small): a null/fault-injection SSE server on loopback, in its own process; the
+reference server's app around a given engine, served in-process on a free loopback port."""
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
+import uvicorn
 
 from loadgen.nullserver import NullServerProcess
+
+if TYPE_CHECKING:
+    from reference_server.engine import Engine
+
+
+class LiveServer:
+    """``with LiveServer(engine) as s:`` serves ``engine`` at ``s.url`` (model name "smol") until exit."""
+
+    def __init__(self, engine: Engine) -> None:
+        from reference_server.server import create_app  # torch: only for the tests that serve
+
+        self.engine = engine
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(create_app(engine, "smol"), host="127.0.0.1", port=self.port, log_level="error")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    def wait_idle(self, timeout: float = 120) -> None:
+        """Until the engine has no request left (running, waiting or not yet seen by its loop)."""
+        deadline = time.monotonic() + timeout
+        while self.engine.scheduler.has_work() or self.engine.num_waiting():
+            assert time.monotonic() < deadline, "engine did not go idle"
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def live_server() -> type[LiveServer]:
+    return LiveServer
 
 
 @pytest.fixture(scope="session")

@@ -4,53 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
-import uvicorn
 
 from reference_server.config import EngineConfig
 from reference_server.engine import Engine
-from reference_server.server import create_app
 from reference_server.tokenizer import default_model_path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Running:
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(create_app(engine, "smol"), host="127.0.0.1", port=self.port, log_level="error")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> _Running:
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-
-
 @pytest.fixture(scope="module")
-def server() -> Iterator[_Running]:
+def server(live_server):
     cfg = EngineConfig(model=default_model_path(), num_kv_blocks=256, max_waiting=4, threads=1)
-    with _Running(Engine.on_own_thread(cfg)) as running:  # as `python -m reference_server` builds it
+    with live_server(Engine.on_own_thread(cfg)) as running:  # as `python -m reference_server` builds it
         yield running
 
 
