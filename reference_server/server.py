@@ -511,6 +511,25 @@ async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Resp
     return task.result()
 
 
+def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI request body of an endpoint that parses its JSON itself: ``model``'s schema with its
+    definitions inlined (so that it stands alone), plus the unsupported fields, which must be null."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(defs[node["$ref"].rsplit("/", 1)[-1]])
+            return {k: inline(v) for k, v in node.items()}
+        return [inline(v) for v in node] if isinstance(node, list) else node
+
+    schema = inline(schema)
+    for name in UNSUPPORTED:
+        schema["properties"].setdefault(name, {"description": "not supported: null or its neutral default only"})
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
 def create_app(engine: Engine, model_name: str) -> FastAPI:
     """The FastAPI app; starts the engine thread on startup and stops it on shutdown."""
     server = Server(engine, model_name)
@@ -531,11 +550,11 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
     async def _api_error(_: Request, exc: ApiError) -> Response:
         return exc.response()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await server.handle(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatRequest))
     async def chat_completions(request: Request) -> Response:
         return await server.handle(request, chat=True)
 
