@@ -37,6 +37,7 @@ from prometheus_client import (
     generate_latest,
 )
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import ClientDisconnect
 
 from reference_server.config import EngineConfig
 from reference_server.engine import Engine, EngineDead, IterationRecord, RequestOutput
@@ -185,6 +186,7 @@ class Metrics:
         self.waiting.set_function(engine.num_waiting)
         self.kv_used.set_function(lambda: engine.block_manager.num_used)
         self.alive.set_function(lambda: int(engine.alive))
+        self.open = Gauge("servelab_requests_open", "Requests the HTTP front end holds an output queue for", registry=r)
         self._engine = engine
         self._seen = (0, 0, 0, 0, 0, 0)
 
@@ -226,6 +228,7 @@ class Server:
         self.metrics = Metrics(engine)
         engine.on_iteration.append(self.metrics.on_iteration)
         engine.on_finish.append(self.metrics.on_finish)
+        self.metrics.open.set_function(lambda: len(self.streams))
         self.streams: dict[str, _Stream] = {}
         self._noted: set[str] = set()  # unknown request fields already logged
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -337,11 +340,14 @@ class Server:
         if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
             raise too_large
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                raise too_large
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise too_large
+                chunks.append(chunk)
+        except ClientDisconnect:  # gone before its body arrived: nothing was queued, nobody reads an answer
+            raise ApiError(499, "the client closed the connection") from None
         try:
             body = json.loads(b"".join(chunks), parse_constant=_reject_constant)
         except (ValueError, UnicodeDecodeError) as e:
