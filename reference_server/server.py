@@ -556,6 +556,11 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
     async def _api_error(_: Request, exc: ApiError) -> Response:
         return exc.response()
 
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, exc: Exception) -> Response:  # a JSON 500 naming the cause, not a bare one
+        log.error("request failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error").response()
+
     @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await server.handle(request, chat=False)

@@ -160,7 +160,8 @@ def test_null_and_default_fields_are_accepted(server):
 
 
 def test_openai_python_package_drives_the_server(server):
-    openai = pytest.importorskip("openai")  # a dev dependency: always installed by `make setup`
+    import openai  # a dev dependency
+
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     assert [m.id for m in client.models.list().data] == ["smol"]
     c = client.completions.create(model="smol", prompt="The capital of France is", max_tokens=4, temperature=0)
@@ -227,6 +228,19 @@ def test_a_model_step_fault_fails_that_step_and_the_engine_goes_on(server, monke
     after = _post(server, {"prompt": "Tell me a story", "max_tokens": 8, "ignore_eos": True})
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 8
     assert 'servelab_requests_finished_total{finish_reason="error"}' in httpx.get(server.url + "/metrics").text
+    _settled(server)
+
+
+def test_a_bug_in_the_http_layer_is_a_json_500_naming_it(server, monkeypatch):
+    front = server.server.config.app.state.server
+
+    def broken(*a: object) -> None:
+        raise KeyError("planted front-end bug")
+
+    monkeypatch.setattr(front, "_final", broken)
+    r = _post(server, {"prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 500 and "planted front-end bug" in r.json()["error"]["message"]
+    monkeypatch.undo()
     _settled(server)
 
 
