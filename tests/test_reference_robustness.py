@@ -271,7 +271,7 @@ def test_non_streaming_disconnect_aborts_and_frees_blocks(server):
     _settled(server)
     aborted = engine.num_finished["abort"]
     with pytest.raises(httpx.ReadTimeout):
-        _post(server, {"prompt": "Write a long story", "max_tokens": 480, "ignore_eos": True}, timeout=2)
+        _post(server, {"prompt": "Write a long story", "max_tokens": 480, "ignore_eos": True}, timeout=1)
     server.wait_idle()
     assert engine.num_finished["abort"] == aborted + 1
     assert _metric(server, 'servelab_requests_finished_total{finish_reason="abort"}') >= 1

@@ -34,11 +34,12 @@ def test_reference_server_grid_with_iterations(tmp_path):
         assert p["server"]["iterations"]["count"] == len(its) > 0
         assert max(r["num_running"] for r in its) == seqs  # the grid parameter reached the server
         assert all(p["t_start"] - 1 <= r["t"] <= p["t_end"] for r in its)  # on the run clock
-        # the server's counter (scraped by the poller) and its iteration log agree; each request's first
-        # token comes out of its prefill step, so decode steps made 48 - 4 or (if counted) 48 tokens
-        decode = sum(r["decode_tokens"] for r in its)
-        assert p["server"]["point"]["counters"]["servelab_generation_tokens_total"] == decode
-        assert 48 - 4 <= decode <= 48
+        # the server's counter (scraped by the poller), its iteration log and the client agree on the
+        # tokens generated; each request's first token comes out of its prefill step, so decode steps
+        # computed 48 - 4 or (if counted) 48 tokens
+        assert p["server"]["point"]["counters"]["servelab_generation_tokens_total"] == 48
+        assert sum(r["output_tokens"] for r in its) == 48
+        assert 48 - 4 <= sum(r["decode_tokens"] for r in its) <= 48
 
 
 @pytest.fixture(scope="module")
