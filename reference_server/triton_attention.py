@@ -19,6 +19,7 @@ also multiplies bf16 operands as raw integers: widening keeps the tested kernel 
 Without a GPU the same kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors,
 which is how the test suite checks it (tests/test_triton_attention.py)."""
 
+# ruff: noqa: ANN001, ANN202  (Triton kernel arguments are untyped pointers and scalars)
 from __future__ import annotations
 
 import torch
@@ -52,7 +53,7 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     m = tl.full([BLOCK_M * G_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M * G_PAD], tl.float32)
+    denom = tl.zeros([BLOCK_M * G_PAD], tl.float32)
     acc = tl.zeros([BLOCK_M * G_PAD, BLOCK_D], tl.float32)
     # keys up to the last query of this tile: causal, so later blocks are never read
     kv_end = tl.minimum(ctx_len, ctx_len - n_new + (tile + 1) * BLOCK_M)
@@ -72,10 +73,10 @@ def _paged_attention_kernel(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet (padding rows)
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
-        l = l * alpha + tl.sum(p, 1)
+        denom = denom * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p, v)
         m = m_new
-    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+    out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
     tl.store(o_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
