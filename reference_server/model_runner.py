@@ -76,7 +76,8 @@ def pick_kernels(choice: str, device: torch.device, dtype: torch.dtype, spec: Mo
     and they can run here; else None (PyTorch ops only). Also returns a line saying which, and why."""
     if choice == "torch":
         return None, None, "torch (--kernels torch)"
-    if device.type == "cuda" and choice in ("auto", "triton"):
+    interpreted = choice == "triton" and os.environ.get("TRITON_INTERPRET") == "1"  # tests: the kernel on CPU
+    if (device.type == "cuda" and choice == "auto") or choice == "triton" and (device.type == "cuda" or interpreted):
         paged: PagedAttention | str = triton_attention()
         if block_size < 16 or block_size & (block_size - 1):
             paged = f"block size {block_size} (the Triton kernel needs a power of two >= 16)"
@@ -86,7 +87,8 @@ def pick_kernels(choice: str, device: torch.device, dtype: torch.dtype, spec: Mo
             raise ValueError(f"--kernels triton is unavailable: {paged}; use --kernels torch or auto")
         return None, None, f"torch ({paged})"
     if choice == "triton":
-        raise ValueError(f"--kernels triton runs on CUDA, this is {device.type}; use --kernels auto")
+        raise ValueError(f"--kernels triton runs on CUDA (or under TRITON_INTERPRET=1), this is {device.type}; "
+                         "use --kernels auto")
     why: str | None = None
     if device.type != "cpu" or dtype != torch.bfloat16:
         why = f"the native kernels are for bf16 on CPU, this is {str(dtype).removeprefix('torch.')} on {device.type}"
