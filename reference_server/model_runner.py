@@ -139,6 +139,7 @@ class ModelRunner:
         del on_device
         self.max_model_len = min(config.max_model_len or spec.context_length, spec.context_length)
         self.use_graphs = config.cuda_graphs and self.device.type == "cuda" and self.paged is not None
+        self.graphs: DecodeGraphs | None = None
         if config.num_kv_blocks is not None:
             self.num_blocks = config.num_kv_blocks
         elif self.device.type == "cuda":
@@ -146,10 +147,12 @@ class ModelRunner:
         else:
             self.num_blocks = DEFAULT_CPU_KV_BLOCKS
         self.kv_caches = self._allocate_kv(self.num_blocks + self.use_graphs)  # + the graphs' scratch block
-        self.graphs: DecodeGraphs | None = None
         if self.use_graphs:
-            self.graphs = DecodeGraphs(self.model, graph_buckets(config.max_num_seqs), -(-self.max_model_len // self.block_size),
-                                       self.num_blocks, self.block_size, self.device)
+            with torch.inference_mode():
+                self.graphs = DecodeGraphs(
+                    lambda ids, pos, attn, rows: self.model(ids, pos, self.kv_caches, attn, rows),
+                    graph_buckets(config.max_num_seqs), -(-self.max_model_len // self.block_size),
+                    self.num_blocks, self.block_size, self.device)
 
     def _allocate_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (self.spec.n_kv_heads, num_blocks, self.block_size, self.spec.head_dim)
@@ -169,7 +172,7 @@ class ModelRunner:
         base = torch.cuda.memory_allocated(self.device)
         probe = Sequence([0] * tokens, SamplingParams(max_tokens=1))
         probe.block_table = list(range(nblk))
-        self.forward(ScheduledBatch([(probe, tokens)]))
+        self.forward(ScheduledBatch([(probe, tokens)]))  # (no graphs yet: eager)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del self.kv_caches
         torch.cuda.empty_cache()
@@ -274,7 +277,7 @@ class ModelRunner:
 
     def _generator(self, seq: Sequence) -> None:
         """A seeded request samples with a generator on the model's device (made once, from its seed)."""
-        if seq.generator is not None and seq.generator.device != self.device and seq.params.seed is not None:
+        if seq.generator is not None and seq.generator.device.type != self.device.type and seq.params.seed is not None:
             seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed)
 
     @torch.inference_mode()

@@ -58,8 +58,8 @@ def _paged_attention_kernel(
     # keys up to the last query of this tile: causal, so later blocks are never read
     kv_end = tl.minimum(ctx_len, ctx_len - n_new + (tile + 1) * BLOCK_M)
     n = tl.arange(0, BLOCK_N)
-    kv_base = k_ptr + kvh * stride_kh
-    v_base = v_ptr + kvh * stride_kh
+    kv_base = k_ptr + kvh.to(tl.int64) * stride_kh  # a large pool's head stride overflows int32 products
+    v_base = v_ptr + kvh.to(tl.int64) * stride_kh
     for b in range(0, tl.cdiv(kv_end, BLOCK_N)):
         block = tl.load(tables_ptr + seq * stride_tb + b).to(tl.int64)
         k_pos = b * BLOCK_N + n
