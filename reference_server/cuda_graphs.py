@@ -37,10 +37,12 @@ StepFn = Callable[[torch.Tensor, torch.Tensor, AttnBatch, torch.Tensor], torch.T
 
 class DecodeGraphs:
     """Captured decode steps over static input buffers. ``step(ids, positions, batch, rows)`` is the model's
-    forward (float32 logits for ``rows``); ``scratch_block`` a KV block outside the block manager's pool."""
+    forward (float32 logits for ``rows``); ``scratch_block`` a KV block outside the block manager's pool.
+    ``capture=False`` replays by calling ``step`` again on the same buffers instead of capturing: the buffer
+    and padding logic without a GPU (tests)."""
 
     def __init__(self, step: StepFn, buckets: list[int], max_blocks_per_seq: int, scratch_block: int,
-                 block_size: int, device: torch.device) -> None:
+                 block_size: int, device: torch.device, capture: bool = True) -> None:
         self.buckets = buckets
         top = buckets[-1]
         i32 = {"dtype": torch.int32, "device": device}
@@ -53,20 +55,25 @@ class DecodeGraphs:
         self.n_new = torch.ones(top, **i32)
         self.rows = torch.arange(top, dtype=torch.long, device=device)
         self.scratch_slot, self.scratch_block = scratch_block * block_size, scratch_block
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.replays: dict[int, Callable[[], object]] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.num_replays = 0
         pool = None
         for b in reversed(buckets):  # the largest first: the smaller ones reuse its memory pool
             batch = AttnBatch(self.slots[:b], [], paged=PagedBatch(self.tables[:b], self.q_start[:b],
                                                                    self.n_new[:b], self.ctx_len[:b], 1))
             args = (self.ids[:b], self.pos[:b], batch, self.rows[:b])
+            if not capture:
+                self.replays[b] = lambda b=b, args=args: self.logits.__setitem__(b, step(*args))
+                continue
             step(*args)  # warm-up: compiles the Triton kernels, initialises cuBLAS, outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
                 self.logits[b] = step(*args)
             pool = graph.pool()
-            self.graphs[b] = graph
-        torch.cuda.synchronize()
+            self.replays[b] = graph.replay
+        if capture:
+            torch.cuda.synchronize()
 
     def run(self, ids: torch.Tensor, pos: torch.Tensor, batch: AttnBatch) -> torch.Tensor | None:
         """Logits of a decode-only step through its bucket's graph; None when no bucket holds it."""
@@ -87,5 +94,6 @@ class DecodeGraphs:
         self.slots[n:b].fill_(self.scratch_slot)
         self.tables[n:b, :1].fill_(self.scratch_block)
         self.ctx_len[n:b].fill_(1)
-        self.graphs[b].replay()
+        self.replays[b]()
+        self.num_replays += 1
         return self.logits[b][:n]

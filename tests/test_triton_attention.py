@@ -15,6 +15,7 @@ if not torch.cuda.is_available():  # before triton is imported: the interpreter 
 
 from test_native_kernels import BF16_ULP, dense_attention
 
+from reference_server.cuda_graphs import DecodeGraphs
 from reference_server.triton_attention import paged_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -102,7 +103,9 @@ def test_rejects_layouts_it_cannot_read():
 def test_engine_with_the_kernel_matches_the_torch_path():
     """The kernel wired into the model (PagedBatch metadata from the model runner, every attention row through
     it): chunked prefill (a chunk ending mid-block), decode steps, then a prompt that hits two cached blocks,
-    give the tokens of the PyTorch path and logits within float32 rounding of them."""
+    give the tokens of the PyTorch path and logits within float32 rounding of them. Decode steps go through
+    the CUDA-graph buffers (static inputs, bucket of 2 for one sequence: a padding row on the scratch block),
+    replayed eagerly here."""
     if DEVICE == "cpu":
         assert os.environ.get("TRITON_INTERPRET") == "1"
     from test_reference_engine import _codec, capture_logits, make_engine
@@ -112,6 +115,11 @@ def test_engine_with_the_kernel_matches_the_torch_path():
     kw = {"enable_prefix_caching": True, "max_num_batched_tokens": 24, "num_kv_blocks": 64, "device": DEVICE}
     paged, torch_ops = make_engine(kernels="triton", **kw), make_engine(kernels="torch", **kw)
     assert paged.runner.kernels == "triton" and paged.runner.paged is paged_attention
+    runner = paged.runner
+    runner.kv_caches = runner._allocate_kv(runner.num_blocks + 1)  # + the scratch block, as with graphs on CUDA
+    runner.graphs = DecodeGraphs(lambda i, p, a, r: runner.model(i, p, runner.kv_caches, a, r), [2, 4],
+                                 -(-runner.max_model_len // runner.block_size), runner.num_blocks,
+                                 runner.block_size, runner.device, capture=False)
     got_logits, want_logits = capture_logits(paged), capture_logits(torch_ops)
     ids = _codec().encode("The quick brown fox jumps over the lazy dog, and then it runs into the forest to "
                           "find the other foxes of its family, who are waiting by the old oak tree")[:40]
@@ -121,6 +129,7 @@ def test_engine_with_the_kernel_matches_the_torch_path():
         engine.generate([ids[:36] + ids[:5]], params)  # the first 32 tokens (two blocks) are cached
     assert paged.block_manager.prefix_hits == 32 == torch_ops.block_manager.prefix_hits
     assert len(got_logits) == len(want_logits) >= 6
+    assert runner.graphs.num_replays == 4  # two decode steps per request
     for (rows_a, a), (rows_b, b) in zip(got_logits, want_logits, strict=True):
         assert rows_a == rows_b  # same tokens fed, step after step: the greedy outputs agree
         torch.testing.assert_close(a.cpu(), b.cpu(), atol=2e-3, rtol=1e-3)
