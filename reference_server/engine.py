@@ -71,8 +71,8 @@ class Engine:
         self.config = config
         self.runner = runner or ModelRunner(config)
         self.codec = codec or TextCodec(config.model)
-        # a context cannot outgrow the whole pool (sized from memory on CUDA, see ModelRunner)
-        self.max_model_len = min(self.runner.max_model_len, self.runner.num_blocks * config.block_size)
+        spec_len = self.runner.spec.context_length  # a context cannot outgrow the pool (sized from memory on CUDA)
+        self.max_model_len = min(config.max_model_len or spec_len, spec_len, self.runner.num_blocks * config.block_size)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         gate = BatchGate(config.batching, config.batch_size, config.batch_max_delay_ms / 1000, self.max_model_len)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
