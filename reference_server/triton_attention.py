@@ -13,7 +13,7 @@ block table one at a time (``BLOCK_N`` = the block size) with an online softmax 
 FlashAttention / vLLM's paged attention; keys past the tile's last query are never loaded. Q, K and V are
 widened to float32 before the two ``tl.dot``: on NVIDIA GPUs that is a TF32 tensor-core dot, exact for
 bf16/fp16 inputs (10 mantissa bits hold their 7/10), and the probabilities keep TF32 instead of bf16
-precision; at decode the kernel is bound by reading K/V, not by the dot's rate. (Triton 3.8's interpreter
+precision; at decode the kernel is bound by reading K/V, not by the dot's rate. (Triton 3.7.1's and 3.8.0's interpreter
 also multiplies bf16 operands as raw integers: widening keeps the tested kernel the one that runs.)
 
 Without a GPU the same kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors,
