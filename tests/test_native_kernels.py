@@ -191,7 +191,7 @@ def _logit_errors(kernels_choice: str, dense: Engine) -> tuple[torch.Tensor, flo
     """Greedy bf16 run (chunked prefill, a shared prefix, mixed steps); per sampled row, max |logit - the
     float32 dense forward's|; the top-1 agreement with it; whether a step mixed prefill and decode."""
     spec, w = _weights()
-    cfg = EngineConfig(model=default_model_path(), dtype="bf16", threads=2, kernels=kernels_choice,
+    cfg = EngineConfig(model=default_model_path(), device="cpu", dtype="bf16", threads=2, kernels=kernels_choice,
                        max_num_batched_tokens=20)
     engine = Engine(cfg, ModelRunner(cfg, spec, w), _codec())
     assert (engine.runner.native is not None) == (kernels_choice == "native")
@@ -216,7 +216,7 @@ def _logit_errors(kernels_choice: str, dense: Engine) -> tuple[torch.Tensor, flo
 
 def test_bf16_engine_with_native_kernels_as_close_to_float32_as_torch_bf16():
     spec, w = _weights()
-    cfg = EngineConfig(model=default_model_path(), dtype="fp32", threads=2, num_kv_blocks=64,
+    cfg = EngineConfig(model=default_model_path(), device="cpu", dtype="fp32", threads=2, num_kv_blocks=64,
                        max_num_batched_tokens=4096, enable_prefix_caching=False)
     dense = Engine(cfg, ModelRunner(cfg, spec, w), _codec())
     native_err, native_agree, mixed = _logit_errors("native", dense)
