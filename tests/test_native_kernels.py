@@ -160,7 +160,10 @@ def test_argmax_matches_torch_with_ties_and_nan():
         kernels().argmax(x.bfloat16())
 
 
-def test_pick_kernels_says_which_and_why():
+def test_pick_kernels_says_which_and_why(monkeypatch):
+    # test_triton_attention sets TRITON_INTERPRET=1 for the whole session at collection (Triton on CPU);
+    # without it, --kernels triton on a CPU is refused
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     spec, _ = _weights()
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     native_k, paged, line = pick_kernels("auto", cpu, torch.bfloat16, spec, 16)
