@@ -12,24 +12,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-Api = Literal["completions", "chat"]
+from contracts import GenRequest
+
 TokenSource = Literal["usage", "chunk_usage", "token_ids", "tokens_field", "tokenizer", "events", "unknown"]
-
-
-@dataclass
-class GenRequest:
-    """One request as the workload generator produced it (protocol-neutral)."""
-
-    request_id: str
-    prompt: str | list[dict[str, str]]  # plain text for completions, chat messages for chat
-    max_tokens: int
-    workload_class: str = "default"
-    api: Api = "completions"
-    prompt_tokens: int | None = None  # exact length the workload aimed for, when known
-    ignore_eos: bool = True
-    temperature: float = 0.0
-    seed: int | None = None
-    extra_body: dict[str, Any] = field(default_factory=dict)  # passed through verbatim
 
 
 @dataclass
@@ -97,10 +82,6 @@ class Backend(ABC):
         exactly one ``Delta(text=...)`` with every other field at its default. The load engine sends the
         rest through :meth:`parse`. Default: no fast path."""
         return []
-
-    def parse_body(self, body: bytes, state: ParseState) -> list[Delta]:
-        """A non-streamed JSON body (used for ``stream=False`` calls); default: one payload."""
-        return self.parse(body.decode("utf-8", "replace"), state)
 
     def describe(self) -> dict[str, Any]:
         """What goes into results: never the API key."""

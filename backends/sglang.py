@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from backends.base import Delta, GenRequest, HttpCall, ParseState, loads_json
+from backends.base import Delta, HttpCall, ParseState, loads_json
 from backends.native import NativeBackend
 from backends.openai import OpenAIBackend
-from backends.poller import ServerProfile
+from backends.profile import ServerProfile
+from contracts import GenRequest
 
 SGLANG_PROFILE = ServerProfile(iterations_path=None)
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from backends.base import Api
 from backends.openai import OpenAIBackend
-from backends.poller import ServerProfile
+from backends.profile import ServerProfile
+from contracts import Api
 
 
 class VLLMBackend(OpenAIBackend):

@@ -10,8 +10,6 @@ import itertools
 import random
 from collections.abc import Callable, Iterator
 
-PROCESSES = ("closed", "constant", "poisson", "gamma")
-
 
 def arrival_times(process: str, rate: float, seed: int, burstiness: float = 1.0) -> Iterator[float]:
     """Infinite, increasing send times for ``rate`` requests/s; the first request goes at 0."""

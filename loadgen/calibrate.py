@@ -19,13 +19,12 @@ from typing import Any
 
 import orjson
 
-from backends.base import GenRequest
 from backends.openai import OpenAIBackend
-from loadgen.client import _StreamReader
+from contracts import GenRequest, RequestRecord
+from loadgen.client import StreamReader
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, run_point
-from loadgen.nullserver import Behaviour, NullServerProcess, _Stream
-from loadgen.records import RequestRecord
+from loadgen.nullserver import Behaviour, NullServerProcess, Stream
 from workloads.base import ArrivalSpec, Session, SingleShot, Workload
 
 
@@ -90,14 +89,14 @@ def stream_cost(events: int = 200, read_size: int = 16384, repeat: int = 2000) -
     bytes at a time, into its finished record line: the client's per-event work without the network
     (``python -m loadgen.calibrate``). Best of 5 rounds of ``repeat`` requests."""
     body = {"prompt": "Say something.", "max_tokens": events, "stream_options": {"include_usage": True}}
-    stream = _Stream(body, Behaviour())
+    stream = Stream(body, Behaviour())
     raw = b"".join(map(stream.event, range(stream.n))) + stream.tail()
     chunks = [raw[i : i + read_size] for i in range(0, len(raw), read_size)]
     backend, clock, req = OpenAIBackend("http://127.0.0.1", model="null"), RunClock(), GenRequest("r", "x", events)
 
     def one() -> RequestRecord:
         rec = RequestRecord(id="r")
-        reader = _StreamReader(backend, rec, clock)
+        reader = StreamReader(backend, rec, clock)
         for chunk in chunks:
             if reader.feed(chunk, clock.now()):
                 break

@@ -37,13 +37,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from contracts import read_jsonl
 from loadgen import metrics
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, Progress, run_point
-from loadgen.records import read_records
 
 MODES = ("rate", "concurrency")
-SLO_METRICS = ("ttft", "tpot", "e2e")
 _UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 
 
@@ -102,8 +101,8 @@ def parse_slos(text: str) -> list[SLO]:
             slos.append(SLO("error_rate", share, share))
             continue
         m = re.fullmatch(r"([a-z][a-z0-9]*)_p([0-9]+(?:\.[0-9]+)?)", key.lower())
-        if not m or m.group(1) not in SLO_METRICS:
-            raise SloError(f"--slo: unknown key {key!r}; keys are {'|'.join(SLO_METRICS)}_pNN (e.g. ttft_p99) "
+        if not m or m.group(1) not in metrics.SLO_KEYS:
+            raise SloError(f"--slo: unknown key {key!r}; keys are {'|'.join(metrics.SLO_KEYS)}_pNN (e.g. ttft_p99) "
                            "and error_rate")  # fmt: skip
         q = float(m.group(2)) / 100
         if not 0 < q < 1:
@@ -152,11 +151,11 @@ class Samples:
     """Per-request outcomes of a probe, in completion order: the SLO metrics (NaN when undefined, e.g.
     TPOT of a one-token answer) and whether the request failed."""
 
-    values: dict[str, list[float]] = field(default_factory=lambda: {m: [] for m in SLO_METRICS})
+    values: dict[str, list[float]] = field(default_factory=lambda: {m: [] for m in metrics.SLO_KEYS})
     failed: list[bool] = field(default_factory=list)
 
     def add(self, ttft: float | None, tpot: float | None, e2e: float | None, failed: bool) -> None:
-        for m, v in zip(SLO_METRICS, (ttft, tpot, e2e), strict=True):
+        for m, v in zip(metrics.SLO_KEYS, (ttft, tpot, e2e), strict=True):
             self.values[m].append(math.nan if v is None else v)
         self.failed.append(failed)
 
@@ -477,7 +476,7 @@ class LiveProber:
             done, _ = await asyncio.wait({task}, timeout=self.tick)
             now = self.clock.now()
             starts.append((now, progress.started))
-            recs = read_records(path) if path.exists() else []
+            recs = read_jsonl(path) if path.exists() else []
             cohort = _cohort(recs, None if done else starts)
             measured = [r for r in cohort if not r["warmup"]]
             ready = done or len(measured) >= cap or seq is not None and seq.due(len(measured))
@@ -507,7 +506,7 @@ class LiveProber:
                 raise SearchStopped("interrupted", f"interrupted by {summary['interrupted']['signal']}")
             if "aborted" in summary:
                 raise SearchStopped("server_gone", summary["aborted"]["reason"])
-        span = _span(read_records(path) if path.exists() else [])
+        span = _span(read_jsonl(path) if path.exists() else [])
         p = _finish(index, phase, mode, load, samples, seq, self.slos, decision, seconds, span)
         lag = [r["sent"] - r["intended"] for r in measured]
         if not warnings and lag and spec.process != "closed" and (p99 := float(np.percentile(lag, 99))) > metrics.LAG_WARN_S:

@@ -29,15 +29,17 @@ from rich.text import Text
 
 from backends.base import Backend
 from backends.detect import Detection, ServerUnreachable, detect
-from backends.launcher import GridPoint, LaunchError, server_grid, sweep_servers
-from backends.poller import ServerStatePoller, profile_of
+from backends.launcher import GridPoint, LaunchError, free_port, server_grid, sweep_servers
+from backends.profile import profile_of
 from backends.registry import available, get_backend
+from contracts import ARRIVAL_PROCESSES
 from loadgen import metrics, telemetry
+from loadgen.client import CLIENT_KINDS
 from loadgen.clock import RunClock, Sidecar
-from loadgen.engine import PROCESSES, LoadSpec, run_async
+from loadgen.engine import LoadSpec, run_async
 from loadgen.exitcodes import ExitCode, worst
 from loadgen.live import LiveDisplay
-from loadgen.nullserver import free_port
+from loadgen.poller import ServerStatePoller
 from loadgen.results import ResultsDir, new_run_id
 from loadgen.sweep import PointPlan, loads_from, plan_points, run_sweep
 from workloads.base import Workload
@@ -79,7 +81,7 @@ def parse_slo(text: str | None) -> dict[str, float] | None:
         key, _, value = part.partition("=")
         key = key.strip().lower()
         m = re.fullmatch(r"\s*([0-9.]+)\s*(ms|s|us)?\s*", value)
-        if key not in ("ttft", "tpot", "e2e") or not m:
+        if key not in metrics.SLO_KEYS or not m:
             raise UsageError(f"--slo wants ttft=..,tpot=..,e2e=.. (e.g. ttft=500ms,tpot=50ms), got {part!r}")
         try:
             slo[key] = float(m.group(1)) * _UNITS[m.group(2) or "ms"]
@@ -266,7 +268,7 @@ WaitForServer = Annotated[float, typer.Option(help="When the server goes away mi
                                               "seconds for it and go on with the next point (0: stop).")]
 ApiOpt = Annotated[str | None, typer.Option(help="completions or chat (default: the workload's).")]
 Model = Annotated[str | None, typer.Option(help="Model name sent to the server (default: GET /v1/models).")]
-Arrival = Annotated[str | None, typer.Option(help=f"Arrival process: {', '.join(PROCESSES)} (default: closed with"
+Arrival = Annotated[str | None, typer.Option(help=f"Arrival process: {', '.join(ARRIVAL_PROCESSES)} (default: closed with"
                                              " --concurrency, poisson with --rate).")]  # fmt: skip
 Burstiness = Annotated[float, typer.Option(help="Gamma shape: 1 = Poisson, < 1 burstier.")]
 WorkloadOpt = Annotated[str, typer.Option(help="Workload name or TOML path.")]
@@ -312,10 +314,10 @@ def _go(
         raise UsageError(f"--slo-from must be one of {', '.join(metrics.SLO_FROM)}, got {slo_from!r}")
     if api not in (None, "completions", "chat"):
         raise UsageError(f"--api must be completions or chat, got {api!r}")
-    if client not in ("aiohttp", "httpx"):
+    if client not in CLIENT_KINDS:
         raise UsageError(f"--client must be aiohttp or httpx, got {client!r}")
-    if arrival is not None and arrival not in PROCESSES:
-        raise UsageError(f"--arrival must be one of {', '.join(PROCESSES)}, got {arrival!r}")
+    if arrival is not None and arrival not in ARRIVAL_PROCESSES:
+        raise UsageError(f"--arrival must be one of {', '.join(ARRIVAL_PROCESSES)}, got {arrival!r}")
     if repeat < 1 or warmup < 0:
         raise UsageError("--repeat must be >= 1 and --warmup >= 0")
     if not 0 <= max_error_rate <= 1 or wait_for_server < 0:
@@ -564,7 +566,7 @@ def calibrate(
     if concurrency < 1 or events < 1 or num_requests < 1 or rate <= 0 or duration <= 0:
         console.print("[red]error[/]: all calibrate options must be positive")
         raise typer.Exit(ExitCode.USAGE)
-    if client not in ("aiohttp", "httpx"):
+    if client not in CLIENT_KINDS:
         console.print(f"[red]error[/]: --client must be aiohttp or httpx, got {client!r}")
         raise typer.Exit(ExitCode.USAGE)
     out_dir = output_dir / (run_id or f"calibrate-{new_run_id()}")

@@ -26,9 +26,9 @@ import httpx
 import orjson
 from httpx_aiohttp import AiohttpTransport
 
-from backends.base import Backend, GenRequest, ParseState
+from backends.base import Backend, ParseState
+from contracts import GenRequest, RequestRecord
 from loadgen.clock import RunClock
-from loadgen.records import RequestRecord
 from loadgen.sse import SSEError, SSEEvent, SSEParser, decode_data
 
 CLIENT_KINDS = ("aiohttp", "httpx")
@@ -179,7 +179,7 @@ async def execute(
     is closed as ``cancelled`` and the cancellation propagates.
     """
     call = backend.build(req)
-    reader = _StreamReader(backend, rec, clock)
+    reader = StreamReader(backend, rec, clock)
     content = orjson.dumps(call.body)
     headers = {"content-type": "application/json", "accept": "text/event-stream", **call.headers}
     url = backend.base_url + call.path
@@ -223,7 +223,7 @@ async def execute(
     return reader.finish(req)
 
 
-class _StreamReader:
+class StreamReader:
     """Turns chunks into events on the record; ``feed`` returns True when reading should stop: at an
     error or at the end marker (``[DONE]`` or the protocol's final event), whatever follows it.
 

@@ -51,15 +51,15 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from backends.base import Backend, GenRequest
-from loadgen import metrics, telemetry
+from backends.base import Backend
+from contracts import ARRIVAL_PROCESSES, OPEN_LOOP_PROCESSES, GenRequest, RequestRecord, read_jsonl
+from loadgen import metrics
 from loadgen.arrivals import arrival_times
 from loadgen.client import HttpClient, execute, make_client, probe
 from loadgen.clock import RunClock, Sidecar
-from loadgen.records import RecordWriter, RequestRecord, read_records
+from loadgen.records import RecordWriter
 from workloads.base import Session, Workload
 
-PROCESSES = ("closed", "constant", "poisson", "gamma", "trace")
 T = TypeVar("T")
 GONE_PROBES = 3  # consecutive failed health probes that mean the server went away
 PROBE_INTERVAL = 0.5  # seconds between them
@@ -109,11 +109,11 @@ class LoadSpec:
     max_inflight: int = 4096  # open-loop safety bound on concurrent requests
 
     def __post_init__(self) -> None:
-        if self.process not in PROCESSES:
-            raise ValueError(f"unknown arrival process {self.process!r}; choose one of {', '.join(PROCESSES)}")
+        if self.process not in ARRIVAL_PROCESSES:
+            raise ValueError(f"unknown arrival process {self.process!r}; choose one of {', '.join(ARRIVAL_PROCESSES)}")
         if self.process == "closed" and (self.concurrency is None or self.concurrency < 1):
             raise ValueError("closed loop needs concurrency >= 1")
-        if self.process in ("constant", "poisson", "gamma") and (self.rate is None or self.rate <= 0):
+        if self.process in OPEN_LOOP_PROCESSES and (self.rate is None or self.rate <= 0):
             raise ValueError(f"{self.process} arrivals need a rate > 0 req/s")
         if self.num_requests is None and self.duration is None and self.process != "trace":
             raise ValueError("a load point needs a bound: num_requests and/or duration")
@@ -362,7 +362,7 @@ async def run_point(
         writer.close()
         if own_client:
             await client.aclose()
-    records = read_records(out_dir / "requests.jsonl")
+    records = read_jsonl(out_dir / "requests.jsonl")
     summary: dict[str, Any] = {
         **plan, "t_start": t0, "t_measured": d.t_start, "t_end": clock.now(), "status": "complete",
     }  # fmt: skip
@@ -379,7 +379,7 @@ async def run_point(
             summary[sc.name] = sc.stop(window)
         except Exception as exc:  # a broken sidecar must not lose the point's results
             summary[sc.name] = {"error": f"{type(exc).__name__}: {exc}"}
-    telemetry.add_energy_per_token(summary)
+    metrics.add_energy_per_token(summary)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary
 

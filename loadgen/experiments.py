@@ -24,9 +24,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from backends.base import GenRequest
 from backends.launcher import ServerProcess, bundled_model, free_port
 from backends.registry import get_backend
+from contracts import GenRequest
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, run_async
 from loadgen.results import ResultsDir, new_run_id

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from loadgen.metrics import LATENCIES
 from loadgen.results import read_summary
 
 EXIT = {"pass": 0, "regression": 1, "inconclusive": 2, "invalid": 2}
@@ -38,7 +39,6 @@ BASELINE_FORMAT = "servelab-baseline/1"
 
 # Short metric names -> path in a PointSummary (loadgen.metrics); any dotted path is accepted too.
 _THROUGHPUT = {"output_tok_s": "output_tok_per_s", "total_tok_s": "total_tok_per_s", "req_s": "req_per_s"}
-_LATENCIES = ("ttft", "tpot", "itl", "chunk_gap", "e2e", "ttft_from_intended", "e2e_from_intended")
 _STATS = ("mean", "p50", "p90", "p95", "p99", "max")
 _TRIAL = re.compile(r"/t(\d+)$")
 
@@ -58,13 +58,13 @@ def metric_path(name: str) -> tuple[str, ...]:
         return ("goodput", "req_per_s")
     if name == "capacity":  # a `bench capacity` result: loadgen.capacity.gate_capacity compares it
         return ("capacity",)
-    for lat in _LATENCIES:
+    for lat in LATENCIES:
         for st in _STATS:
             if name == f"{lat}_{st}":
                 return ("latency", lat, st)
     if "." in name:
         return tuple(name.split("."))
-    known = sorted([*_THROUGHPUT, "error_rate", "goodput"]) + [f"{lat}_p99" for lat in _LATENCIES[:3]]
+    known = sorted([*_THROUGHPUT, "error_rate", "goodput"]) + [f"{lat}_p99" for lat in LATENCIES[:3]]
     raise GateError(f"unknown metric {name!r}: use e.g. {', '.join(known)}, or a dotted summary path")
 
 

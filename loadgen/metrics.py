@@ -345,3 +345,22 @@ def client_health(
         warnings.append(f"client waited for a free CPU {client_wait:.0%} of the time: the machine is overloaded")
     out["limited"] = bool(warnings)
     return out
+
+
+def joules_per_output_token(telemetry_summary: dict[str, Any], output_tokens: float) -> float | None:
+    """GPU energy in the steady window per output token produced in that window, when power is known."""
+    energy = telemetry_summary.get("gpu_energy_j")
+    if energy is None or output_tokens <= 0:
+        return None
+    return float(energy) / output_tokens
+
+
+def add_energy_per_token(point: dict[str, Any]) -> None:
+    """Set ``telemetry.joules_per_output_token`` of a PointSummary from its steady-window energy and the
+    metrics' steady-window output tokens (both over the same window); no-op without power readings."""
+    tel, steady = point.get("telemetry"), point.get("throughput", {}).get("steady", {})
+    if not isinstance(tel, dict) or not steady.get("output_tok_per_s") or not steady.get("seconds"):
+        return
+    jpt = joules_per_output_token(tel, steady["output_tok_per_s"] * steady["seconds"])
+    if jpt is not None:
+        tel["joules_per_output_token"] = jpt

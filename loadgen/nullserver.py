@@ -45,6 +45,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from backends.launcher import free_port
+
 FAULTS = ("500", "429", "html", "hang", "disconnect", "garbage", "bad_json", "error_event", "error_payload",
           "stall", "no_done", "cut", "drop_request", "linger")  # fmt: skip
 KEEPALIVE = ("on", "close", "drop", "drop_idle")
@@ -83,7 +85,7 @@ _SSE_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-contr
 _SSE_HEAD_CLOSE = _SSE_HEAD[:-2] + b"connection: close\r\n\r\n"
 
 
-def _chunk(data: bytes) -> bytes:
+def http_chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
@@ -94,7 +96,7 @@ def _json_response(status: int, obj: Any, extra_headers: str = "") -> bytes:
     return head.encode() + body
 
 
-class _Stream:
+class Stream:
     """The SSE events of one response."""
 
     def __init__(self, body: dict[str, Any], b: Behaviour) -> None:
@@ -140,7 +142,7 @@ class _Stream:
         return out + (b"data: [DONE]\n\n" if done else b"")
 
 
-class _Conn(asyncio.Protocol):
+class Conn(asyncio.Protocol):
     """One connection. A sibling server (loadgen.servicemodel) overrides ``_paced`` and clears ``fast``."""
 
     fast = True
@@ -201,7 +203,7 @@ class _Conn(asyncio.Protocol):
         try:
             body = json.loads(raw)
             b = self.default.update(body.get("nullserver") or {})
-            stream = _Stream(body, b)
+            stream = Stream(body, b)
         except (ValueError, TypeError) as exc:
             t.write(_json_response(400, {"error": {"message": str(exc), "type": "invalid_request_error"}}))
             return
@@ -221,13 +223,13 @@ class _Conn(asyncio.Protocol):
             t.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/html\r\ncontent-length: %d\r\n\r\n%s"
                     % (len(body_html), body_html))  # fmt: skip
         elif b.fault is None and b.ttft == 0 and b.itl == 0 and self.fast:  # the whole stream in one write
-            t.write(self._head() + _chunk(b"".join(map(stream.event, range(stream.n))) + stream.tail()) + b"0\r\n\r\n")
+            t.write(self._head() + http_chunk(b"".join(map(stream.event, range(stream.n))) + stream.tail()) + b"0\r\n\r\n")
             self._done()
         else:
             self.busy = True
             asyncio.get_running_loop().create_task(self._paced(stream, b))
 
-    async def _paced(self, stream: _Stream, b: Behaviour) -> None:
+    async def _paced(self, stream: Stream, b: Behaviour) -> None:
         t = self.transport
         assert t is not None
         if b.fault == "hang":
@@ -244,11 +246,11 @@ class _Conn(asyncio.Protocol):
                 await asyncio.sleep(b.itl)
             if t.is_closing():
                 return
-            t.write(_chunk(stream.event(i)))
+            t.write(http_chunk(stream.event(i)))
         if b.fault == "cut":
-            t.write(_chunk(b'data: {"choices":[{"index":0,"te'))
+            t.write(http_chunk(b'data: {"choices":[{"index":0,"te'))
         else:
-            t.write(_chunk(stream.tail(done=b.fault != "no_done")))
+            t.write(http_chunk(stream.tail(done=b.fault != "no_done")))
         if b.fault == "linger":
             await self._quiet(3600)
             return
@@ -266,7 +268,7 @@ class _Conn(asyncio.Protocol):
         if self.default.keepalive in ("close", "drop") and self.transport is not None:
             self.transport.close()
 
-    async def _fault(self, stream: _Stream, b: Behaviour) -> bool:
+    async def _fault(self, stream: Stream, b: Behaviour) -> bool:
         """Inject ``b.fault`` mid-stream; True when the response is over."""
         t = self.transport
         assert t is not None
@@ -283,7 +285,7 @@ class _Conn(asyncio.Protocol):
             "error_payload": b'data: {"error": {"message": "injected error payload", "code": 500}}\n\n',
         }.get(b.fault or "")
         if extra is not None:
-            t.write(_chunk(extra))
+            t.write(http_chunk(extra))
         return False
 
     async def _quiet(self, seconds: float) -> None:
@@ -303,18 +305,12 @@ async def serve(
     protocol: Callable[[], asyncio.Protocol] | None = None,
 ) -> None:  # fmt: skip
     loop = asyncio.get_running_loop()
-    factory = protocol or (lambda: _Conn(default))
+    factory = protocol or (lambda: Conn(default))
     server = await loop.create_server(factory, host, port, backlog=4096, reuse_address=True)
     if ready is not None:
         ready.set()
     async with server:
         await server.serve_forever()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class NullServerProcess:

@@ -23,8 +23,8 @@ from typing import Any
 
 import pandas as pd
 
+from contracts import read_jsonl
 from loadgen import metrics
-from loadgen.records import read_records
 
 PACKAGES = ("servelab", "torch", "httpx", "httpx-aiohttp", "aiohttp", "uvloop", "numpy", "pandas", "transformers")
 _SECRET_KEY = re.compile(r"(api[_-]?key|authorization|token(?!izer)|secret|password)", re.I)
@@ -194,7 +194,7 @@ def _point_summary(point_dir: Path, point_id: str) -> dict[str, Any]:
     if (point_dir / "summary.json").is_file():
         return dict(json.loads((point_dir / "summary.json").read_text(encoding="utf-8")))
     plan = json.loads((point_dir / "point.json").read_text()) if (point_dir / "point.json").is_file() else {}
-    records = read_records(point_dir / "requests.jsonl")
+    records = read_jsonl(point_dir / "requests.jsonl")
     cancelled = sum(1 for r in records if (r["error"] or {}).get("kind") == "cancelled")
     summary: dict[str, Any] = {
         "point_id": plan.get("point_id", point_id), "load": plan.get("load", {}), "workload": plan.get("workload", {}),

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from loadgen.nullserver import Behaviour, NullServerProcess, _chunk, _Conn, _Stream, serve
+from loadgen.nullserver import Behaviour, Conn, NullServerProcess, Stream, http_chunk, serve
 
 
 @dataclass(frozen=True)
@@ -220,14 +220,14 @@ class _Slots:
         self.busy -= 1
 
 
-class _ModelConn(_Conn):
+class _ModelConn(Conn):
     fast = False
 
     def __init__(self, model: ServiceModel, slots: _Slots) -> None:
         super().__init__(Behaviour())
         self.model, self.slots = model, slots
 
-    async def _paced(self, stream: _Stream, b: Behaviour) -> None:
+    async def _paced(self, stream: Stream, b: Behaviour) -> None:
         t = self.transport
         assert t is not None
         loop = asyncio.get_running_loop()
@@ -242,10 +242,10 @@ class _ModelConn(_Conn):
                     await asyncio.sleep(delay)
                 if t.is_closing():
                     return
-                t.write(_chunk(stream.event(i)))
+                t.write(http_chunk(stream.event(i)))
         finally:
             self.slots.release(min(due, loop.time()))
-        t.write(_chunk(stream.tail()))
+        t.write(http_chunk(stream.tail()))
         t.write(b"0\r\n\r\n")
         self.busy = False
         self._done()

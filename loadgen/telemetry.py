@@ -30,9 +30,9 @@ import httpx
 import psutil
 import pynvml
 
-from backends.poller import parse_metrics
 from loadgen import metrics
 from loadgen.clock import RunClock
+from loadgen.prometheus import parse_metrics, split_key
 
 NO_GPU_LINE = "no NVIDIA GPU: GPU telemetry off"
 Record = dict[str, Any]
@@ -288,7 +288,7 @@ def _energy(points: list[tuple[float, Record]]) -> float | None:
 def summarize(records: list[Record], window: tuple[float, float] | None) -> dict[str, Any]:
     """Mean/max of host and per-GPU series inside ``window`` (all records when None).
 
-    ``gpu_energy_j`` (summed over GPUs) is what :func:`joules_per_output_token` divides.
+    ``gpu_energy_j`` (summed over GPUs) is what :func:`loadgen.metrics.joules_per_output_token` divides.
     """
     lo, hi = window if window is not None else (-math.inf, math.inf)
     sel = [r for r in records if lo <= r["t"] <= hi]
@@ -324,25 +324,6 @@ def summarize(records: list[Record], window: tuple[float, float] | None) -> dict
     return out
 
 
-def joules_per_output_token(telemetry_summary: dict[str, Any], output_tokens: float) -> float | None:
-    """GPU energy in the steady window per output token produced in that window, when power is known."""
-    energy = telemetry_summary.get("gpu_energy_j")
-    if energy is None or output_tokens <= 0:
-        return None
-    return float(energy) / output_tokens
-
-
-def add_energy_per_token(point: dict[str, Any]) -> None:
-    """Set ``telemetry.joules_per_output_token`` of a PointSummary from its steady-window energy and the
-    metrics' steady-window output tokens (both over the same window); no-op without power readings."""
-    tel, steady = point.get("telemetry"), point.get("throughput", {}).get("steady", {})
-    if not isinstance(tel, dict) or not steady.get("output_tok_per_s") or not steady.get("seconds"):
-        return
-    jpt = joules_per_output_token(tel, steady["output_tok_per_s"] * steady["seconds"])
-    if jpt is not None:
-        tel["joules_per_output_token"] = jpt
-
-
 # --- remote: a DCGM exporter or node exporter --------------------------------------------------------
 
 # DCGM exporter gauge -> record field, and the factor to the record's unit.
@@ -358,14 +339,6 @@ _DCGM = {
 _IDLE_MODES = ("idle", "iowait")
 
 
-def _split_key(key: str) -> tuple[str, dict[str, str]]:
-    """``name{a=1,b=2}`` (as :func:`backends.poller.parse_metrics` writes it) -> base name and labels."""
-    name, _, rest = key.partition("{")
-    name = name.removesuffix("_total")  # the parser adds it to counters whatever the exporter wrote
-    labels = dict(part.split("=", 1) for part in rest.rstrip("}").split(",") if "=" in part)
-    return name, labels
-
-
 def exporter_record(values: dict[str, float], prev_cpu: dict[str, tuple[float, float]]) -> Record:
     """One telemetry record from a scrape of a DCGM exporter and/or a node exporter.
 
@@ -377,7 +350,7 @@ def exporter_record(values: dict[str, float], prev_cpu: dict[str, tuple[float, f
     cpu_now: dict[str, list[float]] = {}
     fb_free: dict[int, float] = {}
     for key, value in values.items():
-        name, labels = _split_key(key)
+        name, labels = split_key(key)
         if name in _DCGM and "gpu" in labels:
             field_name, factor = _DCGM[name]
             g = gpus.setdefault(int(labels["gpu"]), {"index": int(labels["gpu"])})

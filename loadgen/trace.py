@@ -21,27 +21,17 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from loadgen.records import iter_records
+from contracts import read_jsonl
 
 US = 1e6  # trace timestamps are microseconds
 _SLICE_COLORS = {"queued": "grey", "waiting for first token": "yellow", "streaming": "good"}
 _COUNTER_SUFFIXES = ("_total", "_sum", "_count", "_created")  # monotonic: left out of the gauge tracks
 _GAUGE_TELEMETRY = {"server_cpu_pct": "server process CPU %", "client_cpu_pct": "client process CPU %"}
-
-
-def _jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    if not path.exists():
-        return
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            if line.endswith("\n"):  # a torn last line (killed run) is skipped
-                yield json.loads(line)
 
 
 def _us(t: float) -> float:
@@ -209,10 +199,10 @@ def build_trace(
         if points and point_id not in points:
             continue
         b.meta(pid, f"point {point_id}", sort=pid)
-        c = _requests(b, pid, list(iter_records(d / "requests.jsonl")), tokens)
-        c["engine_steps"] = _iterations(b, pid, list(_jsonl(d / "iterations.jsonl")))
-        c["server_samples"] = _server_state(b, pid, list(_jsonl(d / "server_state.jsonl")))
-        c["telemetry_samples"] = _telemetry(b, pid, list(_jsonl(d / "telemetry.jsonl")))
+        c = _requests(b, pid, read_jsonl(d / "requests.jsonl"), tokens)
+        c["engine_steps"] = _iterations(b, pid, read_jsonl(d / "iterations.jsonl", missing_ok=True))
+        c["server_samples"] = _server_state(b, pid, read_jsonl(d / "server_state.jsonl", missing_ok=True))
+        c["telemetry_samples"] = _telemetry(b, pid, read_jsonl(d / "telemetry.jsonl", missing_ok=True))
         counts[point_id] = c
     meta = {"source": "servelab bench trace", "results_dir": str(results_dir), "clock": "run clock, µs",
             "points": list(counts)}  # fmt: skip

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
+from contracts.model import default_model_path
 from reference_server.config import EngineConfig
 from reference_server.engine import Engine
 from reference_server.sequence import SamplingParams
-from reference_server.tokenizer import default_model_path
 
 
 def main(argv: list[str] | None = None) -> None:

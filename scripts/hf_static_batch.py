@@ -13,7 +13,7 @@ import time
 import torch
 import transformers
 
-from reference_server.tokenizer import default_model_path
+from contracts.model import default_model_path
 
 
 def main() -> None:

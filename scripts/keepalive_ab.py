@@ -16,12 +16,12 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from backends.base import GenRequest, HttpCall
+from backends.base import HttpCall
 from backends.launcher import ServerProcess, free_port, render_command
 from backends.llamacpp import NO_KEEPALIVE, LlamaCppBackend
+from contracts import GenRequest, read_jsonl
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, run_async, run_point
-from loadgen.records import read_records
 from workloads import load_workload
 
 SERVER = "llama-server -m {model} -t 1 -c 8192 -np 16 --metrics --host 127.0.0.1 --port {port}"
@@ -63,7 +63,7 @@ def main() -> None:
                 out = tmp / f"{side}-{k}"
                 load = LoadSpec(concurrency=args.concurrency, num_requests=args.num_requests, timeout=300)
                 s = run_async(run_point(sides[side], wl, load, out, RunClock(), client_kind=args.client))
-                recs = read_records(out / "requests.jsonl")
+                recs = read_jsonl(out / "requests.jsonl")
                 row = {
                     "out_tok_s": s["throughput"]["steady"]["output_tok_per_s"],
                     "ttft_p50_ms": s["latency"]["ttft"]["p50"] * 1e3, "e2e_p50_s": s["latency"]["e2e"]["p50"],

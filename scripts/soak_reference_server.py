@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,8 @@ from typing import Any
 
 import httpx
 import psutil
+
+from backends.launcher import free_port
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches in "
          "a small town near the sea where ships sail at dawn and bells ring twice").split()
@@ -49,12 +50,6 @@ MALFORMED: list[tuple[str, bytes | dict[str, Any]]] = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def metric(text: str, name: str) -> float:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from backends.detect import PROBE_PATHS, ServerUnreachable, detect, identify
-from loadgen.nullserver import free_port
+from backends.launcher import free_port
 
 FIXTURES = Path(__file__).parent / "fixtures" / "servers"
 TGI = {"/info": ("tgi_info.json", {})}

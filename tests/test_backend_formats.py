@@ -10,13 +10,16 @@ import json
 
 import pytest
 
-from backends.base import GenRequest, ParseState
+from backends.base import ParseState
 from backends.llamacpp import LlamaCppBackend, LlamaCppNativeBackend
-from backends.poller import ServerProfile, parse_metrics, reconcile
+from backends.profile import ServerProfile
 from backends.registry import available, get_backend
 from backends.sglang import SGLangBackend, SGLangNativeBackend
 from backends.tgi import TGIBackend, TGINativeBackend
 from backends.vllm import VLLMBackend
+from contracts import GenRequest
+from loadgen.poller import reconcile
+from loadgen.prometheus import parse_metrics
 
 
 def run(backend, events):

@@ -5,11 +5,11 @@ import json
 
 import pytest
 
-from backends.base import GenRequest, ParseState
+from backends.base import ParseState
 from backends.openai import OpenAIBackend
-from loadgen.client import _StreamReader
+from contracts import GenRequest, RequestRecord
+from loadgen.client import StreamReader
 from loadgen.clock import RunClock
-from loadgen.records import RequestRecord
 
 
 class GeneralOnly(OpenAIBackend):
@@ -59,7 +59,7 @@ STREAMS = {
 
 def record(backend, stream: bytes, size: int) -> tuple[dict, str]:
     rec = RequestRecord(id="r")
-    reader = _StreamReader(backend, rec, RunClock())
+    reader = StreamReader(backend, rec, RunClock())
     for i in range(0, len(stream), size):
         if reader.feed(stream[i : i + size], float(i)):
             break
@@ -119,7 +119,7 @@ def test_reading_stops_at_the_end_marker():
     """``feed`` says stop at ``[DONE]``: whatever follows (a proxy holding the stream open, stray events) is
     never waited for, so a finished answer cannot turn into a stall; events of one read share its time."""
     rec = RequestRecord(id="r")
-    reader = _StreamReader(OpenAIBackend("http://x", model="m"), rec, RunClock())
+    reader = StreamReader(OpenAIBackend("http://x", model="m"), rec, RunClock())
     assert reader.feed(cmpl("a") + cmpl(" b"), 1.0) is False
     assert reader.feed(cmpl(" c", "length") + USAGE + DONE + cmpl("late"), 2.0) is True
     reader.finish(GenRequest(request_id="r", prompt="p", max_tokens=4))

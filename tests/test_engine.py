@@ -5,14 +5,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from backends.base import GenRequest
+from backends.launcher import free_port
 from backends.openai import OpenAIBackend
+from contracts import GenRequest, read_jsonl
 from loadgen import metrics
 from loadgen.calibrate import FixedWorkload
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, run_point
-from loadgen.nullserver import free_port
-from loadgen.records import read_records
 from workloads.base import ArrivalSpec, Session, SingleShot, Workload
 
 
@@ -23,7 +22,7 @@ def ns(**kw):
 async def point(url, tmp_path, load, wl=None, backend=None, **kw):
     backend = backend or OpenAIBackend(url, model="null")
     s = await run_point(backend, wl or FixedWorkload(max_tokens=8), load, tmp_path / "p", RunClock(), **kw)
-    return s, read_records(tmp_path / "p" / "requests.jsonl")
+    return s, read_jsonl(tmp_path / "p" / "requests.jsonl")
 
 
 FAULTS = [
@@ -137,7 +136,7 @@ def test_open_loop_never_sends_early_under_uvloop(null_server, tmp_path):
     load = LoadSpec("poisson", rate=400.0, num_requests=200, seed=3)
     run_async(run_point(OpenAIBackend(null_server, model="null"), FixedWorkload(max_tokens=2), load,
                         tmp_path / "p", RunClock()))
-    recs = read_records(tmp_path / "p" / "requests.jsonl")
+    recs = read_jsonl(tmp_path / "p" / "requests.jsonl")
     assert len(recs) == 200
     early = [r["intended"] - r["sent"] for r in recs if r["sent"] < r["intended"]]
     assert early == []
@@ -172,7 +171,7 @@ async def test_poisson_schedule_is_seeded(null_server, tmp_path):
         load = LoadSpec("poisson", rate=200.0, num_requests=20, seed=seed)
         s = await run_point(OpenAIBackend(null_server, model="null"), FixedWorkload(), load, tmp_path / str(i),
                             RunClock())
-        recs = read_records(tmp_path / str(i) / "requests.jsonl")
+        recs = read_jsonl(tmp_path / str(i) / "requests.jsonl")
         runs.append(sorted(round(r["intended"] - s["t_start"], 9) for r in recs))
     assert runs[0] == runs[1] != runs[2]
 

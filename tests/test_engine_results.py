@@ -5,9 +5,10 @@ import json
 import pandas as pd
 import pytest
 
-from backends.base import GenRequest, ParseState
+from backends.base import ParseState
 from backends.openai import OpenAIBackend
 from backends.registry import get_backend
+from contracts import GenRequest
 from loadgen.results import ResultsDir, environment, fingerprint, flatten, scrub
 
 

@@ -11,8 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from backends.launcher import ServerProcess, render_command
-from loadgen.nullserver import free_port
+from backends.launcher import ServerProcess, free_port, render_command
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "grafana"

@@ -20,8 +20,8 @@ from backends.launcher import (
     sweep_servers,
 )
 from backends.llamacpp import LLAMACPP_PROFILE
-from backends.poller import ServerStatePoller
 from loadgen.clock import RunClock
+from loadgen.poller import ServerStatePoller
 
 
 def test_grid_product_and_labels():

@@ -14,7 +14,6 @@ import pytest
 from test_robust_runs import default_cli_run  # tests/ is on sys.path
 from typer.testing import CliRunner
 
-from backends.base import GenRequest
 from backends.launcher import (
     LLAMA_SERVER_ENV,
     ServerProcess,
@@ -25,11 +24,12 @@ from backends.launcher import (
 )
 from backends.llamacpp import LlamaCppBackend, LlamaCppNativeBackend
 from backends.openai import OpenAIBackend
-from backends.poller import ServerStatePoller, profile_of
+from backends.profile import profile_of
+from contracts import GenRequest, read_jsonl
 from loadgen.cli import app
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, run_async, run_point
-from loadgen.records import read_records
+from loadgen.poller import ServerStatePoller
 from workloads.base import SingleShot, Workload
 
 pytestmark = pytest.mark.llamaserver
@@ -78,7 +78,7 @@ class Prompts(Workload):
 def run(backend, workload, out_dir, n, concurrency=1, sidecars=()):
     load = LoadSpec(concurrency=concurrency, num_requests=n, timeout=60, stall_timeout=30)
     summary = run_async(run_point(backend, workload, load, out_dir, RunClock(), sidecars))
-    return summary, read_records(out_dir / "requests.jsonl")
+    return summary, read_jsonl(out_dir / "requests.jsonl")
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +158,7 @@ def test_bench_run_matches_server_timings(server, tmp_path):
     ])  # fmt: skip
     assert res.exit_code == 0, res.output
     (point,) = json.loads((tmp_path / "agree" / "summary.json").read_text())["points"]
-    recs = read_records(tmp_path / "agree" / "points" / point["point_id"] / "requests.jsonl")
+    recs = read_jsonl(tmp_path / "agree" / "points" / point["point_id"] / "requests.jsonl")
     timings = [r["extra"]["timings"] for r in recs]
     assert len(timings) == 3 and all(t["prompt_n"] + t["cache_n"] == 600 for t in timings)
     server_ttft = sum(t["prompt_ms"] for t in timings) / 3 / 1e3

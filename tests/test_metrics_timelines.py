@@ -11,9 +11,10 @@ import itertools
 import numpy as np
 import pytest
 
-from backends.poller import ServerProfile, reconcile
+from backends.profile import ServerProfile
 from loadgen import metrics, telemetry
 from loadgen.arrivals import arrival_times
+from loadgen.poller import reconcile
 from loadgen.report import series
 from loadgen.report.load import requests_from_records
 

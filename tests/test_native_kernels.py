@@ -11,13 +11,13 @@ import pytest
 import torch
 from test_reference_engine import PROMPTS, _codec, _weights, capture_logits, dense_logits
 
+from contracts.model import default_model_path
 from reference_server import native
 from reference_server.config import EngineConfig
 from reference_server.engine import Engine
 from reference_server.model import RMSNorm
 from reference_server.model_runner import ModelRunner, pick_kernels
 from reference_server.sequence import SamplingParams
-from reference_server.tokenizer import default_model_path
 
 BF16_ULP = 2.0**-7  # relative spacing of bf16 numbers: one rounding step
 

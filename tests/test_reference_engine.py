@@ -8,6 +8,7 @@ import functools
 import pytest
 import torch
 
+from contracts.model import default_model_path
 from reference_server.block_manager import BlockManager
 from reference_server.config import EngineConfig
 from reference_server.engine import Engine
@@ -16,7 +17,6 @@ from reference_server.model_runner import ModelRunner
 from reference_server.scheduler import ScheduledBatch, Scheduler
 from reference_server.sequence import SamplingParams, Sequence
 from reference_server.text import Detokenizer, TextCodec
-from reference_server.tokenizer import default_model_path
 
 
 @functools.lru_cache(maxsize=1)

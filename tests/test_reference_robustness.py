@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from contracts.model import default_model_path
 from reference_server import text as text_mod
 from reference_server.block_manager import BlockManager
 from reference_server.config import EngineConfig
@@ -21,7 +22,6 @@ from reference_server.policies import PriorityPolicy, SjfPolicy
 from reference_server.sampler import sample
 from reference_server.sequence import SamplingParams, Sequence
 from reference_server.server import MAX_BODY_BYTES, UNSUPPORTED
-from reference_server.tokenizer import default_model_path
 
 MAX_MODEL_LEN = 512
 

@@ -16,12 +16,12 @@ import httpx
 import pytest
 
 from backends.openai import OpenAIBackend
+from contracts import read_jsonl
 from loadgen.calibrate import FixedWorkload
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, run_async, run_point
 from loadgen.exitcodes import ExitCode
 from loadgen.nullserver import NullServerProcess
-from loadgen.records import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 WAVES = """
@@ -52,7 +52,7 @@ def default_cli_run(
     run_dir = tmp_path / rid
     assert json.loads((run_dir / "run.json").read_text())["backend_detection"]["backend"] == backend
     (point,) = json.loads((run_dir / "summary.json").read_text())["points"]
-    recs = read_records(run_dir / "points" / point["point_id"] / "requests.jsonl")
+    recs = read_jsonl(run_dir / "points" / point["point_id"] / "requests.jsonl")
     assert point["counts"]["errors"] == 0 and len(recs) == n, point["errors"]
     assert all(r["error"] is None and r["output_tokens"] == 128 for r in recs)
     assert point["status"] == "complete"
@@ -63,7 +63,7 @@ def run(url: str, out: Path, client: str, n: int, concurrency: int = 4, bodies: 
     wl = FixedWorkload(max_tokens=5, extra_bodies=bodies or [{}])
     load = LoadSpec("closed", concurrency=concurrency, num_requests=n, timeout=30, stall_timeout=10)
     s = run_async(run_point(OpenAIBackend(url, model="null"), wl, load, out, RunClock(), client_kind=client))
-    return s, read_records(out / "requests.jsonl")
+    return s, read_jsonl(out / "requests.jsonl")
 
 
 @pytest.mark.parametrize("client", ["aiohttp", "httpx"])
@@ -126,7 +126,7 @@ def test_server_that_dies_mid_run_aborts_the_point(tmp_path, process):
                     num_requests=500, timeout=30, stall_timeout=10)  # fmt: skip
     with NullServerProcess(die_after=30, itl=0.01) as url:
         s = run_async(run_point(OpenAIBackend(url, model="null"), wl, load, tmp_path, RunClock()))
-    recs = read_records(tmp_path / "requests.jsonl")
+    recs = read_jsonl(tmp_path / "requests.jsonl")
     ok = [r for r in recs if r["error"] is None]
     failed = [r for r in recs if r["error"]]
     assert s["status"] == "aborted" and "stopped accepting connections" in s["aborted"]["reason"]
@@ -178,7 +178,7 @@ def test_kill_server_mid_run(tmp_path):
     assert (run_dir / "report.html").is_file() and (run_dir / "summary.json").is_file()
     (point,) = json.loads((run_dir / "summary.json").read_text())["points"]
     assert point["status"] == "aborted" and point["aborted"]["reason"]
-    recs = read_records(reqs)
+    recs = read_jsonl(reqs)
     assert before <= len(recs) - 0 and len(recs) - before <= 8 + 8  # in flight at the kill (the
     # records counted before the kill were read while up to 8 more were ending)
     after = [r for r in recs if r["error"]]
@@ -204,7 +204,7 @@ def test_signal_writes_partial_summary_and_report(tmp_path, null_server, sig, co
     assert (run_dir / "report.html").is_file()
     (point,) = json.loads((run_dir / "summary.json").read_text())["points"]
     i = point["interrupted"]
-    recs = read_records(reqs)
+    recs = read_jsonl(reqs)
     assert point["status"] == "interrupted" and i["signal"] == sig.name
     assert i["finished"] + i["cancelled"] == len(recs) and i["finished"] >= 20 and 1 <= i["cancelled"] <= 4
     assert {r["error"]["kind"] for r in recs if r["error"]} == {"cancelled"}

@@ -5,11 +5,11 @@ from dataclasses import replace
 
 import pytest
 
+from contracts.model import default_model_path
 from reference_server.config import EngineConfig
 from reference_server.engine import Engine
 from reference_server.model_runner import ModelRunner
 from reference_server.sequence import SamplingParams, SeqStatus
-from reference_server.tokenizer import default_model_path
 
 CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n"
 PROMPTS = [CODE + "Repeat the code above exactly:\n\n" + CODE[:20], "The capital of France is"]

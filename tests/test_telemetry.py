@@ -13,14 +13,13 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from loadgen.clock import RunClock
+from loadgen.metrics import add_energy_per_token, joules_per_output_token
 from loadgen.telemetry import (
     NO_GPU_LINE,
     GpuProbe,
     RemoteTelemetry,
     TelemetrySampler,
-    add_energy_per_token,
     exporter_record,
-    joules_per_output_token,
     open_gpus,
     summarize,
 )
@@ -182,7 +181,7 @@ node_memory_MemAvailable_bytes 6e+09
 
 
 def test_exporter_record_maps_dcgm_and_node_exporter():
-    from backends.poller import parse_metrics
+    from loadgen.prometheus import parse_metrics
 
     prev: dict = {}
     first = exporter_record(parse_metrics(DCGM_TEXT + _node_text(100, 10))[0], prev)

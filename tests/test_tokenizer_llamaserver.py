@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from backends.launcher import ServerProcess, free_port, render_command
-from reference_server.tokenizer import default_model_path, tokenizer_from_gguf
+from contracts.model import default_model_path, tokenizer_from_gguf
 from workloads import load_workload
 from workloads.text import DATA
 

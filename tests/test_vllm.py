@@ -15,11 +15,12 @@ from test_llamaserver import Prompts  # tests/ is on sys.path (pytest rootdir-re
 from test_robust_runs import default_cli_run
 
 from backends.launcher import ServerProcess, free_port
-from backends.poller import ServerStatePoller, profile_of
+from backends.profile import profile_of
 from backends.vllm import VLLMBackend
+from contracts import read_jsonl
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, run_async, run_point
-from loadgen.records import read_records
+from loadgen.poller import ServerStatePoller
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +53,7 @@ def test_vllm_stream_continuous_usage_and_metrics(vllm_server, tmp_path, token_i
     poller = ServerStatePoller(vllm_server.base_url, profile_of(backend), hz=10)
     load = LoadSpec(concurrency=4, num_requests=8, timeout=120, stall_timeout=60)
     summary = run_async(run_point(backend, Prompts(30, 40), load, tmp_path, RunClock(), [poller]))
-    recs = read_records(tmp_path / "requests.jsonl")
+    recs = read_jsonl(tmp_path / "requests.jsonl")
     assert summary["counts"]["ok"] == 8
     for r in recs:
         assert r["output_tokens"] == 40 and r["output_tokens_source"] == "usage"

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from backends.openai import OpenAIBackend
+from contracts import read_jsonl
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, run_point
-from loadgen.records import read_records
 from workloads import load_workload
 from workloads.spec import WorkloadError
 from workloads.text import DATA, load_tokenizer
@@ -99,7 +99,7 @@ async def test_trace_replay_sends_at_trace_times(null_server, tmp_path):
     rows = wl.rows
     s = await run_point(OpenAIBackend(null_server, model="null"), wl, LoadSpec("trace", speedup=1.0),
                         tmp_path / "p", RunClock())  # fmt: skip
-    recs = read_records(tmp_path / "p" / "requests.jsonl")
+    recs = read_jsonl(tmp_path / "p" / "requests.jsonl")
     assert len(recs) == 200 and all(r["error"] is None for r in recs)
     by_id = {r["id"]: r for r in recs}
     for i, row in enumerate(rows):
@@ -113,7 +113,7 @@ async def test_per_class_metrics_on_a_mixed_workload(null_server, tmp_path):
     wl = load_workload("short-long-50-50")
     s = await run_point(OpenAIBackend(null_server, model="null"), wl, LoadSpec("closed", concurrency=8, num_requests=60),
                         tmp_path / "p", RunClock())  # fmt: skip
-    recs = read_records(tmp_path / "p" / "requests.jsonl")
+    recs = read_jsonl(tmp_path / "p" / "requests.jsonl")
     per = s["per_class"]
     assert set(per) == {"short", "long"}
     for cls in ("short", "long"):
@@ -134,7 +134,7 @@ async def test_multiturn_workload_through_the_engine(null_server, tmp_path):
     wl = load_workload(str(p))
     await run_point(OpenAIBackend(null_server, model="null"), wl, LoadSpec("closed", concurrency=2, num_requests=12),
                     tmp_path / "p", RunClock())  # fmt: skip
-    recs = read_records(tmp_path / "p" / "requests.jsonl")
+    recs = read_jsonl(tmp_path / "p" / "requests.jsonl")
     assert len(recs) == 12
     assert sorted({r["turn"] for r in recs}) == [0, 1, 2]
     assert {r["id"] for r in recs} >= {"r0.0", "r0.1", "r0.2", "r1.2"}

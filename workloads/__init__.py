@@ -16,8 +16,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from contracts import APIS, ARRIVAL_PROCESSES
 from workloads.base import ArrivalSpec, Session, SingleShot, Workload
-from workloads.spec import APIS, ARRIVAL_PROCESSES, TraceSpec, WorkloadError, WorkloadSpec, load_spec
+from workloads.spec import TraceSpec, WorkloadError, WorkloadSpec, load_spec
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
 OVERRIDES = ("tokenizer", "api", "process", "rate", "concurrency", "burstiness", "limit", "name")

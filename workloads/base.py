@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from backends.base import GenRequest
+from contracts import GenRequest
 
 
 class Session(ABC):

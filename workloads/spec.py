@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from contracts import APIS, ARRIVAL_PROCESSES
 from workloads.base import ArrivalSpec
 
 if sys.version_info >= (3, 11):
@@ -21,10 +22,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-APIS = ("completions", "chat")
 CONTENTS = ("corpus", "code-edit", "creative")
 TEMPLATES = ("none", "chatml")
-ARRIVAL_PROCESSES = ("closed", "constant", "poisson", "gamma", "trace")
 TRACE_FORMATS = ("mooncake", "azure")
 DISTS = ("fixed", "uniform", "normal", "lognormal", "empirical")
 

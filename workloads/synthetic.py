@@ -24,7 +24,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from backends.base import GenRequest
+from contracts import GenRequest
 from workloads.base import Session, SingleShot, Workload
 from workloads.spec import ClassSpec, Dist, WorkloadSpec
 from workloads.text import CHATML_SYSTEM, CHATML_USER, DATA, PromptBuilder, builder_for

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from backends.base import GenRequest
+from contracts import GenRequest
 from workloads.base import Session, SingleShot, Workload
 from workloads.spec import WorkloadError, WorkloadSpec
 from workloads.text import PromptBuilder, builder_for

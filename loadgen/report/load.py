@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import orjson
 
+import contracts
 from loadgen import metrics
 from loadgen.results import read_summary
 
@@ -80,21 +80,12 @@ def _read_json(path: Path) -> Any:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Lines of a JSONL file; a missing file is an empty series, a torn last line (crash) is dropped."""
-    if not path.is_file():
-        return []
-    rows: list[dict[str, Any]] = []
-    lines = path.read_bytes().splitlines()
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(orjson.loads(line))
-        except orjson.JSONDecodeError as exc:
-            if n == len(lines):  # a run killed mid-write leaves at most one torn line, at the end
-                break
-            raise ReportInputError(f"{path}:{n} is not valid JSON ({exc})") from exc
-    return rows
+    """:func:`contracts.read_jsonl` for a report: a missing file is an empty series, a bad line a
+    :class:`ReportInputError`."""
+    try:
+        return contracts.read_jsonl(path, missing_ok=True)
+    except contracts.JsonlError as exc:
+        raise ReportInputError(str(exc)) from None
 
 
 def _num(v: Any) -> float:

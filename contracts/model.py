@@ -1,4 +1,9 @@
-"""The bundled model's tokenizer, rebuilt from GGUF metadata as a Hugging Face ``tokenizers.Tokenizer``.
+"""The bundled model: where it is installed, its GGUF metadata, and its tokenizer.
+
+Shared by the reference server (its default model), the workload generator (prompts of exact token
+lengths) and the KV-budget planner, so it lives in the neutral :mod:`contracts` package.
+
+The tokenizer is rebuilt from GGUF metadata as a Hugging Face ``tokenizers.Tokenizer``.
 
 A GGUF carries no ``tokenizer.json``: the vocabulary, merges and token types are metadata under
 llama.cpp's key names. For ``tokenizer.ggml.model = gpt2`` (byte-level BPE) the only missing piece is the

@@ -1,7 +1,7 @@
 """Server-state poller: a sidecar that samples a server's own counters during one load point.
 
-Every ``1/hz`` seconds it scrapes ``/metrics`` (Prometheus text, parsed with ``prometheus_client``) and,
-where the server has one, ``/slots`` (llama.cpp). Each sample is stamped on the run clock with the time
+Every ``1/hz`` seconds it scrapes ``/metrics`` (Prometheus text, :mod:`loadgen.prometheus`) and, where
+the server has one, ``/slots`` (llama.cpp). Each sample is stamped on the run clock with the time
 the scrape started and the scrape's latency, and appended to ``server_state.jsonl``. At the end it
 reconciles counters: the delta of every ``counter`` sample over the point (and over the steady-state
 window), rates derived from those deltas, gauge mean/max, and speculative-decoding acceptance when the
@@ -14,53 +14,15 @@ from __future__ import annotations
 import json
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from backends.profile import DEFAULT_PROFILE, ServerProfile
 from loadgen.clock import RunClock
 from loadgen.metrics import stats
-
-
-@dataclass(frozen=True)
-class ServerProfile:
-    """Where a server keeps its state, and which of its counters count speculative tokens."""
-
-    metrics_path: str | None = "/metrics"
-    slots_path: str | None = None
-    iterations_path: str | None = "/v1/iterations"  # probed once; used only when it answers 200
-    health_path: str = "/health"
-    spec_drafted: str | None = None
-    spec_accepted: str | None = None
-
-
-DEFAULT_PROFILE = ServerProfile()
-
-
-def profile_of(backend: object) -> ServerProfile:
-    """The backend's ``server`` profile, or the generic one."""
-    profile = getattr(backend, "server", None)
-    return profile if isinstance(profile, ServerProfile) else DEFAULT_PROFILE
-
-
-def parse_metrics(text: str) -> tuple[dict[str, float], set[str]]:
-    """Flat ``{"name{label=value,...}": value}`` of counters and gauges (histogram buckets dropped,
-    ``_sum``/``_count`` kept), and the set of keys that are counters."""
-    values: dict[str, float] = {}
-    counters: set[str] = set()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name.endswith(("_bucket", "_created")):
-                continue
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            key = f"{sample.name}{{{labels}}}" if labels else sample.name
-            values[key] = float(sample.value)
-            if family.type in ("counter", "histogram", "summary"):
-                counters.add(key)
-    return values, counters
+from loadgen.prometheus import parse_metrics
 
 
 def _compact_slot(slot: dict[str, Any]) -> dict[str, Any]:
@@ -77,29 +39,6 @@ def _compact_slot(slot: dict[str, Any]) -> dict[str, Any]:
 def _family_sum(values: dict[str, float], name: str) -> float:
     """Sum of a metric over all its label sets (``name`` or ``name{...}``)."""
     return sum(v for k, v in values.items() if k.split("{", 1)[0] == name)
-
-
-_SPEC_SUFFIXES = ("spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total")
-_SERVELAB_SPEC = (
-    "servelab_spec_draft_tokens_total",
-    "servelab_spec_accepted_tokens_total",
-)  # reference server
-
-
-def _spec_names(profile: ServerProfile, counters: dict[str, float]) -> tuple[str, str] | None:
-    """The profile's drafted/accepted counter names, else the bundled reference server's, else any
-    ``<prefix>:spec_decode_num_draft_tokens_total`` pair (the vLLM naming, which other servers follow)."""
-    if profile.spec_drafted and profile.spec_accepted:
-        return profile.spec_drafted, profile.spec_accepted
-    names = {k.split("{", 1)[0] for k in counters}
-    if {_SERVELAB_SPEC[0], _SERVELAB_SPEC[1]} <= names:
-        return _SERVELAB_SPEC
-    for name in sorted(names):
-        if name.endswith(_SPEC_SUFFIXES[0]):
-            accepted = name[: -len(_SPEC_SUFFIXES[0])] + _SPEC_SUFFIXES[1]
-            if accepted in names:
-                return name, accepted
-    return None
 
 
 def _at(samples: list[dict[str, Any]], t: float, before: bool) -> dict[str, Any]:
@@ -137,7 +76,7 @@ def reconcile(
         }
         res: dict[str, Any] = {"t0": first["t"], "t1": last["t"], "counters": d}
         res["rates"] = {k: v / dt for k, v in d.items()} if dt > 0 else {}
-        spec = _spec_names(profile, d)
+        spec = profile.spec_counters({k.split("{", 1)[0] for k in d})
         if spec:
             drafted, accepted = _family_sum(d, spec[0]), _family_sum(d, spec[1])
             res["spec_decode"] = {

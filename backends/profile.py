@@ -1,0 +1,49 @@
+"""A server's vendor facts: where it keeps its state and what it names its counters.
+
+Each backend carries one :class:`ServerProfile` as ``server``; the load generator's sidecars (the
+server-state poller) read it and know no vendor by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The bundled reference server's speculative-decoding counters.
+REFERENCE_SPEC = ("servelab_spec_draft_tokens_total", "servelab_spec_accepted_tokens_total")
+# vLLM's naming, ``<prefix>:spec_decode_num_..._tokens_total``, which other servers follow.
+_VLLM_SPEC_SUFFIXES = ("spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total")
+
+
+@dataclass(frozen=True)
+class ServerProfile:
+    """Where a server keeps its state, and which of its counters count speculative tokens."""
+
+    metrics_path: str | None = "/metrics"
+    slots_path: str | None = None
+    iterations_path: str | None = "/v1/iterations"  # probed once; used only when it answers 200
+    health_path: str = "/health"
+    spec_drafted: str | None = None
+    spec_accepted: str | None = None
+
+    def spec_counters(self, names: set[str]) -> tuple[str, str] | None:
+        """Of the counter base ``names`` a server exports, its drafted/accepted pair: the profile's own,
+        else the bundled reference server's, else any pair in vLLM's naming."""
+        if self.spec_drafted and self.spec_accepted:
+            return self.spec_drafted, self.spec_accepted
+        if set(REFERENCE_SPEC) <= names:
+            return REFERENCE_SPEC
+        for name in sorted(names):
+            if name.endswith(_VLLM_SPEC_SUFFIXES[0]):
+                accepted = name[: -len(_VLLM_SPEC_SUFFIXES[0])] + _VLLM_SPEC_SUFFIXES[1]
+                if accepted in names:
+                    return name, accepted
+        return None
+
+
+DEFAULT_PROFILE = ServerProfile()
+
+
+def profile_of(backend: object) -> ServerProfile:
+    """The backend's ``server`` profile, or the generic one."""
+    profile = getattr(backend, "server", None)
+    return profile if isinstance(profile, ServerProfile) else DEFAULT_PROFILE

