@@ -5,8 +5,8 @@ A third party adds a backend without forking by declaring, in its own package::
     [project.entry-points."servelab.backends"]
     mybackend = "mypkg.backend:MyBackend"
 
-Built-in backends in other modules register with :func:`register` at import; ``_BUILTIN_MODULES``
-lists the modules imported on first lookup.
+Built-in backends are found one way only: every ``Backend`` subclass with its own ``name`` in the
+modules of ``_BUILTIN_MODULES``, imported on first lookup (the project declares no entry points of its own).
 """
 
 from __future__ import annotations
@@ -26,12 +26,6 @@ _BUILTIN_MODULES = (
 )
 _registry: dict[str, type[Backend]] = {}
 _loaded = False
-
-
-def register(cls: type[Backend]) -> type[Backend]:
-    """Class decorator (or plain call) that makes ``cls`` findable under ``cls.name``."""
-    _registry[cls.name] = cls
-    return cls
 
 
 def _load() -> None:

@@ -11,20 +11,28 @@ import argparse
 import itertools
 import json
 import os
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
+import typer
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
 
 from backends.openai import OpenAIBackend
 from contracts import GenRequest, RequestRecord
-from loadgen.client import StreamReader
+from loadgen.client import CLIENT_KINDS, StreamReader
 from loadgen.clock import RunClock
-from loadgen.engine import LoadSpec, run_point
+from loadgen.engine import LoadSpec, run_async, run_point
+from loadgen.exitcodes import ExitCode, console
 from loadgen.nullserver import Behaviour, NullServerProcess, Stream
+from loadgen.options import Client, OutputDir, RunId
+from loadgen.results import new_run_id
 from workloads.base import ArrivalSpec, Session, SingleShot, Workload
 
 
@@ -125,3 +133,34 @@ if __name__ == "__main__":
     a = ap.parse_args()
     sec = stream_cost(a.events, a.read_size, a.repeat)
     print(f"{sec * 1e6:.0f} us CPU per {a.events}-event response ({sec * 1e6 / a.events:.2f} us per event)")
+
+
+def calibrate_command(
+    concurrency: Annotated[int, typer.Option(help="Closed-loop concurrency.")] = 512,
+    events: Annotated[int, typer.Option(help="Stream events per response.")] = 200,
+    num_requests: Annotated[int, typer.Option(help="Closed-loop measured requests.")] = 20000,
+    rate: Annotated[float, typer.Option(help="Open-loop Poisson rate, req/s.")] = 300.0,
+    duration: Annotated[float, typer.Option(help="Open-loop seconds.")] = 30.0,
+    client: Client = "aiohttp", output_dir: OutputDir = Path("results"), run_id: RunId = None,
+) -> None:  # fmt: skip
+    """Measure this client's own ceiling against the null SSE server (run in a separate process)."""
+    if concurrency < 1 or events < 1 or num_requests < 1 or rate <= 0 or duration <= 0:
+        console.print("[red]error[/]: all calibrate options must be positive")
+        raise typer.Exit(ExitCode.USAGE)
+    if client not in CLIENT_KINDS:
+        console.print(f"[red]error[/]: --client must be aiohttp or httpx, got {client!r}")
+        raise typer.Exit(ExitCode.USAGE)
+    out_dir = output_dir / (run_id or f"calibrate-{new_run_id()}")
+    console.print(f"calibrating: closed loop c={concurrency}, {events} events/stream; open loop Poisson {rate:g}/s")
+    res = run_async(calibrate(out_dir, concurrency, events, num_requests, rate, duration, client))
+    t = Table(title=f"client ceiling ({client}; load average {res['load_average'][0]:.2f})")
+    for col in ("point", "req/s", "events/s", "conc. achieved/req.", "rate achieved/req.", "lag p50 ms",
+                "lag p99 ms", "client CPU"):  # fmt: skip
+        t.add_column(col, justify="right")
+    for name in ("closed", "open"):
+        r = res[name]
+        conc = f"{r['achieved_concurrency']:.1f}/{r['requested_concurrency']}" if r["requested_concurrency"] else "-"
+        rt = f"{r['achieved_rate']:.1f}/{r['requested_rate']:g}" if r["requested_rate"] else "-"
+        t.add_row(name, f"{r['req_per_s']:,.0f}", f"{r['events_per_s']:,.0f}", conc, rt,
+                  f"{r['lag_p50_ms']:.2f}", f"{r['lag_p99_ms']:.2f}", f"{r['client_cpu']:.0%}")  # fmt: skip
+    Console(width=None if sys.stdout.isatty() else 200).print(Group(t, Text(f"results: {out_dir}")))

@@ -21,7 +21,10 @@ from rich.table import Table
 
 from backends.launcher import GridPoint, LaunchError, server_grid, sweep_servers
 from loadgen.capacity import MODES, CapacityResult, LiveProber, SearchConfig, SloError, parse_slos, search
-from loadgen.cli import (
+from loadgen.clock import RunClock
+from loadgen.engine import run_async
+from loadgen.exitcodes import ExitCode, UsageError, console, exits
+from loadgen.options import (
     ApiKeyEnv,
     ApiOpt,
     BackendOpt,
@@ -31,21 +34,12 @@ from loadgen.cli import (
     OutputDir,
     RunId,
     Seed,
-    ServerGone,
     Timeout,
     Url,
-    UsageError,
     WorkloadOpt,
-    console,
-    embedded_server,
-    load_workload,
-    make_backend,
-    read_api_key,
-)  # fmt: skip
-from loadgen.clock import RunClock
-from loadgen.engine import run_async
-from loadgen.exitcodes import ExitCode
+)
 from loadgen.results import new_run_id
+from loadgen.targets import embedded_server, load_workload, make_backend, read_api_key
 
 EXIT = {"unreachable": ExitCode.SLO_UNREACHABLE, "not_saturated": ExitCode.NOT_SATURATED, "server_gone": ExitCode.SERVER_GONE}
 
@@ -164,7 +158,7 @@ def capacity_command(
             raise typer.Exit(ExitCode.TERMINATED if "SIGTERM" in res.message else ExitCode.INTERRUPTED)
         return [entry]
 
-    try:
+    with exits(interrupted=f"probes so far are in {out}"):
         if server:
             results = sweep_servers(server, grid_points, out, one, health_timeout_s=server_timeout)
             for r in results:
@@ -177,15 +171,6 @@ def capacity_command(
                 one(target)
         else:
             one(url)
-    except UsageError as exc:
-        console.print(f"[red]error[/]: {exc}")
-        raise typer.Exit(ExitCode.USAGE) from None
-    except ServerGone as exc:
-        console.print(f"[red]error[/]: {exc}")
-        raise typer.Exit(ExitCode.SERVER_GONE) from None
-    except KeyboardInterrupt:
-        console.print(f"[yellow]interrupted[/]: probes so far are in {out}")
-        raise typer.Exit(ExitCode.INTERRUPTED) from None
     from loadgen.report.capacity import write_report
 
     html = write_report(out)

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from loadgen.metrics import LATENCIES
+from loadgen.options import RunOptions
 from loadgen.results import read_summary
 
 EXIT = {"pass": 0, "regression": 1, "inconclusive": 2, "invalid": 2}
@@ -152,12 +153,9 @@ def _run_flag(run_json: Path, key: str) -> bool:
         return False
 
 
-# Config keys that do not change what is measured: where the server is, how many trials, limits that only
-# matter on failure. Everything else in ``config`` (workload, load, seed, model, API, client) must match.
-# The server command is not in it either: comparing two servers (or two builds of one) is the point.
-CONFIG_IGNORED = frozenset(
-    {"command", "url", "server", "poll_hz", "repeat", "api_key_env", "timeout", "stall_timeout", "run_id"}
-)
+# Config keys that do not change what is measured (loadgen.options.RunOptions marks them). Everything else in
+# ``config`` (workload, load, seed, model, API, client) must match.
+CONFIG_IGNORED = RunOptions.incomparable() | {"run_id"}  # run_id: results written before RunOptions
 ENV_IGNORED = frozenset({"load_average"})
 
 

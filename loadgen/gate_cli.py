@@ -1,4 +1,4 @@
-"""``bench gate`` and ``bench baseline save`` (registered in loadgen/cli.py)."""
+"""``bench gate`` and ``bench baseline save``."""
 
 from __future__ import annotations
 
@@ -115,9 +115,10 @@ def _run_ab(
     """Run the interleaved trials; returns the two result directories."""
     from backends.launcher import LaunchError
     from loadgen.ab import run_ab
-    from loadgen.cli import UsageError, load_workload, make_backend
     from loadgen.engine import LoadSpec
+    from loadgen.exitcodes import UsageError
     from loadgen.results import new_run_id
+    from loadgen.targets import load_workload, make_backend
 
     if trials < 2 or concurrency < 1 or num_requests < 1 or warmup < 0:
         raise _fail("--ab needs --trials >= 2, --concurrency >= 1, --num-requests >= 1, --warmup >= 0")

@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/bench_report.py [--requests 10000] [--out results/bench_report]
 
-Writes a synthetic results directory (loadgen.report.synthetic: a simulated continuous-batching server
+Writes a synthetic results directory (tests/support/synthetic.py: a simulated continuous-batching server
 under closed-loop load, with server-state, per-iteration and telemetry series), builds its report, opens
 it in headless Chromium and writes ``bench_report.json`` beside it. Targets: load event < 5 s, < 20 MB.
 """
@@ -14,14 +14,17 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 from loadgen.report import write_report
-from loadgen.report.browser import inspect_report_sync
 from loadgen.report.builder import plotly_js
 from loadgen.report.load import read_jsonl
-from loadgen.report.synthetic import SimConfig, write_synthetic_results
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the report's test fixtures
+from support.browser import inspect_report_sync  # noqa: E402
+from support.synthetic import SimConfig, write_synthetic_results  # noqa: E402
 
 
 def main() -> None:

@@ -7,10 +7,10 @@ import json
 from dataclasses import asdict
 
 import pytest
+from support.browser import find_chromium, inspect_report_sync
 
 from loadgen.capacity import SearchConfig, SimProber, parse_slos, search
 from loadgen.engine import run_async
-from loadgen.report.browser import find_chromium, inspect_report_sync
 from loadgen.report.capacity import write_report
 from loadgen.servicemodel import ServiceModel
 

@@ -5,7 +5,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from loadgen.cli import app, parse_slo
+from loadgen.cli import app
+from loadgen.options import parse_slo
 
 runner = CliRunner()
 

@@ -214,7 +214,7 @@ def test_poller_and_telemetry_use_the_one_percentile_method():
 def test_cli_table_shows_incomplete_and_marks_a_run_without_steady_state():
     from rich.console import Console
 
-    from loadgen.cli import notes, summary_table
+    from loadgen.run_cli import notes, summary_table
 
     cancelled = {"kind": "cancelled", "message": "run interrupted"}
     recs = [req(i * 0.019 / 63, 0.4, 5.0, 128) for i in range(64)] + [req(0.02, 0.4, 6.0, 50, error=cancelled)]

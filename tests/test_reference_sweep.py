@@ -7,7 +7,8 @@ import pytest
 from test_robust_runs import default_cli_run  # tests/ is on sys.path
 from typer.testing import CliRunner
 
-from loadgen.cli import app, embedded_server
+from loadgen.cli import app
+from loadgen.targets import embedded_server
 
 SHORT = """
 [[classes]]

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.synthetic import SimConfig, write_synthetic_results
 
 from loadgen import metrics
 from loadgen.report import ReportInputError, figures, series, write_report
 from loadgen.report.builder import cell
 from loadgen.report.load import load_run, read_jsonl, requests_from_records
-from loadgen.report.synthetic import SimConfig, write_synthetic_results
 
 
 @pytest.fixture(scope="module")

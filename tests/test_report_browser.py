@@ -8,10 +8,10 @@ import struct
 from pathlib import Path
 
 import pytest
+from support.browser import find_chromium, inspect_report_sync
+from support.synthetic import SimConfig, write_synthetic_results
 
 from loadgen.report import write_report
-from loadgen.report.browser import find_chromium, inspect_report_sync
-from loadgen.report.synthetic import SimConfig, write_synthetic_results
 
 pytestmark = pytest.mark.browser
 

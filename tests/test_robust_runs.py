@@ -241,7 +241,8 @@ def test_error_rate_above_the_limit_fails_with_the_top_kinds(tmp_path, null_serv
     message names the error kinds; a run where every request fails exits FAILED from the CLI."""
     from typer.testing import CliRunner
 
-    from loadgen.cli import app, point_outcome
+    from loadgen.cli import app
+    from loadgen.run_cli import point_outcome
 
     s, recs = run(null_server, tmp_path / "half", "aiohttp", n=40, bodies=[{}, {"nullserver": {"fault": "500"}}])
     assert s["counts"]["errors"] == 20 and s["status"] == "complete"

@@ -1,0 +1,207 @@
+"""The options of a load run: :class:`RunOptions`, the one typed record of what ``bench run``/``sweep`` was
+asked, which validates itself, writes the ``config`` of ``run.json`` and says which of its fields make two
+runs comparable (``bench gate``); and the command-line spelling of options shared by several commands.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from backends.launcher import GridPoint, LaunchError, server_grid
+from contracts import APIS, ARRIVAL_PROCESSES, OPEN_LOOP_PROCESSES
+from loadgen import metrics, telemetry
+from loadgen.client import CLIENT_KINDS
+from loadgen.exitcodes import UsageError
+from workloads.base import Workload
+
+_UNITS = {"ms": 1e-3, "s": 1.0, "us": 1e-6}
+
+
+def parse_list(text: str, kind: type[float] | type[int], what: str) -> list[Any]:
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"{what} must be a comma-separated list of numbers, got {text!r}") from None
+    if any(v <= 0 for v in values):
+        raise UsageError(f"{what} values must be > 0, got {text!r}")
+    return values
+
+
+def parse_slo(text: str | None) -> dict[str, float] | None:
+    """``ttft=500ms,tpot=50ms,e2e=10s`` → seconds; a bare number is milliseconds (as vLLM's --goodput)."""
+    if not text:
+        return None
+    slo: dict[str, float] = {}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        key = key.strip().lower()
+        m = re.fullmatch(r"\s*([0-9.]+)\s*(ms|s|us)?\s*", value)
+        if key not in metrics.SLO_KEYS or not m:
+            raise UsageError(f"--slo wants ttft=..,tpot=..,e2e=.. (e.g. ttft=500ms,tpot=50ms), got {part!r}")
+        try:
+            slo[key] = float(m.group(1)) * _UNITS[m.group(2) or "ms"]
+        except ValueError:
+            raise UsageError(f"--slo: {value!r} is not a number") from None
+    return slo
+
+
+def _not_config() -> Any:
+    return {"config": False}
+
+
+def _incomparable() -> Any:
+    return {"comparable": False}
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What a load run was asked. Every field but those marked ``config: False`` goes into ``run.json``
+    (in this order); fields marked ``comparable: False`` do not change what is measured (where the server
+    is, how many trials, limits that matter only on failure), so ``bench gate`` compares runs that differ
+    only in them. The server command is not compared either: comparing two servers is the point."""
+
+    command: str = field(metadata=_incomparable())
+    url: str | None = field(default=None, metadata=_incomparable())
+    backend: str = "auto"
+    api: str | None = None
+    model: str | None = None
+    workloads: list[str] = field(default_factory=lambda: ["chat-short"])
+    concurrency: list[int] = field(default_factory=list)
+    rate: list[float] = field(default_factory=list)
+    arrival: str | None = None
+    burstiness: float = 1.0
+    num_requests: int | None = None
+    duration: float | None = None
+    warmup: int = 0
+    seed: int = 0
+    slo: str | None = None  # as given; run.json holds it in seconds (:func:`parse_slo`)
+    repeat: int = field(default=1, metadata=_incomparable())
+    api_key_env: str | None = field(default=None, metadata=_incomparable())
+    continuous_usage: bool = False
+    extra_body: str | None = None
+    client: str = "aiohttp"
+    timeout: float = field(default=600.0, metadata=_incomparable())
+    stall_timeout: float = field(default=60.0, metadata=_incomparable())
+    speedup: float = 1.0
+    poll_hz: float = field(default=10.0, metadata=_incomparable())
+    server: str | None = field(default=None, metadata=_incomparable())
+    grid: list[str] | None = None
+    tokenizer: str | None = None
+    max_error_rate: float = 0.05
+    wait_for_server: float = 0.0
+    slo_from: str = "sent"
+    # how the run is carried out, not what it measures: not in run.json
+    output_dir: Path = field(default=Path("results"), metadata=_not_config())
+    run_id: str | None = field(default=None, metadata=_not_config())
+    telemetry_hz: float = field(default=10.0, metadata=_not_config())
+    telemetry_url: str | None = field(default=None, metadata=_not_config())
+    server_timeout: float = field(default=300.0, metadata=_not_config())
+    default_num_requests: int = field(default=100, metadata=_not_config())
+
+    @classmethod
+    def incomparable(cls) -> frozenset[str]:
+        """The ``run.json`` config keys that two comparable runs may differ in."""
+        return frozenset(f.name for f in fields(cls) if not f.metadata.get("comparable", True))
+
+    def check(self) -> list[GridPoint]:
+        """Every check that needs no server and no workload; returns the server grid (empty without --server)."""
+        if self.slo_from not in metrics.SLO_FROM:
+            raise UsageError(f"--slo-from must be one of {', '.join(metrics.SLO_FROM)}, got {self.slo_from!r}")
+        if self.api not in (None, *APIS):
+            raise UsageError(f"--api must be completions or chat, got {self.api!r}")
+        if self.client not in CLIENT_KINDS:
+            raise UsageError(f"--client must be aiohttp or httpx, got {self.client!r}")
+        if self.arrival is not None and self.arrival not in ARRIVAL_PROCESSES:
+            raise UsageError(f"--arrival must be one of {', '.join(ARRIVAL_PROCESSES)}, got {self.arrival!r}")
+        if self.repeat < 1 or self.warmup < 0:
+            raise UsageError("--repeat must be >= 1 and --warmup >= 0")
+        if not 0 <= self.max_error_rate <= 1 or self.wait_for_server < 0:
+            raise UsageError("--max-error-rate must be within 0..1 and --wait-for-server >= 0")
+        if self.url is not None and not re.match(r"^https?://", self.url):
+            raise UsageError(f"--url must start with http:// or https://, got {self.url!r}")
+        if self.poll_hz < 0:
+            raise UsageError("--poll-hz must be >= 0 (0 turns the server-state poller off)")
+        try:
+            telemetry.check_options(self.telemetry_hz, self.telemetry_url)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        if self.grid and not self.server:
+            raise UsageError("--grid needs --server (the command template the grid fills in)")
+        if self.server and self.url:
+            raise UsageError("--server starts the target itself; drop --url")
+        try:
+            grid_points = server_grid(self.server, self.grid or []) if self.server else []
+        except (ValueError, LaunchError) as exc:
+            raise UsageError(f"--server/--grid: {exc}") from None
+        parse_slo(self.slo)
+        return grid_points
+
+    def resolve(self, wls: list[Workload], finite: bool) -> RunOptions:
+        """The options with the workload's own arrival settings filled in (concurrency 1 when it has none)
+        and the default request cap unless the load ends by itself (``finite``: every workload a trace)."""
+        opts = self
+        if not self.concurrency and not self.rate:
+            spec = wls[0].arrival
+            arrival = self.arrival or spec.process
+            opts = replace(opts, arrival=arrival, burstiness=spec.burstiness or self.burstiness)
+            if spec.rate:
+                opts = replace(opts, rate=[spec.rate])
+            elif arrival != "trace":
+                opts = replace(opts, concurrency=[spec.concurrency or 1])
+        if opts.num_requests is None and opts.duration is None and not (opts.arrival == "trace" and finite):
+            opts = replace(opts, num_requests=opts.default_num_requests)
+        if opts.arrival == "closed" and opts.rate:
+            raise UsageError("--arrival closed takes --concurrency, not --rate")
+        if opts.arrival in OPEN_LOOP_PROCESSES and opts.concurrency and not opts.rate:
+            raise UsageError(f"--arrival {opts.arrival} needs --rate")
+        return opts
+
+    def config(self) -> dict[str, Any]:
+        """The ``config`` of ``run.json``."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("config", True)}
+        out["url"] = self.url or "embedded reference server"
+        out["slo"] = parse_slo(self.slo)
+        return out
+
+
+# The command-line spelling of options several commands share.
+Url = Annotated[str | None, typer.Option(help="Target base URL (default: start the bundled reference server).")]
+BackendOpt = Annotated[str, typer.Option("--backend", help="Server dialect: auto (ask the server: llama.cpp, vLLM, "
+                                          "TGI, SGLang, reference; else plain OpenAI) or one of backends.registry.")]
+MaxErrorRate = Annotated[float, typer.Option(help="Exit 1 when a point's error rate is above this (0..1).")]
+WaitForServer = Annotated[float, typer.Option(help="When the server goes away mid-point, wait up to this many "
+                                              "seconds for it and go on with the next point (0: stop).")]
+ApiOpt = Annotated[str | None, typer.Option(help="completions or chat (default: the workload's).")]
+Model = Annotated[str | None, typer.Option(help="Model name sent to the server (default: GET /v1/models).")]
+Arrival = Annotated[str | None, typer.Option(help=f"Arrival process: {', '.join(ARRIVAL_PROCESSES)} (default: closed with"
+                                             " --concurrency, poisson with --rate).")]  # fmt: skip
+Burstiness = Annotated[float, typer.Option(help="Gamma shape: 1 = Poisson, < 1 burstier.")]
+WorkloadOpt = Annotated[str, typer.Option(help="Workload name or TOML path.")]
+NumRequests = Annotated[int | None, typer.Option(
+    help="Measured requests per point (default: run 100, sweep 32; a replayed trace runs to its end).")]
+Duration = Annotated[float | None, typer.Option(help="Seconds of dispatch per point.")]
+Warmup = Annotated[int, typer.Option(help="Warm-up sessions per point (excluded from metrics).")]
+Seed = Annotated[int, typer.Option(help="Seed for arrivals and workload sampling.")]
+Slo = Annotated[str | None, typer.Option(help="Goodput SLOs, e.g. ttft=500ms,tpot=50ms,e2e=10s (bare = ms).")]
+SloFrom = Annotated[str, typer.Option(help="Judge the SLOs' TTFT and E2E from the request's actual send "
+                    "(sent) or its intended send time (intended: a client running late cannot flatter goodput).")]
+Repeat = Annotated[int, typer.Option(help="Repeat each point N times as separate trials.")]
+OutputDir = Annotated[Path, typer.Option(help="Results root; the run goes to <output-dir>/<run-id>/.")]
+RunId = Annotated[str | None, typer.Option(help="Run id (default: a timestamp).")]
+ApiKeyEnv = Annotated[str | None, typer.Option(help="Name of the env var holding the API key (never stored).")]
+ContinuousUsage = Annotated[bool, typer.Option(help="Ask for per-chunk usage (vLLM continuous_usage_stats).")]
+ExtraBody = Annotated[str | None, typer.Option(help="JSON object merged into every request body.")]
+Client = Annotated[str, typer.Option(help="HTTP transport: aiohttp (httpx-aiohttp) or httpx.")]
+Timeout = Annotated[float, typer.Option(help="Per-request limit, seconds.")]
+StallTimeout = Annotated[float, typer.Option(help="Longest silence within a response, seconds.")]
+Speedup = Annotated[float, typer.Option(help="Trace replay speed-up (send at at/speedup).")]
+PollHz = Annotated[float, typer.Option(help="Server-state poller rate (/metrics, /slots), Hz; 0 = off.")]
+TelemetryHz = Annotated[float, typer.Option(help="Telemetry rate (NVML GPUs, host, server process), Hz; 0 = off.")]
+TokenizerOpt = Annotated[str | None, typer.Option(
+    help="tokenizer.json of the target model for exact prompt lengths (default: the bundled model's).")]
+TelemetryUrl = Annotated[str | None, typer.Option(help="Prometheus URL of a DCGM/node exporter on the server's host.")]

@@ -1,0 +1,296 @@
+"""``bench run`` and ``bench sweep``: load points against one server (or a grid of started ones) into one
+results directory, a summary table, a report, and an exit code that says whether every point passed."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from backends.launcher import GridPoint, sweep_servers
+from backends.profile import profile_of
+from loadgen import telemetry
+from loadgen.clock import RunClock, Sidecar
+from loadgen.engine import LoadSpec, run_async
+from loadgen.exitcodes import ExitCode, UsageError, console, guard, worst
+from loadgen.live import LiveDisplay
+from loadgen.options import (
+    ApiKeyEnv,
+    ApiOpt,
+    Arrival,
+    BackendOpt,
+    Burstiness,
+    Client,
+    ContinuousUsage,
+    Duration,
+    ExtraBody,
+    MaxErrorRate,
+    Model,
+    NumRequests,
+    OutputDir,
+    PollHz,
+    Repeat,
+    RunId,
+    RunOptions,
+    Seed,
+    Slo,
+    SloFrom,
+    Speedup,
+    StallTimeout,
+    TelemetryHz,
+    TelemetryUrl,
+    Timeout,
+    TokenizerOpt,
+    Url,
+    WaitForServer,
+    Warmup,
+    WorkloadOpt,
+    parse_list,
+)  # fmt: skip
+from loadgen.poller import ServerStatePoller
+from loadgen.report.cli import auto_report
+from loadgen.results import ResultsDir, new_run_id
+from loadgen.sweep import PointPlan, loads_from, plan_points, run_sweep
+from loadgen.targets import (
+    check_tokenizer,
+    detect_server,
+    embedded_server,
+    is_finite,
+    load_workload,
+    make_backend,
+    read_api_key,
+)
+
+
+def run(
+    url: Url = None, backend: BackendOpt = "auto", api: ApiOpt = None, model: Model = None,
+    concurrency: Annotated[int | None, typer.Option(help="Closed-loop concurrency.")] = None,
+    rate: Annotated[float | None, typer.Option(help="Open-loop rate, req/s.")] = None,
+    arrival: Arrival = None, burstiness: Burstiness = 1.0, workload: WorkloadOpt = "chat-short",
+    num_requests: NumRequests = None, duration: Duration = None, warmup: Warmup = 0, seed: Seed = 0,
+    slo: Slo = None, repeat: Repeat = 1, output_dir: OutputDir = Path("results"), run_id: RunId = None,
+    api_key_env: ApiKeyEnv = None, continuous_usage: ContinuousUsage = False, extra_body: ExtraBody = None,
+    client: Client = "aiohttp", timeout: Timeout = 600.0, stall_timeout: StallTimeout = 60.0,
+    speedup: Speedup = 1.0, poll_hz: PollHz = 10.0, telemetry_hz: TelemetryHz = 10.0,
+    telemetry_url: TelemetryUrl = None, tokenizer: TokenizerOpt = None, max_error_rate: MaxErrorRate = 0.05,
+    slo_from: SloFrom = "sent",
+) -> None:  # fmt: skip
+    """Run one load point (closed loop at --concurrency or open loop at --rate)."""
+    if concurrency is not None and rate is not None:
+        console.print("[red]error[/]: bench run takes --concurrency or --rate, not both (use bench sweep)")
+        raise typer.Exit(ExitCode.USAGE)
+    if concurrency is not None and concurrency < 1 or rate is not None and rate <= 0:
+        console.print("[red]error[/]: --concurrency must be >= 1 and --rate > 0")
+        raise typer.Exit(ExitCode.USAGE)
+    guard(execute, opts=RunOptions(
+        command="run", url=url, backend=backend, api=api, model=model, workloads=[workload],
+        concurrency=[concurrency] if concurrency else [], rate=[rate] if rate else [], arrival=arrival,
+        burstiness=burstiness, num_requests=num_requests, duration=duration, warmup=warmup, seed=seed, slo=slo,
+        repeat=repeat, output_dir=output_dir, run_id=run_id, api_key_env=api_key_env,
+        continuous_usage=continuous_usage, extra_body=extra_body, client=client, timeout=timeout,
+        stall_timeout=stall_timeout, speedup=speedup, default_num_requests=100, poll_hz=poll_hz,
+        telemetry_hz=telemetry_hz, telemetry_url=telemetry_url, tokenizer=tokenizer, max_error_rate=max_error_rate,
+        slo_from=slo_from,
+    ))  # fmt: skip
+
+
+def sweep(
+    url: Url = None, backend: BackendOpt = "auto", api: ApiOpt = None, model: Model = None,
+    concurrency: Annotated[str | None, typer.Option(help="Closed-loop concurrencies, e.g. 1,4,16.")] = None,
+    rate: Annotated[str | None, typer.Option(help="Open-loop rates in req/s, e.g. 2,4,8.")] = None,
+    arrival: Arrival = None, burstiness: Burstiness = 1.0,
+    workload: Annotated[str, typer.Option(help="Workload name(s) or TOML path(s), comma-separated.")] = "chat-short",
+    num_requests: NumRequests = None, duration: Duration = None, warmup: Warmup = 2, seed: Seed = 0,
+    slo: Slo = None, repeat: Repeat = 1, output_dir: OutputDir = Path("results"), run_id: RunId = None,
+    api_key_env: ApiKeyEnv = None, continuous_usage: ContinuousUsage = False, extra_body: ExtraBody = None,
+    client: Client = "aiohttp", timeout: Timeout = 600.0, stall_timeout: StallTimeout = 60.0,
+    speedup: Speedup = 1.0, poll_hz: PollHz = 10.0, telemetry_hz: TelemetryHz = 10.0,
+    telemetry_url: TelemetryUrl = None,
+    server: Annotated[str | None, typer.Option(help="Start this server command for each grid point, e.g. "
+                      "'llama-server -m {model} -np {np} --port {port}' ({model}: bundled GGUF, {port}: free port).")] = None,
+    grid: Annotated[list[str] | None, typer.Option(help="Server grid axis NAME=V1,V2 (repeat for a product).")] = None,
+    server_timeout: Annotated[float, typer.Option(help="Seconds to wait for a started server's health.")] = 300.0,
+    tokenizer: TokenizerOpt = None, max_error_rate: MaxErrorRate = 0.05, wait_for_server: WaitForServer = 0.0,
+    slo_from: SloFrom = "sent",
+) -> None:  # fmt: skip
+    """Run a list of load points (concurrencies and/or rates × workloads) into one results directory."""
+
+    def body() -> ExitCode:
+        conc = parse_list(concurrency, int, "--concurrency") if concurrency else []
+        rates = parse_list(rate, float, "--rate") if rate else []
+        if not conc and not rates and arrival != "trace":
+            conc = [1, 4, 16]
+        return execute(RunOptions(
+            command="sweep", url=url, backend=backend, api=api, model=model,
+            workloads=[w for w in workload.split(",") if w], concurrency=conc, rate=rates, arrival=arrival,
+            burstiness=burstiness, num_requests=num_requests, duration=duration, warmup=warmup, seed=seed,
+            slo=slo, repeat=repeat, output_dir=output_dir, run_id=run_id, api_key_env=api_key_env,
+            continuous_usage=continuous_usage, extra_body=extra_body, client=client, timeout=timeout,
+            stall_timeout=stall_timeout, speedup=speedup, default_num_requests=32, poll_hz=poll_hz,
+            server=server, grid=[axis for g in grid or [] for axis in g.split()], server_timeout=server_timeout,
+            telemetry_hz=telemetry_hz, telemetry_url=telemetry_url, tokenizer=tokenizer,
+            max_error_rate=max_error_rate, wait_for_server=wait_for_server, slo_from=slo_from,
+        ))  # fmt: skip
+
+    guard(body)
+
+
+def execute(opts: RunOptions) -> ExitCode:
+    """The body of run and sweep: check, plan, (start the server), run, report; returns the exit code (the
+    worst of the points')."""
+    grid_points = opts.check()
+    api_key = read_api_key(opts.api_key_env)
+    check_tokenizer(opts.tokenizer)
+    wls = [load_workload(w, opts.tokenizer) for w in opts.workloads]
+    opts = opts.resolve(wls, finite=all(map(is_finite, wls)))
+    open_process = opts.arrival if opts.arrival not in (None, "closed") else "poisson"
+    try:
+        trace = opts.arrival == "trace"
+        base = LoadSpec(process="trace" if trace else "closed", concurrency=None if trace else 1,
+                        num_requests=opts.num_requests, duration=opts.duration, warmup=opts.warmup, seed=opts.seed,
+                        burstiness=opts.burstiness, timeout=opts.timeout, stall_timeout=opts.stall_timeout,
+                        speedup=opts.speedup)  # fmt: skip
+        loads = [base] if trace else loads_from(base, opts.concurrency, opts.rate, open_process)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    plans = plan_points(wls, loads, opts.repeat)
+    results = ResultsDir(opts.output_dir / (opts.run_id or new_run_id()))
+    config = opts.config()
+    clock = RunClock()
+    display = LiveDisplay(console, clock)
+    console.print(f"[dim]{telemetry.header_line(opts.telemetry_hz, opts.telemetry_url)}[/]")
+
+    def go(target: str, gp: GridPoint | None = None, previous: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+        det = detect_server(target, api_key)
+        if opts.backend == "auto":
+            name, how = det.backend, f"auto: {det.server}" if det.server else "auto: unknown server, plain OpenAI"
+        else:
+            name, how = opts.backend, f"forced; the server looks like {det.server}" if det.server else "forced"
+        console.print(f"[dim]backend: {name} ({how}; {det.evidence})[/]")
+        be = make_backend(name, target, opts.model, opts.api, api_key, opts.continuous_usage, opts.extra_body)
+        todo = plans if gp is None else [
+            replace(p, point_id=f"{gp.label}/{p.point_id}", labels={**p.labels, **gp.params}) for p in plans
+        ]  # fmt: skip
+
+        def pollers(plan: PointPlan) -> list[Sidecar]:
+            polls = [ServerStatePoller(target, profile_of(be), opts.poll_hz)] if opts.poll_hz > 0 else []
+            return [*polls, *telemetry.sidecars(target, opts.telemetry_hz, opts.telemetry_url)]
+
+        where = (grid_points.index(gp) + 1, len(grid_points), gp.label) if gp is not None else None
+        return run_async(run_sweep(be, todo, results, clock, config, pollers, slo=config["slo"],
+                                   slo_from=opts.slo_from, client_kind=opts.client,
+                                   live=display.points(todo, where), previous=previous or [],
+                                   wait_for_server=0 if gp else opts.wait_for_server,
+                                   run_extra={"backend_detection": {"requested": opts.backend, **det.describe()}}))  # fmt: skip
+
+    log = results.path / "server.log" if opts.url is None and not opts.server else None  # the embedded server's
+    try:
+        if opts.server:
+            console.print(f"[dim]server sweep: {len(grid_points)} server configuration(s)[/]")
+            summaries = sweep_servers(opts.server, grid_points, results.path, go, health_timeout_s=opts.server_timeout,
+                                      stop_on_abort=opts.wait_for_server == 0)  # fmt: skip
+            run_path = results.path / "run.json"  # written by run_sweep unless every server failed
+            run_meta = json.loads(run_path.read_text()) if run_path.exists() else results.write_run(config, clock.t0_unix, [])
+            run_meta["points"] = [s["point_id"] for s in summaries]
+            run_path.write_text(json.dumps(run_meta, indent=1, default=str))
+            results.write_summary(run_meta, summaries)  # adds the launch info and launch failures
+        elif opts.url is None:
+            with embedded_server(log) as target:  # type: ignore[arg-type]
+                summaries = go(target)
+        else:
+            summaries = go(opts.url)
+    except KeyboardInterrupt:  # outside the load loop (e.g. while a server starts): nothing to summarise
+        console.print(f"[yellow]interrupted[/]: finished requests are in {results.path}/points/*/requests.jsonl")
+        return ExitCode.INTERRUPTED
+    failed = [s for s in summaries if "failed" in s]
+    summaries = [s for s in summaries if "counts" in s]
+    _report(summaries, results)
+    Console().print(auto_report(results.path))
+    codes = []
+    for s in failed:
+        console.print(f"[red]failed[/] {s['point_id']}: {s['failed']['message']}")
+        codes.append(ExitCode.SERVER_GONE)
+    for s in summaries:
+        code, message = point_outcome(s, opts.max_error_rate, log)
+        if message:
+            console.print(message)
+        codes.append(code)
+    return worst(codes)
+
+
+def point_outcome(s: dict[str, Any], max_error_rate: float, log: Path | None = None) -> tuple[ExitCode, str | None]:
+    """A point's exit code and the line that explains it (None when it passed)."""
+    pid = s["point_id"]
+    if s.get("status") == "interrupted":
+        i = s["interrupted"]
+        code = ExitCode.INTERRUPTED if i["signal"] == "SIGINT" else ExitCode.TERMINATED
+        return code, (f"[yellow]interrupted[/] {pid}: {i['signal']} after {i['t_rel']:.1f} s; {i['finished']} "
+                      f"requests finished, {i['cancelled']} cancelled (partial summary and report written)")  # fmt: skip
+    if s.get("status") == "aborted":
+        log_path = (s.get("server_launch") or {}).get("log") or log
+        where = f"; server log: {log_path}" if log_path else ""
+        return ExitCode.SERVER_GONE, (f"[red]server gone[/] {pid}: {s['aborted']['reason']}, "
+                                      f"{s['aborted']['t_rel']:.1f} s into the point{where}")  # fmt: skip
+    kinds = sorted(s["errors"]["by_kind"].items(), key=lambda kv: -kv[1])
+    top = ", ".join(f"{k}: {n}" for k, n in kinds[:3])
+    if s["counts"]["ok"] == 0:
+        return ExitCode.FAILED, f"[red]failed[/] {pid}: no request succeeded ({top or 'no requests'})"
+    if s["errors"]["rate"] > max_error_rate:
+        return ExitCode.FAILED, (f"[red]failed[/] {pid}: error rate {s['errors']['rate']:.1%} is above "
+                                 f"--max-error-rate {max_error_rate:.1%} (top errors: {top})")  # fmt: skip
+    return ExitCode.OK, None
+
+
+def _fmt(v: float | None, scale: float = 1e3, digits: int = 1) -> str:
+    return "-" if v is None else f"{v * scale:,.{digits}f}"
+
+
+def summary_table(summaries: list[dict[str, Any]]) -> Table:
+    t = Table(title="results (latencies in ms; throughput over the steady-state window, * = whole run: no steady state)")
+    for col in ("point", "ok", "err", "inc", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
+                "ITL p50", "ITL p99", "E2E p50", "E2E p99", "lag p99"):  # fmt: skip
+        t.add_column(col, justify="left" if col == "point" else "right")
+    for s in summaries:
+        lat, thr, n = s["latency"], s["throughput"]["steady"], s["counts"]
+        mark = "" if thr.get("valid", True) else "*"
+        t.add_row(
+            s["point_id"], str(n["ok"]), str(n["errors"]), str(n.get("incomplete", 0)),
+            _fmt(thr["req_per_s"], 1, 2) + mark, _fmt(thr["output_tok_per_s"], 1, 0) + mark,
+            _fmt(lat["ttft"]["p50"]), _fmt(lat["ttft"]["p99"]), _fmt(lat["tpot"]["p50"]), _fmt(lat["tpot"]["p99"]),
+            _fmt(lat["itl"]["p50"]), _fmt(lat["itl"]["p99"]), _fmt(lat["e2e"]["p50"]), _fmt(lat["e2e"]["p99"]),
+            _fmt(s["client"]["schedule_lag"]["p99"], 1e3, 2),
+        )  # fmt: skip
+    return t
+
+
+def notes(s: dict[str, Any]) -> list[str]:
+    """What a reader of the table must know about a point: no steady state, unsteady load, cancelled requests."""
+    thr, n = s["throughput"]["steady"], s["counts"]
+    out = [f"no steady state: {thr['reason']}"] if thr.get("reason") else []
+    out += [thr["note"]] if thr.get("note") else []
+    if n.get("incomplete"):
+        out.append(f"{n['incomplete']} request(s) cancelled by the harness (run end or interrupt): counted as "
+                   "incomplete, not as errors; latency percentiles leave them out")  # fmt: skip
+    return out
+
+
+def _report(summaries: list[dict[str, Any]], results: ResultsDir) -> None:
+    out = Console(width=None if sys.stdout.isatty() else 200)  # a log file gets the whole table
+    out.print(summary_table(summaries))
+    for s in summaries:
+        for w in s["client"]["warnings"]:
+            out.print(f"[yellow]warning[/] {s['point_id']}: the client may be limiting this run: {w}")
+        for line in notes(s):
+            out.print(f"[yellow]note[/] {s['point_id']}: {line}")
+        if s["errors"]["by_kind"]:
+            kinds = ", ".join(f"{k}: {n}" for k, n in s["errors"]["by_kind"].items())
+            out.print(f"[red]errors[/] {s['point_id']}: {kinds}")
+    out.print(f"results: {results.path}")
+
+

@@ -1,0 +1,127 @@
+"""What a command runs against: the workload it loads, the server it finds or starts, the backend for it.
+
+Shared by ``bench run``/``sweep``, ``capacity`` and ``gate --ab``; every failure is a
+:class:`~loadgen.exitcodes.UsageError` (exit 2) or :class:`~loadgen.exitcodes.ServerGone` (exit 3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from backends.base import Backend
+from backends.detect import Detection, ServerUnreachable, detect
+from backends.launcher import LaunchError, ServerProcess, free_port
+from backends.registry import available, get_backend
+from loadgen.exitcodes import ServerGone, UsageError, console
+from workloads.base import Workload
+
+
+def load_workload(name: str, tokenizer: str | None = None) -> Workload:
+    from workloads import load_workload as _load
+
+    try:
+        return _load(name, tokenizer=tokenizer)
+    except (FileNotFoundError, KeyError, ValueError) as exc:
+        raise UsageError(f"workload {name!r}: {exc}") from None
+
+
+def check_tokenizer(path: str | None) -> None:
+    """``--tokenizer``: an existing tokenizer.json (or .gguf) file, checked before anything starts."""
+    if path is None:
+        return
+    if not Path(path).is_file():
+        raise UsageError(f"--tokenizer: {path!r} not found (give the path of the model's tokenizer.json)")
+    from workloads.text import load_tokenizer
+
+    try:
+        load_tokenizer(path)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--tokenizer: {exc}") from None
+
+
+def is_finite(workload: Workload) -> bool:
+    """A trace ends by itself; synthetic workloads are infinite."""
+    from workloads.traces import TraceWorkload
+
+    return isinstance(workload, TraceWorkload)
+
+
+def read_api_key(api_key_env: str | None) -> str | None:
+    """The API key from the environment variable named by --api-key-env (the key itself is never stored)."""
+    if not api_key_env:
+        return None
+    api_key = os.environ.get(api_key_env)
+    if not api_key:
+        raise UsageError(f"--api-key-env {api_key_env}: that environment variable is not set")
+    return api_key
+
+
+def detect_server(url: str, api_key: str | None) -> Detection:
+    """What the server at ``url`` is (backends.detect); an unreachable one is :class:`ServerGone`."""
+    try:
+        return detect(url, api_key)
+    except ServerUnreachable as exc:
+        raise ServerGone(f"{exc}\n  is the server running? (bench run without --url starts the bundled one)") from None
+
+
+def make_backend(
+    name: str, url: str, model: str | None, api: str | None, api_key: str | None, continuous_usage: bool,
+    extra_body: str | None,
+) -> Backend:  # fmt: skip
+    """The backend ``name`` for ``url``; ``auto`` asks the server (:func:`detect_server`)."""
+    if name == "auto":
+        name = detect_server(url, api_key).backend
+    try:
+        extra = json.loads(extra_body) if extra_body else {}
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--extra-body is not valid JSON: {exc}") from None
+    if not isinstance(extra, dict):
+        raise UsageError("--extra-body must be a JSON object")
+    try:
+        cls = get_backend(name)
+    except KeyError:
+        raise UsageError(f"unknown backend {name!r}; available: auto, {', '.join(available())}") from None
+    opts: dict[str, Any] = {"api": api, "extra_body": extra}
+    if continuous_usage:
+        opts["continuous_usage"] = True
+    try:
+        return cls(url, model=model or _first_model(url, api_key), api_key=api_key, **opts)  # type: ignore[call-arg]
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"backend {name!r}: {exc}") from None
+
+
+def _first_model(url: str, api_key: str | None) -> str | None:
+    """The server's first model from GET /v1/models; None when it has no such endpoint."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(url.rstrip("/") + "/v1/models", headers=headers, timeout=10, trust_env=False)
+        data = r.json().get("data") or []
+        return str(data[0]["id"]) if r.status_code == 200 and data else None
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+@contextmanager
+def embedded_server(log_path: Path, timeout: float = 600.0) -> Iterator[str]:
+    """Start the bundled reference server on a free loopback port (the one :class:`ServerProcess`, in its
+    own session: a terminal's Ctrl-C is bench's to handle); yields its URL; stops it after."""
+    port = free_port()
+    srv = ServerProcess([sys.executable, "-m", "reference_server", "--host", "127.0.0.1", "--port", str(port)],
+                        port, log_path, health_timeout_s=timeout, stop_grace_s=15.0)  # fmt: skip
+    console.print(f"[dim]starting the reference server on {srv.base_url} (log: {log_path})[/]")
+    try:
+        srv.start()
+    except LaunchError as exc:
+        raise UsageError(f"the reference server did not start: {exc}\n  see {log_path}") from None
+    try:
+        yield srv.base_url
+    finally:
+        srv.stop()
