@@ -15,7 +15,6 @@ from rich.table import Table
 
 from backends.launcher import GridPoint, sweep_servers
 from backends.profile import profile_of
-from loadgen import telemetry
 from loadgen.clock import RunClock, Sidecar
 from loadgen.engine import LoadSpec, run_async
 from loadgen.exitcodes import ExitCode, UsageError, console, guard, worst
@@ -53,9 +52,10 @@ from loadgen.options import (
     WorkloadOpt,
     parse_list,
 )  # fmt: skip
-from loadgen.poller import ServerStatePoller
 from loadgen.report.cli import auto_report
 from loadgen.results import ResultsDir, new_run_id
+from loadgen.sidecars import telemetry
+from loadgen.sidecars.poller import ServerStatePoller
 from loadgen.sweep import PointPlan, loads_from, plan_points, run_sweep
 from loadgen.targets import (
     check_tokenizer,

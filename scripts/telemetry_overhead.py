@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 
 from loadgen.clock import RunClock
-from loadgen.telemetry import TelemetrySampler
+from loadgen.sidecars.telemetry import TelemetrySampler
 
 
 def cpu_share(seconds: float, hz: float | None, server_pid: int) -> dict[str, float]:

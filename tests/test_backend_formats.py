@@ -18,8 +18,8 @@ from backends.sglang import SGLangBackend, SGLangNativeBackend
 from backends.tgi import TGIBackend, TGINativeBackend
 from backends.vllm import VLLMBackend
 from contracts import GenRequest
-from loadgen.poller import reconcile
-from loadgen.prometheus import parse_metrics
+from loadgen.sidecars.poller import reconcile
+from loadgen.sidecars.prometheus import parse_metrics
 
 
 def run(backend, events):

@@ -21,7 +21,7 @@ from backends.launcher import (
 )
 from backends.llamacpp import LLAMACPP_PROFILE
 from loadgen.clock import RunClock
-from loadgen.poller import ServerStatePoller
+from loadgen.sidecars.poller import ServerStatePoller
 
 
 def test_grid_product_and_labels():

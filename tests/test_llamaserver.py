@@ -29,7 +29,7 @@ from contracts import GenRequest, read_jsonl
 from loadgen.cli import app
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, run_async, run_point
-from loadgen.poller import ServerStatePoller
+from loadgen.sidecars.poller import ServerStatePoller
 from workloads.base import SingleShot, Workload
 
 pytestmark = pytest.mark.llamaserver

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 
 from backends.profile import ServerProfile
-from loadgen import metrics, telemetry
+from loadgen import metrics
 from loadgen.arrivals import arrival_times
-from loadgen.poller import reconcile
 from loadgen.report import series
 from loadgen.report.load import requests_from_records
+from loadgen.sidecars import telemetry
+from loadgen.sidecars.poller import reconcile
 
 TOL = 0.02  # steady figures within 2 % of the true rates wherever the window is valid
 

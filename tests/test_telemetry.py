@@ -14,15 +14,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 
 from loadgen.clock import RunClock
 from loadgen.metrics import add_energy_per_token, joules_per_output_token
-from loadgen.telemetry import (
-    NO_GPU_LINE,
-    GpuProbe,
-    RemoteTelemetry,
-    TelemetrySampler,
-    exporter_record,
-    open_gpus,
-    summarize,
-)
+from loadgen.sidecars.exporters import exporter_record
+from loadgen.sidecars.gpu import NO_GPU_LINE, GpuProbe, open_gpus
+from loadgen.sidecars.telemetry import RemoteTelemetry, TelemetrySampler, summarize
 
 
 def _nvml_available() -> bool:
@@ -181,7 +175,7 @@ node_memory_MemAvailable_bytes 6e+09
 
 
 def test_exporter_record_maps_dcgm_and_node_exporter():
-    from loadgen.prometheus import parse_metrics
+    from loadgen.sidecars.prometheus import parse_metrics
 
     prev: dict = {}
     first = exporter_record(parse_metrics(DCGM_TEXT + _node_text(100, 10))[0], prev)

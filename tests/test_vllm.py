@@ -20,7 +20,7 @@ from backends.vllm import VLLMBackend
 from contracts import read_jsonl
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, run_async, run_point
-from loadgen.poller import ServerStatePoller
+from loadgen.sidecars.poller import ServerStatePoller
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[1]

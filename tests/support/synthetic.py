@@ -229,7 +229,7 @@ def write_synthetic_results(root: Path, run_id: str = "synthetic", cfg: SimConfi
             _dump_jsonl(pdir / "iterations.jsonl", rows)
         step_t = np.array([it["t"] for it in its])
         ticks = np.arange(t, sim["t_end"], 0.1)
-        if cfg.server_state:  # as loadgen.poller writes it: Prometheus keys with labels, scrape latency
+        if cfg.server_state:  # as loadgen.sidecars.poller writes it: Prometheus keys with labels, scrape latency
             rows = []
             for ts in ticks:
                 i = int(np.searchsorted(step_t, ts)) - 1
@@ -250,7 +250,7 @@ def write_synthetic_results(root: Path, run_id: str = "synthetic", cfg: SimConfi
                     }
                 )
             _dump_jsonl(pdir / "server_state.jsonl", rows)
-        if cfg.telemetry:  # as loadgen.telemetry writes host samples
+        if cfg.telemetry:  # as loadgen.sidecars.telemetry writes host samples
             rows = []
             for ts in ticks:
                 busy = float(((step_t > ts - 0.1) & (step_t <= ts)).any())

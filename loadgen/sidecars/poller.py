@@ -1,6 +1,6 @@
 """Server-state poller: a sidecar that samples a server's own counters during one load point.
 
-Every ``1/hz`` seconds it scrapes ``/metrics`` (Prometheus text, :mod:`loadgen.prometheus`) and, where
+Every ``1/hz`` seconds it scrapes ``/metrics`` (Prometheus text, :mod:`loadgen.sidecars.prometheus`) and, where
 the server has one, ``/slots`` (llama.cpp). Each sample is stamped on the run clock with the time
 the scrape started and the scrape's latency, and appended to ``server_state.jsonl``. At the end it
 reconciles counters: the delta of every ``counter`` sample over the point (and over the steady-state
@@ -12,8 +12,6 @@ reference server), its per-iteration records for the point are written to ``iter
 from __future__ import annotations
 
 import json
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +20,8 @@ import httpx
 from backends.profile import DEFAULT_PROFILE, ServerProfile
 from loadgen.clock import RunClock
 from loadgen.metrics import stats
-from loadgen.prometheus import parse_metrics
+from loadgen.sidecars.prometheus import parse_metrics
+from loadgen.sidecars.sampler import ThreadedSampler
 
 
 def _compact_slot(slot: dict[str, Any]) -> dict[str, Any]:
@@ -99,10 +98,12 @@ def reconcile(
     return out
 
 
-class ServerStatePoller:
+class ServerStatePoller(ThreadedSampler):
     """A :class:`loadgen.clock.Sidecar` that samples a server's ``/metrics`` (and ``/slots``)."""
 
     name = "server"
+    filename = "server_state.jsonl"
+    skip_ahead = True  # a slow scrape must not fire a burst of scrapes at the server
 
     def __init__(
         self,
@@ -111,62 +112,37 @@ class ServerStatePoller:
         hz: float = 10.0,
         timeout_s: float = 2.0,
     ) -> None:
-        if hz <= 0:
-            raise ValueError(f"poll rate must be positive, got {hz}")
+        super().__init__(hz, "poll rate")
         self.base_url = base_url.rstrip("/")
         self.profile = profile
-        self.period = 1.0 / hz
         self.timeout_s = timeout_s
-        self.samples: list[dict[str, Any]] = []
         self._counters: set[str] = set()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._clock: RunClock | None = None
-        self._dir: Path | None = None
-        self._file: Any = None
         self._client: httpx.Client | None = None
         self._iter_since: int | None = None
         self._paths: dict[str, str] = {}
 
     def start(self, clock: RunClock, point_dir: Path) -> None:
-        self._clock, self._dir = clock, point_dir
-        point_dir.mkdir(parents=True, exist_ok=True)
-        self._file = (point_dir / "server_state.jsonl").open("w", encoding="utf-8")
         self._client = httpx.Client(base_url=self.base_url, timeout=self.timeout_s)
         self._iter_since = self._iterations_cursor()
         self._paths = {k: p for k, p in (("metrics", self.profile.metrics_path), ("slots", self.profile.slots_path))
                        if p and self._answers(p)}  # fmt: skip
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="server-state-poller", daemon=True)
-        self._thread.start()
+        super().start(clock, point_dir)
 
-    def stop(self, window: tuple[float, float] | None) -> dict[str, Any]:
-        assert self._thread is not None and self._client is not None, "stop() before start()"
-        self._stop.set()
-        self._thread.join()
+    def _last(self) -> None:
         self._sample()  # a last scrape so the counters include the point's final requests
-        self._file.close()
-        summary = reconcile(self.samples, self._counters, self.profile, window)
+
+    def summary(self, window: tuple[float, float] | None) -> dict[str, Any]:
+        assert self._client is not None, "stop() before start()"
+        summary = reconcile(self.records, self._counters, self.profile, window)
         summary["sources"] = sorted(self._paths)
         if self._iter_since is not None:
             summary["iterations"] = self._fetch_iterations()
         self._client.close()
         return summary
 
-    def _run(self) -> None:
-        next_t = time.perf_counter()
-        while not self._stop.is_set():
-            self._sample()
-            next_t += self.period
-            delay = next_t - time.perf_counter()
-            if delay < 0:  # a slow scrape: skip ahead instead of bursting to catch up
-                next_t, delay = time.perf_counter(), 0.0
-            self._stop.wait(delay)
-
-    def _sample(self) -> None:
+    def _tick(self, t: float) -> dict[str, Any]:
         assert self._clock is not None and self._client is not None
-        t = self._clock.now()
-        sample: dict[str, Any] = {"t": round(t, 6)}
+        sample: dict[str, Any] = {}
         try:
             if "metrics" in self._paths:
                 resp = self._client.get(self._paths["metrics"])
@@ -182,9 +158,7 @@ class ServerStatePoller:
             sample.pop("metrics", None)
             sample["error"] = f"{type(exc).__name__}: {exc}"[:300]
         sample["latency_s"] = round(self._clock.now() - t, 6)
-        self.samples.append(sample)
-        self._file.write(json.dumps(sample, separators=(",", ":")) + "\n")
-        self._file.flush()
+        return sample
 
     def _answers(self, path: str) -> bool:
         """False when the server says it has no such endpoint (404/501); True otherwise, so an

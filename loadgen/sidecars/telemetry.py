@@ -3,7 +3,7 @@
 A sampler runs in its own thread (never on the event loop) at a fixed rate and appends one JSON object
 per tick to ``points/<id>/telemetry.jsonl``; every ``t`` is on the run clock. ``stop`` summarises the
 steady-state window. Missing or failing parts degrade instead of failing the run: no NVIDIA driver means
-host series only (see :data:`NO_GPU_LINE`), a GPU that stops answering stops being sampled.
+host series only (see :data:`loadgen.sidecars.gpu.NO_GPU_LINE`), a GPU that stops answering stops being sampled.
 
 Record shape (keys absent when not measured)::
 
@@ -15,120 +15,21 @@ Record shape (keys absent when not measured)::
 
 from __future__ import annotations
 
-import functools
-import json
 import math
 import os
-import threading
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 import psutil
-import pynvml
 
 from loadgen import metrics
 from loadgen.clock import RunClock
-from loadgen.prometheus import parse_metrics, split_key
-
-NO_GPU_LINE = "no NVIDIA GPU: GPU telemetry off"
-Record = dict[str, Any]
-
-# NVML return codes after which a device will not answer again in this process.
-_GONE = {
-    pynvml.NVML_ERROR_GPU_IS_LOST,
-    pynvml.NVML_ERROR_UNINITIALIZED,
-    pynvml.NVML_ERROR_DRIVER_NOT_LOADED,
-    pynvml.NVML_ERROR_LIBRARY_NOT_FOUND,
-}
-# ...and after which only this one query is pointless to repeat.
-_UNSUPPORTED = {pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND}
-
-
-class GpuGone(Exception):
-    """The device stopped answering (fallen off the bus, driver unloaded)."""
-
-
-@dataclass
-class GpuProbe:
-    """One NVML device. ``sample`` asks each query separately so one unsupported query costs one field."""
-
-    index: int
-    handle: Any
-    name: str = ""
-    gone: bool = False
-    _unsupported: set[str] = field(default_factory=set)
-    _proc_ts: int = 0
-
-    def _ask(self, key: str, fn: Callable[[], Any]) -> Any:
-        if key in self._unsupported:
-            return None
-        try:
-            return fn()
-        except pynvml.NVMLError as exc:
-            if exc.value in _GONE:
-                self.gone = True
-                raise GpuGone(f"GPU {self.index}: {exc}") from exc
-            if exc.value in _UNSUPPORTED:
-                self._unsupported.add(key)
-            return None
-
-    def sample(self) -> Record:
-        """One reading; raises :class:`GpuGone` once the device is lost."""
-        h = self.handle
-        rec: Record = {"index": self.index}
-        util = self._ask("util", lambda: pynvml.nvmlDeviceGetUtilizationRates(h))
-        if util is not None:
-            rec["util"], rec["mem_util"] = float(util.gpu), float(util.memory)
-        mem = self._ask("mem", lambda: pynvml.nvmlDeviceGetMemoryInfo(h))
-        if mem is not None:
-            rec["mem_used_b"], rec["mem_total_b"] = int(mem.used), int(mem.total)
-        power = self._ask("power", lambda: pynvml.nvmlDeviceGetPowerUsage(h))
-        if power is not None:
-            rec["power_w"] = power / 1000.0
-        clock = self._ask("clock", lambda: pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM))
-        if clock is not None:
-            rec["sm_clock_mhz"] = float(clock)
-        temp = self._ask("temp", lambda: pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU))
-        if temp is not None:
-            rec["temp_c"] = float(temp)
-        energy = self._ask("energy", lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(h))
-        if energy is not None:
-            rec["energy_j"] = energy / 1000.0
-        procs = self._ask("procs", lambda: pynvml.nvmlDeviceGetProcessUtilization(h, self._proc_ts))
-        if procs:
-            self._proc_ts = max(int(p.timeStamp) for p in procs)
-            rec["procs"] = [{"pid": int(p.pid), "sm": int(p.smUtil), "mem": int(p.memUtil)} for p in procs]
-        return rec
-
-
-def open_gpus() -> tuple[list[GpuProbe], str]:
-    """The NVML devices of this host and a one-line description for the run header.
-
-    Without a usable driver the list is empty and the line is :data:`NO_GPU_LINE`.
-    """
-    try:
-        pynvml.nvmlInit()
-        count = pynvml.nvmlDeviceGetCount()
-        probes = [GpuProbe(i, pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(count)]
-        for p in probes:
-            p.name = str(pynvml.nvmlDeviceGetName(p.handle))
-        driver = str(pynvml.nvmlSystemGetDriverVersion())
-    except pynvml.NVMLError:
-        return [], NO_GPU_LINE
-    if not probes:
-        return [], NO_GPU_LINE
-    names = ", ".join(sorted({p.name for p in probes}))
-    return probes, f"GPU telemetry: {len(probes)} x {names} (driver {driver})"
-
-
-@functools.cache
-def _host_gpus() -> tuple[list[GpuProbe], str]:
-    """:func:`open_gpus` once per process (NVML init is slow-ish and the devices do not change)."""
-    return open_gpus()
+from loadgen.sidecars import gpu as gpu_probes
+from loadgen.sidecars.exporters import exporter_record
+from loadgen.sidecars.prometheus import parse_metrics
+from loadgen.sidecars.sampler import Record, ThreadedSampler
 
 
 class HostProbe:
@@ -169,64 +70,26 @@ class HostProbe:
         return rec
 
 
-class _ThreadedSampler:
-    """The thread, the file and the summary shared by the local and remote samplers."""
+class _Telemetry(ThreadedSampler):
+    """What the local and remote samplers share: the file, the record precision, the summary."""
 
     name = "telemetry"
+    filename = "telemetry.jsonl"
+    t_digits = 4
 
     def __init__(self, rate_hz: float) -> None:
-        if not rate_hz > 0:
-            raise ValueError(f"telemetry rate must be > 0 Hz, got {rate_hz}")
-        self.period = 1.0 / rate_hz
-        self.header: str = ""
+        super().__init__(rate_hz, "telemetry rate")
+        self.header = ""
         self.notes: list[str] = []
-        self.records: list[Record] = []
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._clock: RunClock | None = None
-        self._out: Any = None
 
-    def _tick(self) -> Record:
-        raise NotImplementedError
-
-    def start(self, clock: RunClock, point_dir: Path) -> None:
-        self._clock = clock
-        self._stop.clear()
-        self.records = []
-        point_dir.mkdir(parents=True, exist_ok=True)
-        self._out = (point_dir / "telemetry.jsonl").open("w", encoding="utf-8")
-        self._thread = threading.Thread(target=self._loop, name="servelab-telemetry", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        assert self._clock is not None
-        next_t = self._clock.now()
-        while not self._stop.is_set():
-            t = round(self._clock.now(), 4)
-            try:
-                rec = {"t": t, **self._tick()}
-            except Exception as exc:  # a sampler bug must not end the run: record it and go on
-                rec = {"t": t, "error": f"{type(exc).__name__}: {exc}"[:300]}
-            self.records.append(rec)
-            self._out.write(json.dumps(rec, separators=(",", ":")) + "\n")
-            next_t += self.period
-            self._stop.wait(max(0.0, next_t - self._clock.now()))
-
-    def stop(self, window: tuple[float, float] | None) -> dict[str, Any]:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._out is not None:
-            self._out.close()
-            self._out = None
+    def summary(self, window: tuple[float, float] | None) -> dict[str, Any]:
         out = summarize(self.records, window)
         if self.notes:
             out["notes"] = list(self.notes)
         return out
 
 
-class TelemetrySampler(_ThreadedSampler):
+class TelemetrySampler(_Telemetry):
     """Local sampler (a :class:`loadgen.clock.Sidecar`): NVML GPUs if any, plus the host.
 
     ``header`` is the line for the run header, known after construction.
@@ -235,8 +98,8 @@ class TelemetrySampler(_ThreadedSampler):
     def __init__(self, rate_hz: float = 10.0, server_pid: int | None = None, gpu: bool = True) -> None:
         super().__init__(rate_hz)
         self.server_pid = server_pid
-        self.gpus: list[GpuProbe]
-        self.gpus, self.header = _host_gpus() if gpu else ([], "GPU telemetry off")
+        self.gpus: list[gpu_probes.GpuProbe]
+        self.gpus, self.header = gpu_probes.host_gpus() if gpu else ([], "GPU telemetry off")
         self._host: HostProbe | None = None
 
     def start(self, clock: RunClock, point_dir: Path) -> None:
@@ -245,7 +108,7 @@ class TelemetrySampler(_ThreadedSampler):
             g.gone = False
         super().start(clock, point_dir)
 
-    def _tick(self) -> Record:
+    def _tick(self, t: float) -> Record:
         assert self._host is not None
         rec = self._host.sample()
         gpus = []
@@ -254,7 +117,7 @@ class TelemetrySampler(_ThreadedSampler):
                 continue
             try:
                 gpus.append(g.sample())
-            except GpuGone as exc:
+            except gpu_probes.GpuGone as exc:
                 assert self._clock is not None
                 self.notes.append(f"{exc} at t={self._clock.now():.2f}s: sampling of this GPU stopped")
         if gpus:
@@ -324,73 +187,10 @@ def summarize(records: list[Record], window: tuple[float, float] | None) -> dict
     return out
 
 
-# --- remote: a DCGM exporter or node exporter --------------------------------------------------------
-
-# DCGM exporter gauge -> record field, and the factor to the record's unit.
-_DCGM = {
-    "DCGM_FI_DEV_GPU_UTIL": ("util", 1.0),
-    "DCGM_FI_DEV_MEM_COPY_UTIL": ("mem_util", 1.0),
-    "DCGM_FI_DEV_FB_USED": ("mem_used_b", 1024.0 * 1024.0),  # MiB
-    "DCGM_FI_DEV_POWER_USAGE": ("power_w", 1.0),
-    "DCGM_FI_DEV_SM_CLOCK": ("sm_clock_mhz", 1.0),
-    "DCGM_FI_DEV_GPU_TEMP": ("temp_c", 1.0),
-    "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": ("energy_j", 1e-3),  # mJ
-}
-_IDLE_MODES = ("idle", "iowait")
+# --- remote: a DCGM exporter or node exporter (their series: loadgen.sidecars.exporters) ----------------
 
 
-def exporter_record(values: dict[str, float], prev_cpu: dict[str, tuple[float, float]]) -> Record:
-    """One telemetry record from a scrape of a DCGM exporter and/or a node exporter.
-
-    Per-core CPU % needs two scrapes of ``node_cpu_seconds_total``; ``prev_cpu`` carries
-    ``{cpu: (busy_s, total_s)}`` from the previous scrape and is updated in place.
-    """
-    rec: Record = {}
-    gpus: dict[int, Record] = {}
-    cpu_now: dict[str, list[float]] = {}
-    fb_free: dict[int, float] = {}
-    for key, value in values.items():
-        name, labels = split_key(key)
-        if name in _DCGM and "gpu" in labels:
-            field_name, factor = _DCGM[name]
-            g = gpus.setdefault(int(labels["gpu"]), {"index": int(labels["gpu"])})
-            g[field_name] = value * factor
-        elif name == "DCGM_FI_DEV_FB_FREE" and "gpu" in labels:
-            fb_free[int(labels["gpu"])] = value * 1024.0 * 1024.0
-        elif name == "node_cpu_seconds" and "cpu" in labels:
-            busy_total = cpu_now.setdefault(labels["cpu"], [0.0, 0.0])
-            busy_total[1] += value
-            if labels.get("mode") not in _IDLE_MODES:
-                busy_total[0] += value
-        elif name == "node_memory_MemTotal_bytes":
-            rec["mem_total_b"] = int(value)
-        elif name == "node_memory_MemAvailable_bytes":
-            rec["_mem_avail"] = int(value)
-    for index, free in fb_free.items():
-        if index in gpus and "mem_used_b" in gpus[index]:
-            gpus[index]["mem_total_b"] = int(gpus[index]["mem_used_b"] + free)
-    for g in gpus.values():
-        if "mem_used_b" in g:
-            g["mem_used_b"] = int(g["mem_used_b"])
-    if "mem_total_b" in rec and "_mem_avail" in rec:
-        rec["mem_used_b"] = rec["mem_total_b"] - rec["_mem_avail"]
-    rec.pop("_mem_avail", None)
-    if cpu_now:
-        cores = sorted(cpu_now, key=lambda c: int(c) if c.isdigit() else c)
-        if all(c in prev_cpu for c in cores):
-            pct = []
-            for c in cores:
-                d_busy, d_total = cpu_now[c][0] - prev_cpu[c][0], cpu_now[c][1] - prev_cpu[c][1]
-                pct.append(round(100.0 * d_busy / d_total, 2) if d_total > 0 else 0.0)
-            rec["cpu_pct"] = pct
-        prev_cpu.clear()
-        prev_cpu.update({c: (bt[0], bt[1]) for c, bt in cpu_now.items()})
-    if gpus:
-        rec["gpus"] = [gpus[i] for i in sorted(gpus)]
-    return rec
-
-
-class RemoteTelemetry(_ThreadedSampler):
+class RemoteTelemetry(_Telemetry):
     """Telemetry of a remote host from a Prometheus exporter URL (``--telemetry-url``).
 
     Scrapes with the server-state poller's parser. Exporters refresh slowly (dcgm-exporter collects every
@@ -413,7 +213,7 @@ class RemoteTelemetry(_ThreadedSampler):
         self._prev_cpu = {}
         super().start(clock, point_dir)
 
-    def _tick(self) -> Record:
+    def _tick(self, t: float) -> Record:
         assert self._client is not None
         try:
             resp = self._client.get(self.url)
@@ -423,8 +223,8 @@ class RemoteTelemetry(_ThreadedSampler):
             return {"error": f"{type(exc).__name__}: {exc}"[:300]}
         return exporter_record(values, self._prev_cpu)
 
-    def stop(self, window: tuple[float, float] | None) -> dict[str, Any]:
-        out = super().stop(window)
+    def summary(self, window: tuple[float, float] | None) -> dict[str, Any]:
+        out = super().summary(window)
         if self._client is not None:
             self._client.close()
             self._client = None
@@ -467,10 +267,10 @@ def header_line(hz: float, url: str | None) -> str:
         return "telemetry off (--telemetry-hz 0)"
     if url:
         return f"remote telemetry: {url} at {min(hz, REMOTE_MAX_HZ):g} Hz"
-    return _host_gpus()[1]
+    return gpu_probes.host_gpus()[1]
 
 
-def sidecars(target_url: str, hz: float, url: str | None) -> list[_ThreadedSampler]:
+def sidecars(target_url: str, hz: float, url: str | None) -> list[ThreadedSampler]:
     """The telemetry sidecar for one point: remote exporter when ``url`` is given, else this host (NVML
     GPUs, CPU, memory, and the server process when it listens on a loopback port here)."""
     if hz == 0:
