@@ -33,7 +33,7 @@ import numpy as np
 
 from loadgen.metrics import LATENCIES
 from loadgen.options import RunOptions
-from loadgen.results import read_summary
+from loadgen.results import leaves, lookup, read_summary
 
 EXIT = {"pass": 0, "regression": 1, "inconclusive": 2, "invalid": 2}
 BASELINE_FORMAT = "servelab-baseline/1"
@@ -199,18 +199,9 @@ def save_baseline(result: str | Path, out: str | Path) -> dict[str, Any]:
 # --- fingerprints --------------------------------------------------------------------------------------
 
 
-def _leaves(d: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(d, dict):
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            out.update(_leaves(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    return {prefix: d}
-
-
 def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     """Human-readable ``field: A != B`` for every leaf that differs."""
-    la, lb = _leaves(a), _leaves(b)
+    la, lb = leaves(a), leaves(b)
     return [f"{k}: {la.get(k, '<absent>')!r} != {lb.get(k, '<absent>')!r}" for k in sorted(set(la) | set(lb))
             if la.get(k, "<absent>") != lb.get(k, "<absent>")]  # fmt: skip
 
@@ -326,9 +317,7 @@ def _values(trials: list[dict[str, Any]], path: tuple[str, ...]) -> dict[int, fl
     """Trial index -> the metric's value, for the trials that have a finite value."""
     out = {}
     for pt in trials:
-        v: Any = pt
-        for key in path:
-            v = v.get(key) if isinstance(v, dict) else None
+        v = lookup(pt, path)
         if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
             out[_trial_index(pt)] = float(v)
     return out

@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -91,7 +92,7 @@ def _gpus() -> list[str]:
     return [line.strip() for line in out.splitlines() if line.strip()]
 
 
-def flatten(summary: dict[str, Any]) -> dict[str, Any]:
+def sweep_row(summary: dict[str, Any]) -> dict[str, Any]:
     """One sweep-table row: load params, labels and metrics as flat columns (no per-class, no lists)."""
     row: dict[str, Any] = {"point_id": summary["point_id"]}
     load = summary.get("load", {})
@@ -100,29 +101,37 @@ def flatten(summary: dict[str, Any]) -> dict[str, Any]:
     row["workload"] = (summary.get("workload") or {}).get("name")
     for k, v in (summary.get("labels") or {}).items():
         row[k] = v
-    row.update(_flat(summary.get("counts", {}), "n"))
+    row.update(leaves(summary.get("counts", {}), "n", "_", keep_lists=False))
     for name, st in summary.get("latency", {}).items():
-        row.update(_flat(st, name))
+        row.update(leaves(st, name, "_", keep_lists=False))
     for scope, thr in summary.get("throughput", {}).items():
-        row.update(_flat(thr, scope))
+        row.update(leaves(thr, scope, "_", keep_lists=False))
     row["error_rate"] = summary.get("errors", {}).get("rate")
     for kind, n in summary.get("errors", {}).get("by_kind", {}).items():
         row[f"errors_{kind}"] = n
     if "goodput" in summary:
-        row.update(_flat({k: v for k, v in summary["goodput"].items() if k != "slo"}, "goodput"))
+        row.update(leaves({k: v for k, v in summary["goodput"].items() if k != "slo"}, "goodput", "_", keep_lists=False))
     client = summary.get("client", {})
-    row.update(_flat({k: v for k, v in client.items() if k != "warnings"}, "client"))
+    row.update(leaves({k: v for k, v in client.items() if k != "warnings"}, "client", "_", keep_lists=False))
     return row
 
 
-def _flat(d: dict[str, Any], prefix: str) -> dict[str, Any]:
+def leaves(d: Any, prefix: str = "", sep: str = ".", keep_lists: bool = True) -> dict[str, Any]:
+    """The one flattener of results: nested dicts -> ``{"a.b.c": value}`` (names joined with ``sep``, after
+    ``prefix`` when given); a list is one value, or left out without ``keep_lists``."""
+    if not isinstance(d, dict):
+        return {prefix: d} if keep_lists or not isinstance(d, list) else {}
     out: dict[str, Any] = {}
     for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}_{k}"))
-        elif not isinstance(v, list):
-            out[f"{prefix}_{k}"] = v
+        out.update(leaves(v, f"{prefix}{sep}{k}" if prefix else str(k), sep, keep_lists))
     return out
+
+
+def lookup(d: Any, path: Sequence[str]) -> Any:
+    """The value at ``path`` (keys from the top) in nested dicts, or None where the path ends early."""
+    for key in path:
+        d = d.get(key) if isinstance(d, dict) else None
+    return d
 
 
 class ResultsDir:
@@ -157,7 +166,7 @@ class ResultsDir:
         """Top summary.json plus sweep.csv/.parquet; called after every point so a crash keeps them."""
         top = {k: run[k] for k in ("run_id", "config", "environment", "fingerprint")} | {"points": points}
         _write_json(self.path / "summary.json", top)
-        df = pd.DataFrame([flatten(p) for p in points])
+        df = pd.DataFrame([sweep_row(p) for p in points])
         df.to_csv(self.path / "sweep.csv", index=False)
         df.to_parquet(self.path / "sweep.parquet", index=False)
 

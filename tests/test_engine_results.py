@@ -9,7 +9,7 @@ from backends.base import ParseState
 from backends.openai import OpenAIBackend
 from backends.registry import get_backend
 from contracts import GenRequest
-from loadgen.results import ResultsDir, environment, fingerprint, flatten, scrub
+from loadgen.results import ResultsDir, environment, fingerprint, scrub, sweep_row
 
 
 def test_openai_bodies_completions_and_chat():
@@ -57,7 +57,7 @@ def test_results_dir_writes_run_summary_and_sweep(tmp_path):
              "throughput": {"steady": {"req_per_s": 3.0}}, "errors": {"rate": 0.0, "by_kind": {"stall": 1}},
              "client": {"schedule_lag": {"p99": 0.001}, "warnings": ["x"]}}
     rd.write_summary(run, [point])
-    row = flatten(point)
+    row = sweep_row(point)
     assert row["ttft_p50"] == 0.1 and row["steady_req_per_s"] == 3.0 and row["errors_stall"] == 1
     assert row["client_schedule_lag_p99"] == 0.001 and "client_warnings" not in row
     df = pd.read_parquet(tmp_path / "run1" / "sweep.parquet")

@@ -19,6 +19,7 @@ import numpy as np
 
 from loadgen.report import figures
 from loadgen.report.load import RunData, load_run
+from loadgen.results import leaves
 
 SIG_DIGITS = 6  # chart data only; tables show summary.json's numbers verbatim
 
@@ -88,7 +89,7 @@ def summary_tables(run: RunData) -> str:
         groups[g] = [
             {k: v for k, v in p.items() if not isinstance(v, dict)}
             if g == "point"
-            else figures.flatten(p.get(g) or {}, g + ".")
+            else leaves(p.get(g) or {}, g)
             for p in pts
         ]
     out = []
@@ -110,7 +111,7 @@ def summary_tables(run: RunData) -> str:
 
 
 def _meta_table(run: RunData) -> str:
-    flat = figures.flatten(
+    flat = leaves(
         {k: run.summary[k] for k in ("config", "environment", "fingerprint") if k in run.summary}
     )
     rows = [[html.escape(k), html.escape(cell(v))] for k, v in flat.items()]

@@ -13,6 +13,7 @@ import numpy as np
 
 from loadgen.report import series
 from loadgen.report.load import PointData, Requests, RunData
+from loadgen.results import leaves
 
 Fig = dict[str, Any]
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f"]
@@ -463,18 +464,6 @@ def distributions(point: PointData) -> Fig | None:
 # ---- sweep curves -------------------------------------------------------------------------------
 
 
-def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested dict -> {"a.b": scalar}; lists are kept as a whole value."""
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
 def _find(flat: dict[str, Any], patterns: tuple[str, ...]) -> tuple[str, float] | None:
     """First key (by pattern order) whose full dotted name matches, with a numeric value."""
     for pat in patterns:
@@ -518,7 +507,7 @@ def sweep_rows(run: RunData) -> list[dict[str, Any]]:
     """Per point: load, throughput, goodput, p50/p99 latency, with the summary key each came from."""
     rows = []
     for p in run.summary.get("points") or []:
-        flat = flatten(p)
+        flat = leaves(p)
         row: dict[str, Any] = {"point_id": str(p.get("point_id", p.get("id", "")))}
         for name, pats in (
             ("load", LOAD_KEYS),
