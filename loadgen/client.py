@@ -11,6 +11,9 @@ content event (``events``). Hot path: plain ``data:`` frames go to ``Backend.pla
 (no ``SSEEvent``/``Delta`` objects); the first event that is not plain, and all after it in that read,
 go through ``Backend.parse``. When only the total is known and it differs from the event count, the
 total is spread evenly over the events (``RequestRecord.event_tokens == "spread"``).
+
+Size: the transports, the stale-connection retry and the stream reader share the hot loop's state; split, the
+hot path would cross module boundaries on every chunk.
 """
 
 from __future__ import annotations

@@ -32,6 +32,10 @@ A point can end early, and its summary says how (``status``: ``complete``, ``abo
 - **SIGINT / SIGTERM** (under :func:`run_async`): dispatch stops, the requests in flight are cancelled
   (recorded as ``cancelled``), and the summary is written with ``summary["interrupted"]`` (the signal,
   the time, finished and cancelled counts). A second signal exits the process at once.
+
+Size: one load point's run state (dispatch loop, in-flight set, server-death probe, signal handling, the
+summary that closes it) is shared by every part; sidecars, arrivals, the client and the metrics are already
+their own modules.
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ Formulas (docs/metrics.md has the full definitions, the proofs and the mapping t
 Entry point: :func:`summarize` → the metric part of a PointSummary, with ``per_class`` holding the
 same metrics for every workload class. Every other figure of a request or a sample (report series,
 server-state poller, telemetry) calls these functions: :func:`stats` is the one percentile method.
+
+Size: every metric definition in one module is the point (one definition used everywhere, mapped 1:1 to
+docs/metrics.md); the event helpers they share would otherwise be imported back and forth.
 """
 
 from __future__ import annotations

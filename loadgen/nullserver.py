@@ -29,6 +29,9 @@ open and drops the next request that arrives on it unread: the keep-alive race, 
 ``die_after`` N: the process exits at once when the N-th generation request arrives (in-flight
 streams are cut). ``GET /stats`` counts ``requests`` (generation requests handled), ``dropped_idle``
 and ``dropped_requests``.
+
+Size: one raw-asyncio HTTP/1.1 protocol and the faults it injects share one connection's state; the service-
+model server (loadgen/servicemodel.py) reuses its parts.
 """
 
 from __future__ import annotations

@@ -160,3 +160,4 @@ def test_every_imported_package_is_declared():
                 if not names & declared:
                     missing.append(f"{path.relative_to(ROOT)}:{line} imports {top} ({', '.join(sorted(names))})")
     assert not missing, "not in pyproject.toml [project] dependencies:\n" + "\n".join(missing)
+

@@ -3,6 +3,9 @@
 Every problem is reported as a :class:`WorkloadError` naming the file, the key (dotted path, e.g.
 ``classes[1].prompt.mean``) and what was expected, so a user can fix the file without reading code.
 The format is documented in ``docs/workloads.md``.
+
+Size: the whole TOML schema with its one error type and one field checker; it is read as one, as
+docs/workloads.md documents it.
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 
 Each builder returns ``None`` when it has no data, so that an absent optional series (no server-state
 poller, no telemetry, no per-iteration record) leaves its chart out instead of drawing an empty one.
+
+Size: every chart of the report, one builder each; the next step (issue 21) is plotly.subplots instead of the
+hand-computed layout, which shrinks it.
 """
 
 from __future__ import annotations
