@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import json
 import random
-import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -25,11 +24,13 @@ from rich.console import Console
 from rich.table import Table
 
 from backends.launcher import ServerProcess, bundled_model, free_port
+from backends.profile import REFERENCE_SPEC
 from backends.registry import get_backend
 from contracts import GenRequest
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, run_async
-from loadgen.results import ResultsDir, new_run_id
+from loadgen.results import ResultsDir, lookup, new_run_id
+from loadgen.sidecars.prometheus import parse_metrics
 from loadgen.sweep import PointPlan, run_sweep
 from workloads.base import ArrivalSpec, Session, SingleShot, Workload
 
@@ -64,11 +65,7 @@ class Experiment:
 
 
 def _get(d: dict[str, Any], path: str) -> Any:
-    for key in path.split("."):
-        if not isinstance(d, dict):
-            return None
-        d = d.get(key)  # type: ignore[assignment]
-    return d
+    return lookup(d, path.split("."))
 
 
 def metric(path: str) -> Callable[[Summary, dict[str, Any]], Any]:
@@ -77,18 +74,10 @@ def metric(path: str) -> Callable[[Summary, dict[str, Any]], Any]:
 
 # -- scraping the reference server ------------------------------------------------------------------
 
-_METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$")
-
-
 def scrape_metrics(base_url: str) -> dict[str, float]:
-    """Unlabelled samples of the server's Prometheus ``/metrics`` (name -> value)."""
-    text = httpx.get(base_url + "/metrics", timeout=10).text
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _METRIC_LINE.match(line.strip())
-        if m and not m.group(2):
-            out[m.group(1)] = float(m.group(3))
-    return out
+    """Unlabelled samples of the server's Prometheus ``/metrics`` (name -> value), read with the one parser."""
+    values, _ = parse_metrics(httpx.get(base_url + "/metrics", timeout=10).text)
+    return {k: v for k, v in values.items() if "{" not in k}
 
 
 def greedy_outputs(base_url: str, prompts: list[str], max_tokens: int) -> list[str]:
@@ -287,13 +276,8 @@ class SpecCounters:
 
     def stop(self, window: tuple[float, float] | None) -> dict[str, Any]:
         now = scrape_metrics(self.base_url)
-        delta = {k: now.get(k, 0.0) - self.start_values.get(k, 0.0) for k in (SPEC_DRAFTED, SPEC_ACCEPTED)}
-        drafted, accepted = delta[SPEC_DRAFTED], delta[SPEC_ACCEPTED]
+        drafted, accepted = (now.get(k, 0.0) - self.start_values.get(k, 0.0) for k in REFERENCE_SPEC)
         return {"drafted": drafted, "accepted": accepted, "acceptance": accepted / drafted if drafted else None}
-
-
-SPEC_DRAFTED = "servelab_spec_draft_tokens_total"
-SPEC_ACCEPTED = "servelab_spec_accepted_tokens_total"
 
 
 def _short_prompt(i: int) -> str:
