@@ -22,6 +22,10 @@ or hold at the highest (not saturated).
 Probers: :class:`LiveProber` runs :func:`loadgen.engine.run_point` against a server;
 :class:`SimProber` runs the service model of :mod:`loadgen.servicemodel` in virtual time (tests and the
 cost comparison with a linear sweep, :func:`linear_sweep`).
+
+Size: SLO parsing, the sequential probe decisions, the search, and the live and simulated probers; the next
+split (issue 21) moves the simulated prober to servicemodel.py (which removes the capacity <-> servicemodel
+import cycle) once issue 20's work on this file has landed.
 """
 
 from __future__ import annotations

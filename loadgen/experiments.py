@@ -4,6 +4,9 @@
 launcher), runs identical seeded traffic with the load engine into one results directory per
 configuration, then writes ``comparison.json``/``comparison.md`` (one table) and ``report.html``.
 Each experiment states the claim it tests and prints a verdict line computed from the measured table.
+
+Size: a small framework and the experiments with their traffic and verdicts; experiments as data over the
+workload system (instead of MixWorkload) is issue 21's next step here.
 """
 
 from __future__ import annotations

@@ -9,7 +9,11 @@ Faults are contained at the smallest scope that holds them: an exception while e
 tokens (detokenizer, stop strings) fails that request alone; one that spoils the step (scheduling, the
 forward pass, sampling: a kernel error, out of memory) fails the step's requests; both free the blocks
 and the loop goes on. Anything else ends the loop: every request in flight then gets an error output,
-``alive`` turns False and ``add_request`` raises ``EngineDead``, so that callers answer at once."""
+``alive`` turns False and ``add_request`` raises ``EngineDead``, so that callers answer at once.
+
+Size: the engine loop (schedule, run, emit), its own-thread driver and its death handling share the engine
+state, as in nano-vllm's engine.
+"""
 
 from __future__ import annotations
 

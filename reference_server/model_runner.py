@@ -1,4 +1,8 @@
-"""Turns a scheduled batch into one flattened forward pass over the paged KV cache, then samples."""
+"""Turns a scheduled batch into one flattened forward pass over the paged KV cache, then samples.
+
+Size: one model step and what it needs: KV pool sizing, prefill/decode batch building, CUDA graphs and the
+kernel choice share the runner's buffers.
+"""
 
 from __future__ import annotations
 

@@ -7,7 +7,12 @@ One request can never stop the server: bad input is a 4xx naming the field (as s
 the server does not implement is rejected unless null or its neutral default, so that vLLM's `bench serve`,
 guidellm and the `openai` package work unchanged), a fault while serving one request is a 500 (or an
 ``error`` event on its stream) for that request alone, a client that goes away has its request aborted
-(streaming or not), and if the engine loop ever dies ``/health`` and every request answer 503 at once."""
+(streaming or not), and if the engine loop ever dies ``/health`` and every request answer 503 at once.
+
+Size: the server's whole HTTP surface: the OpenAI endpoints with their request models and validation,
+streaming, /metrics, /v1/iterations and the grouped flag help, one FastAPI app whose routes share the engine
+handle.
+"""
 
 from __future__ import annotations
 

@@ -7,6 +7,9 @@ bonus token comes from ``p`` at the last position. The emitted tokens then follo
 deterministic proposer (n-gram lookup) is the special case ``q = one_hot(x)``. Under greedy decoding the
 rule reduces to "keep while the draft equals the target's argmax", so outputs are bit-identical to
 non-speculative decoding.
+
+Size: the drafters (n-gram, draft model) and the verify/accept step share one protocol; one file keeps the
+acceptance rule beside them.
 """
 
 from __future__ import annotations

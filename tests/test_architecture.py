@@ -161,3 +161,19 @@ def test_every_imported_package_is_declared():
                     missing.append(f"{path.relative_to(ROOT)}:{line} imports {top} ({', '.join(sorted(names))})")
     assert not missing, "not in pyproject.toml [project] dependencies:\n" + "\n".join(missing)
 
+
+
+MAX_LINES = 300
+
+
+def test_long_modules_say_why():
+    """A module over 300 lines states at its top (a ``Size:`` paragraph of its docstring) why it is one file."""
+    unexplained = []
+    for pkg in PACKAGES:
+        for path in _modules(pkg):
+            text = path.read_text(encoding="utf-8")
+            n = text.count("\n")
+            doc = ast.get_docstring(ast.parse(text)) or ""
+            if n > MAX_LINES and "\nSize: " not in "\n" + doc:
+                unexplained.append(f"{path.relative_to(ROOT)}: {n} lines")
+    assert not unexplained, "\n".join(unexplained)
