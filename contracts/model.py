@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import importlib.util
 import struct
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -125,6 +127,38 @@ def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
             key = _read_str(f)
             meta[key] = _read_value(f, _read(f, "<I"))
         return meta
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """The attention numbers of a GGUF model, read by one rule (the reference server's loader and the
+    KV-budget planner both use it)."""
+
+    arch: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+def attention_shape(field: Callable[[str], Any]) -> AttentionShape:
+    """From GGUF metadata (``field(key)`` -> value or None): ``{arch}.attention.key_length`` is the head
+    size where stated, else ``embedding_length / head_count``; ``head_count_kv`` defaults to
+    ``head_count`` (no GQA). Raises ``ValueError`` naming the missing keys."""
+    arch = field("general.architecture")
+    if not isinstance(arch, str):
+        raise ValueError("no general.architecture in GGUF metadata")
+    layers, heads = field(f"{arch}.block_count"), field(f"{arch}.attention.head_count")
+    hidden = field(f"{arch}.embedding_length")
+    if not isinstance(layers, int) or not isinstance(heads, int) or not isinstance(hidden, int):
+        raise ValueError(f"GGUF lacks {arch}.block_count/attention.head_count/embedding_length")
+    kv_heads, head_dim = field(f"{arch}.attention.head_count_kv"), field(f"{arch}.attention.key_length")
+    return AttentionShape(
+        arch=arch, layers=layers, hidden=hidden, heads=heads,
+        kv_heads=kv_heads if isinstance(kv_heads, int) else heads,
+        head_dim=head_dim if isinstance(head_dim, int) else hidden // heads,
+    )  # fmt: skip
 
 
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:

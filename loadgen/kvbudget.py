@@ -24,6 +24,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from contracts.model import attention_shape
+
 DTYPE_BYTES: dict[str, float] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
 DEFAULT_CONTEXTS = (512, 2048, 4096, 8192, 32768, 131072)
 
@@ -87,22 +89,12 @@ def shape_from_gguf(path: Path) -> tuple[ModelShape, int]:
         f = reader.fields.get(key)
         return f.contents() if f is not None else None
 
-    arch = field("general.architecture")
-    if not isinstance(arch, str):
-        raise ValueError(f"{path}: no general.architecture in GGUF metadata")
-    layers, heads = field(f"{arch}.block_count"), field(f"{arch}.attention.head_count")
-    emb = field(f"{arch}.embedding_length")
-    if not isinstance(layers, int) or not isinstance(heads, int) or not isinstance(emb, int):
-        raise ValueError(f"{path}: GGUF lacks {arch}.block_count/attention.head_count/embedding_length")
-    kv_heads = field(f"{arch}.attention.head_count_kv")
-    head_dim = field(f"{arch}.attention.key_length")
-    shape = ModelShape(
-        layers=layers,
-        heads=heads,
-        kv_heads=kv_heads if isinstance(kv_heads, int) else heads,
-        head_dim=head_dim if isinstance(head_dim, int) else emb // heads,
-        name=str(field("general.name") or path.stem),
-    )
+    try:
+        att = attention_shape(field)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    shape = ModelShape(layers=att.layers, heads=att.heads, kv_heads=att.kv_heads, head_dim=att.head_dim,
+                       name=str(field("general.name") or path.stem))  # fmt: skip
     weight_bytes = sum(int(t.n_bytes) for t in reader.tensors)
     return shape, weight_bytes
 

@@ -9,6 +9,8 @@ import gguf
 import numpy as np
 import torch
 
+from contracts.model import attention_shape
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -37,16 +39,15 @@ def read_spec(reader: gguf.GGUFReader) -> ModelSpec:
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"unsupported GGUF architecture {arch!r}: the reference server runs Llama models")
-    hidden = int(_field(reader, "llama.embedding_length"))
-    n_heads = int(_field(reader, "llama.attention.head_count"))
+    att = attention_shape(lambda key: _field(reader, key))
     tokens = reader.fields["tokenizer.ggml.tokens"]
     bos, eos = _field(reader, "tokenizer.ggml.bos_token_id"), _field(reader, "tokenizer.ggml.eos_token_id")
     return ModelSpec(
-        n_layers=int(_field(reader, "llama.block_count")),
-        hidden=hidden,
-        n_heads=n_heads,
-        n_kv_heads=int(_field(reader, "llama.attention.head_count_kv", n_heads)),
-        head_dim=int(_field(reader, "llama.rope.dimension_count", hidden // n_heads)),
+        n_layers=att.layers,
+        hidden=att.hidden,
+        n_heads=att.heads,
+        n_kv_heads=att.kv_heads,
+        head_dim=att.head_dim,
         ffn=int(_field(reader, "llama.feed_forward_length")),
         vocab=int(_field(reader, "llama.vocab_size", len(tokens.data))),
         rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
