@@ -12,6 +12,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define TILE 16 /* tokens per score vector: one zmm of float32 */
@@ -236,4 +237,111 @@ void argmax_rows_f32(const float *x, int64_t *out, int B, int V) {
             }
         out[b] = idx;
     }
+}
+
+/* Weight-only quantised linear layers: out[m, n] = sum_k x[m, k] * w[n, k] (+ residual[m, n]).
+ *
+ * w is stored quantised, row n in blocks of 32 along k: bits 4 -> 16 bytes per block (byte j holds element
+ * j in its low nibble and element j + 16 in its high nibble, GGUF's Q4_0/Q4_1 layout), unsigned 0..15;
+ * bits 8 -> 32 signed bytes. Each group of `group` elements (a multiple of 32) has a scale and a minimum:
+ * w = bf16(q * scale + min), the value the bf16 model would hold (q * d + m rounded once more to bf16, as
+ * dequantising to float32 and then to bf16 does). The weights are dequantised in registers into a small
+ * per-thread bf16 tile (NR rows) that stays in L1, then every MR x NR block of the output is a run of
+ * VDPBF16PS (exact bf16 products, float32 sums): each weight byte is read from memory once per call,
+ * whatever M. K need not be a multiple of 32: x's tail is loaded masked (zeros), the packed tail is zero. */
+#define QNR 4
+#define QMR 4
+
+static inline void dequant_block(const uint8_t *src, int bits, __m512 scale, __m512 minv, uint16_t *dst) {
+    __m512i lo, hi;
+    if (bits == 4) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)src));
+        lo = _mm512_and_si512(v, _mm512_set1_epi32(15));
+        hi = _mm512_srli_epi32(v, 4);
+    } else {
+        lo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src));
+        hi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 16)));
+    }
+    /* mul then add, two roundings: the same float32 as numpy's q * d + m in the GGUF reader */
+    const __m512 flo = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lo), scale), minv);
+    const __m512 fhi = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(hi), scale), minv);
+    _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(fhi, flo));
+}
+
+/* Dequantise rows [n0, n0 + nr) into tile [nr][Kp] bf16. */
+static void dequant_rows(const uint8_t *qw, const float *scale, const float *minv, int n0, int nr, int Kp, int bits,
+                         int group, uint16_t *tile) {
+    const int nblk = Kp / 32, bb = bits * 4, ngroups = (Kp + group - 1) / group;
+    for (int r = 0; r < nr; r++) {
+        const size_t n = (size_t)(n0 + r);
+        const uint8_t *row = qw + n * (size_t)nblk * bb;
+        for (int kb = 0; kb < nblk; kb++) {
+            const int gi = kb * 32 / group;
+            dequant_block(row + (size_t)kb * bb, bits, _mm512_set1_ps(scale[n * ngroups + gi]),
+                          _mm512_set1_ps(minv[n * ngroups + gi]), tile + (size_t)r * Kp + (size_t)kb * 32);
+        }
+    }
+}
+
+/* x: [M, K] bf16, row stride x_stride; residual: NULL or [M, N] bf16 with row stride res_stride; out: [M, N]
+ * contiguous. qw: [N, ceil(K / 32) * bits * 4] bytes; scale, minv: [N, ceil(Kp / group)] float32.
+ * Returns 0, or -1 for an unsupported layout (nothing written). */
+int qlinear_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *qw, const float *scale, const float *minv,
+                 const uint16_t *residual, int64_t res_stride, uint16_t *out, int M, int N, int K, int bits, int group) {
+    if ((bits != 4 && bits != 8) || group < 32 || group % 32 || M < 0 || N < 1 || K < 1) return -1;
+    const int Kp = (K + 31) / 32 * 32, ntiles = (N + QNR - 1) / QNR;
+    const __mmask32 tail = K % 32 ? (__mmask32)((1u << (K % 32)) - 1u) : (__mmask32)0xffffffffu;
+#pragma omp parallel
+    {
+        uint16_t *tile = aligned_alloc(64, (size_t)QNR * Kp * sizeof(uint16_t));
+#pragma omp for schedule(static)
+        for (int t = 0; t < ntiles; t++) {
+            const int n0 = t * QNR, nr = N - n0 < QNR ? N - n0 : QNR;
+            dequant_rows(qw, scale, minv, n0, nr, Kp, bits, group, tile);
+            for (int r = nr; r < QNR; r++) memset(tile + (size_t)r * Kp, 0, (size_t)Kp * sizeof(uint16_t));
+            for (int m0 = 0; m0 < M; m0 += QMR) {
+                const int mr = M - m0 < QMR ? M - m0 : QMR;
+                __m512 acc[QMR * QNR];
+                for (int i = 0; i < QMR * QNR; i++) acc[i] = _mm512_setzero_ps();
+                for (int k = 0; k < Kp; k += 32) {
+                    const __mmask32 mask = k + 32 > K ? tail : (__mmask32)0xffffffffu;
+                    __m512bh w[QNR];
+                    for (int j = 0; j < QNR; j++) w[j] = (__m512bh)_mm512_loadu_si512(tile + (size_t)j * Kp + k);
+                    for (int i = 0; i < QMR; i++) {
+                        if (i >= mr) break;
+                        const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + (size_t)(m0 + i) * x_stride + k);
+                        for (int j = 0; j < QNR; j++) acc[i * QNR + j] = _mm512_dpbf16_ps(acc[i * QNR + j], xv, w[j]);
+                    }
+                }
+                float res[QMR * QNR];
+                _mm512_storeu_ps(res, sum16(acc)); /* lane i * QNR + j = out[m0 + i, n0 + j] */
+                for (int i = 0; i < mr; i++)
+                    for (int j = 0; j < nr; j++) {
+                        float v = res[i * QNR + j];
+                        if (residual) v += bf16_to_f32(residual[(size_t)(m0 + i) * res_stride + n0 + j]);
+                        out[(size_t)(m0 + i) * N + n0 + j] = f32_to_bf16(v);
+                    }
+            }
+        }
+        free(tile);
+    }
+    return 0;
+}
+
+/* The bf16 weight [N, K] contiguous that qlinear_bf16 computes with (for many rows: a bf16 matmul on it). */
+int qdequant_bf16(const uint8_t *qw, const float *scale, const float *minv, uint16_t *out, int N, int K, int bits,
+                  int group) {
+    if ((bits != 4 && bits != 8) || group < 32 || group % 32 || N < 1 || K < 1) return -1;
+    const int Kp = (K + 31) / 32 * 32;
+#pragma omp parallel
+    {
+        uint16_t *row = aligned_alloc(64, (size_t)Kp * sizeof(uint16_t));
+#pragma omp for schedule(static)
+        for (int n = 0; n < N; n++) {
+            dequant_rows(qw, scale, minv, n, 1, Kp, bits, group, row);
+            memcpy(out + (size_t)n * K, row, (size_t)K * sizeof(uint16_t));
+        }
+        free(row);
+    }
+    return 0;
 }
