@@ -25,12 +25,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", default="none", help="none | int8 | int4 | auto (default: none)")
     p.add_argument("--threads", type=int, default=None, help="default: as the server (all cores if idle, else 1)")
     p.add_argument("--profile", action="store_true", help="print the torch profiler's top ops")
     args = p.parse_args(argv)
     engine = Engine(EngineConfig(model=args.model or default_model_path(), dtype=args.dtype, threads=args.threads,
-                                 enable_prefix_caching=False))
-    print(f"device {engine.runner.device} dtype {engine.runner.dtype} threads {torch.get_num_threads()}, "
+                                 quantization=args.quantization, enable_prefix_caching=False))
+    print(f"device {engine.runner.device} dtype {engine.runner.dtype} weights {engine.runner.quantization_note} "
+          f"threads {torch.get_num_threads()}, "
           f"load {os.getloadavg()}")
     params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
     for c in args.concurrency:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 KERNELS = ("auto", "native", "torch")
+QUANTIZATIONS = ("none", "int8", "int4", "auto")
 
 
 @dataclass
@@ -18,6 +19,7 @@ class EngineConfig:
     dtype: str = "auto"  # "auto" -> bf16 on CPUs with AVX512-BF16 and on CUDA, else fp32
     threads: int | None = None  # torch intra-op threads on CPU (None: all cores if idle at start, else 1)
     kernels: str = "auto"  # CPU bf16: native (paged decode attention, RMSNorm, RoPE + KV write, SiLU; native.py) | torch | auto
+    quantization: str = "none"  # weight-only: none | int8 (per channel) | int4 (groups of 32) | auto (from the GGUF); quant.py
     block_size: int = 16
     num_kv_blocks: int = 2048  # KV pool size in blocks (2048 x 16 = 32k tokens)
     max_num_batched_tokens: int = 512  # token budget of one engine step
@@ -47,5 +49,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.kernels not in KERNELS:
             raise ValueError(f"unknown kernels {self.kernels!r}: choose one of {', '.join(KERNELS)}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {self.quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
         if self.max_waiting < 0 or (self.threads is not None and self.threads < 1):
             raise ValueError("max_waiting must be >= 0 and threads >= 1")

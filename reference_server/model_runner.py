@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psutil
@@ -12,6 +13,7 @@ from reference_server.config import EngineConfig
 from reference_server.gguf_loader import ModelSpec, load_gguf
 from reference_server.model import AttnBatch, LlamaModel, PrefillGroup
 from reference_server.native import CpuKernels, cpu_kernels, supports
+from reference_server.quant import Quantizer, auto_quantization
 from reference_server.sampler import sample
 from reference_server.scheduler import ScheduledBatch
 from reference_server.sequence import Sequence
@@ -81,6 +83,22 @@ def pick_kernels(choice: str, device: torch.device, dtype: torch.dtype, spec: Mo
     return None, f"torch ({why})"
 
 
+def pick_quantization(choice: str, config_model: Path, device: torch.device, native: CpuKernels | None) -> tuple[str, str]:
+    """The weight quantisation to run (none, int8, int4) and a line saying why. The quantised kernels are
+    CPU kernels (AVX512-BF16, with the native kernels); elsewhere an explicit choice is refused."""
+    if choice == "none":
+        return "none", "none"
+    if device.type != "cpu" or native is None:
+        why = f"quantised weights run on the native CPU kernels only, this is {device.type} with kernels that are not native"
+        if choice == "auto":
+            return "none", f"none (auto: {why})"
+        raise ValueError(f"--quantization {choice} is not available on this device: {why}; use --quantization none")
+    if choice == "auto":
+        mode, why = auto_quantization(config_model)
+        return mode, f"{mode} (auto: {why})"
+    return choice, choice
+
+
 class ModelRunner:
     """Owns the weights and the per-layer KV cache tensors ``[kv_heads, num_blocks, block_size, head_dim]``."""
 
@@ -98,8 +116,14 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_blocks = config.num_kv_blocks
         self.native, self.kernels = pick_kernels(config.kernels, self.device, self.dtype, spec, config.block_size)
+        self.quantization, self.quantization_note = pick_quantization(config.quantization, config.model, self.device,
+                                                                      self.native)
+        quant = None
+        if self.quantization != "none":
+            assert self.native is not None
+            quant = Quantizer(self.quantization, config.model, spec, weights, self.native)
         with torch.device(self.device):
-            self.model = LlamaModel(spec, weights, self.dtype, self.native).eval()
+            self.model = LlamaModel(spec, weights, self.dtype, self.native, quant).eval()
         shape = (spec.n_kv_heads, self.num_blocks, self.block_size, spec.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),

@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from reference_server.gguf_loader import ModelSpec, _unpermute
 from reference_server.native import CpuKernels
 
-QUANTIZATIONS = ("none", "int8", "int4", "auto")
 GROUP = 32  # int4 group size: GGUF's block
 NATIVE_MAX_ROWS = 32  # up to this many rows the native kernel; above, dequantise once + a bf16 matmul
 _Q4 = {gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1}

@@ -698,7 +698,7 @@ def serve(argv: list[str] | None = None, prog: str = "python -m reference_server
     except ValueError as e:  # bad flag values (batching, policy, speculation) are reported, not raised
         raise SystemExit(f"error: {e}") from None
     threads = f", {engine.runner.threads} threads" if engine.runner.device.type == "cpu" else ""
-    threads += f", kernels {engine.runner.kernels}"
+    threads += f", kernels {engine.runner.kernels}, weights {engine.runner.quantization_note}"
     print(f"loaded {model.name} on {engine.runner.device} ({engine.runner.dtype}{threads}) in {time.perf_counter() - t0:.1f} s; "
           f"KV pool {config.num_kv_blocks} x {config.block_size} tokens; serving on http://{args.host}:{args.port}",
           flush=True)

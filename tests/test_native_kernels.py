@@ -176,12 +176,12 @@ def test_pick_kernels_says_which_and_why():
         EngineConfig(model=default_model_path(), kernels="fast")
 
 
-def _logit_errors(kernels_choice: str, dense: Engine) -> tuple[torch.Tensor, float, bool]:
+def _logit_errors(kernels_choice: str, dense: Engine, quantization: str = "none") -> tuple[torch.Tensor, float, bool]:
     """Greedy bf16 run (chunked prefill, a shared prefix, mixed steps); per sampled row, max |logit - the
     float32 dense forward's|; the top-1 agreement with it; whether a step mixed prefill and decode."""
     spec, w = _weights()
     cfg = EngineConfig(model=default_model_path(), dtype="bf16", threads=2, kernels=kernels_choice,
-                       max_num_batched_tokens=20)
+                       max_num_batched_tokens=20, quantization=quantization)
     engine = Engine(cfg, ModelRunner(cfg, spec, w), _codec())
     assert (engine.runner.native is not None) == (kernels_choice == "native")
     captured = capture_logits(engine)
@@ -203,11 +203,16 @@ def _logit_errors(kernels_choice: str, dense: Engine) -> tuple[torch.Tensor, flo
     return torch.tensor(errors), agree / len(errors), mixed
 
 
-def test_bf16_engine_with_native_kernels_as_close_to_float32_as_torch_bf16():
+def dense_engine() -> Engine:
+    """The float32 model with PyTorch ops: the reference the bf16 paths are measured against."""
     spec, w = _weights()
     cfg = EngineConfig(model=default_model_path(), dtype="fp32", threads=2, num_kv_blocks=64,
                        max_num_batched_tokens=4096, enable_prefix_caching=False)
-    dense = Engine(cfg, ModelRunner(cfg, spec, w), _codec())
+    return Engine(cfg, ModelRunner(cfg, spec, w), _codec())
+
+
+def test_bf16_engine_with_native_kernels_as_close_to_float32_as_torch_bf16():
+    dense = dense_engine()
     native_err, native_agree, mixed = _logit_errors("native", dense)
     torch_err, torch_agree, _ = _logit_errors("torch", dense)
     assert mixed  # decode rows went through the kernel inside mixed prefill + decode steps too

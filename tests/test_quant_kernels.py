@@ -8,8 +8,12 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from test_native_kernels import _logit_errors, dense_engine
+from test_reference_engine import _weights
 
 from reference_server import native
+from reference_server.config import EngineConfig
+from reference_server.model_runner import ModelRunner
 from reference_server.quant import (
     NATIVE_MAX_ROWS,
     QuantLinear,
@@ -18,6 +22,7 @@ from reference_server.quant import (
     quantize_int4,
     quantize_int8,
 )
+from reference_server.tokenizer import default_model_path
 
 
 def kernels() -> native.CpuKernels:
@@ -39,7 +44,7 @@ def check(w: QuantWeight, rows: int, seed: int, residual: bool = True) -> None:
     out = kernels().qlinear(x, w, res)
     ref = reference(x, w, res)
     # float32 sums in another order, one bf16 rounding of the output
-    tol = 2.0**-7 * ref.abs() + 1e-3 * (x.float().abs() @ w.dequantize().abs().t()).clamp_min(1)
+    tol = 2.0**-7 * ref.abs() + 4e-3 * (x.float().abs() @ w.dequantize().abs().t()).clamp_min(1)
     assert out.shape == ref.shape and out.dtype == torch.bfloat16
     assert ((out.float() - ref).abs() <= tol).all(), (out.float() - ref).abs().max()
 
@@ -96,3 +101,33 @@ def test_bad_layout_is_refused():
         kernels().qlinear(torch.randn(2, 64), w)  # float32, not bf16
     with pytest.raises(ValueError, match="layout"):
         kernels().qlinear(torch.randn(2, 63).to(torch.bfloat16), w)
+
+
+def test_quantised_engines_against_float32():
+    """The whole model with quantised linears against the float32 model (teacher-forced over a greedy
+    run): int4 takes the GGUF's Q4_1 blocks as they are, so it must be as close as the bf16 path (measured
+    there: mean of the per-row max error 0.33, top-1 agreement 98 %); int8 is re-quantised per channel from
+    them, one more rounding of every weight. Measured here: int4 0.344 / 98.3 %, int8 0.931 / 97.5 %."""
+    dense = dense_engine()
+    int4_err, int4_agree, mixed = _logit_errors("native", dense, "int4")
+    int8_err, int8_agree, _ = _logit_errors("native", dense, "int8")
+    assert mixed and len(int4_err) >= 100
+    assert int4_err.mean() <= 0.45 and int4_agree >= 0.95
+    assert int8_err.mean() <= 1.3 and int8_agree >= 0.93
+
+
+def test_quantization_choice_and_refusal():
+    spec, w = _weights()
+    cfg = EngineConfig(model=default_model_path(), dtype="bf16", threads=1, quantization="auto", num_kv_blocks=64)
+    runner = ModelRunner(cfg, spec, w)
+    assert runner.quantization == "int4" and "Q4" not in runner.quantization_note  # the bundled GGUF is Q4_1
+    assert "4-bit" in runner.quantization_note
+    assert isinstance(runner.model.layers[0].qkv, QuantLinear)
+    assert runner.model.lm_head.weight.bits == 8  # token_embd is Q8_0: taken as int8 blocks, not re-quantised
+    fp32 = EngineConfig(model=default_model_path(), dtype="fp32", threads=1, quantization="int4", num_kv_blocks=64)
+    with pytest.raises(ValueError, match="not available on this device"):
+        ModelRunner(fp32, spec, w)
+    auto32 = EngineConfig(model=default_model_path(), dtype="fp32", threads=1, quantization="auto", num_kv_blocks=64)
+    assert ModelRunner(auto32, spec, w).quantization == "none"
+    with pytest.raises(ValueError, match="unknown quantization"):
+        EngineConfig(model=default_model_path(), quantization="int3")
