@@ -164,6 +164,17 @@ class Quantizer:
         return QuantLinear(QuantWeight.cat([self.weight(name, f) for name, f in parts]), self.native)
 
 
+def linear_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's linear weights (layers and head) as they are held: what one decode step reads."""
+    total = 0
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            total += mod.weight.nbytes
+        elif type(mod).__name__ == "Linear" and isinstance(getattr(mod, "weight", None), torch.Tensor):
+            total += mod.weight.numel() * mod.weight.element_size()
+    return total
+
+
 class QuantLinear(torch.nn.Module):
     """``y = x @ W.T (+ residual)`` with W quantised (bf16 activations in and out, float32 sums)."""
 

@@ -41,6 +41,7 @@ from starlette.requests import ClientDisconnect
 
 from reference_server.config import EngineConfig
 from reference_server.engine import Engine, EngineDead, IterationRecord, RequestOutput
+from reference_server.quant import linear_bytes
 from reference_server.sequence import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -698,7 +699,8 @@ def serve(argv: list[str] | None = None, prog: str = "python -m reference_server
     except ValueError as e:  # bad flag values (batching, policy, speculation) are reported, not raised
         raise SystemExit(f"error: {e}") from None
     threads = f", {engine.runner.threads} threads" if engine.runner.device.type == "cpu" else ""
-    threads += f", kernels {engine.runner.kernels}, weights {engine.runner.quantization_note}"
+    threads += (f", kernels {engine.runner.kernels}, weights {engine.runner.quantization_note}: linears "
+                f"{linear_bytes(engine.runner.model) / 2**20:.0f} MiB")
     print(f"loaded {model.name} on {engine.runner.device} ({engine.runner.dtype}{threads}) in {time.perf_counter() - t0:.1f} s; "
           f"KV pool {config.num_kv_blocks} x {config.block_size} tokens; serving on http://{args.host}:{args.port}",
           flush=True)
