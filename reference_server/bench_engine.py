@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from reference_server.config import EngineConfig
+from reference_server.config import QUANTIZATIONS, EngineConfig
 from reference_server.engine import Engine
 from reference_server.sequence import SamplingParams
 from reference_server.tokenizer import default_model_path
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--quantization", default="none", help="none | int8 | int4 | auto (default: none)")
+    p.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help="weights (default: none)")
     p.add_argument("--threads", type=int, default=None, help="default: as the server (all cores if idle, else 1)")
     p.add_argument("--profile", action="store_true", help="print the torch profiler's top ops")
     args = p.parse_args(argv)

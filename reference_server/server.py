@@ -614,6 +614,9 @@ FLAG_HELP: dict[str, tuple[str, str]] = {
                          "start, else 1)"),
     "kernels": ("model", "CPU bf16 kernels: native (paged decode attention, RMSNorm, RoPE + KV write, SiLU), "
                          "torch, or auto (native when the CPU has AVX-512 BF16)"),
+    "quantization": ("model", "weight-only quantised linears on the native CPU kernels: none (bf16), int8 (per "
+                              "output channel; Q8_0 blocks as they are), int4 (groups of 32; Q4_0/Q4_1 blocks "
+                              "as they are) or auto (from the GGUF's block types)"),
     "block_size": ("engine", "tokens per KV-cache block (paged KV)"),
     "num_kv_blocks": ("engine", "KV pool size in blocks; tokens held = blocks x block size"),
     "max_model_len": ("engine", "longest prompt + output in tokens (default: the model's context length)"),
@@ -645,11 +648,11 @@ _HIDDEN = ("model", "step_sleep_ms")  # --model is added by hand; step_sleep_ms 
 
 def _choices() -> dict[str, tuple[str, ...]]:
     from reference_server.batching import BATCHING
-    from reference_server.config import KERNELS
+    from reference_server.config import KERNELS, QUANTIZATIONS
     from reference_server.policies import POLICIES
     from reference_server.spec_decode import SPEC_METHODS
 
-    return {"kernels": KERNELS, "batching": BATCHING, "policy": POLICIES, "spec": SPEC_METHODS}
+    return {"kernels": KERNELS, "quantization": QUANTIZATIONS, "batching": BATCHING, "policy": POLICIES, "spec": SPEC_METHODS}
 
 
 def build_parser(prog: str = "python -m reference_server") -> argparse.ArgumentParser:
