@@ -83,13 +83,15 @@ def pick_kernels(choice: str, device: torch.device, dtype: torch.dtype, spec: Mo
     return None, f"torch ({why})"
 
 
-def pick_quantization(choice: str, config_model: Path, device: torch.device, native: CpuKernels | None) -> tuple[str, str]:
+def pick_quantization(choice: str, config_model: Path, device: torch.device, native: CpuKernels | None,
+                      kernels_note: str) -> tuple[str, str]:
     """The weight quantisation to run (none, int8, int4) and a line saying why. The quantised kernels are
-    CPU kernels (AVX512-BF16, with the native kernels); elsewhere an explicit choice is refused."""
+    native CPU kernels (AVX512-BF16, bf16 model); elsewhere an explicit choice is refused."""
     if choice == "none":
         return "none", "none"
     if device.type != "cpu" or native is None:
-        why = f"quantised weights run on the native CPU kernels only, this is {device.type} with kernels that are not native"
+        why = (f"the quantised kernels are native CPU kernels, this is {device.type} with kernels "
+               f"{kernels_note}")  # fmt: skip
         if choice == "auto":
             return "none", f"none (auto: {why})"
         raise ValueError(f"--quantization {choice} is not available on this device: {why}; use --quantization none")
@@ -117,7 +119,7 @@ class ModelRunner:
         self.num_blocks = config.num_kv_blocks
         self.native, self.kernels = pick_kernels(config.kernels, self.device, self.dtype, spec, config.block_size)
         self.quantization, self.quantization_note = pick_quantization(config.quantization, config.model, self.device,
-                                                                      self.native)
+                                                                      self.native, self.kernels)
         quant = None
         if self.quantization != "none":
             assert self.native is not None
