@@ -28,9 +28,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help="weights (default: none)")
     p.add_argument("--threads", type=int, default=None, help="default: as the server (all cores if idle, else 1)")
     p.add_argument("--profile", action="store_true", help="print the torch profiler's top ops")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto, as the server)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="CUDA: decode steps as CUDA graphs (default: on)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: the largest --concurrency (at least 64)")
     args = p.parse_args(argv)
     engine = Engine(EngineConfig(model=args.model or default_model_path(), dtype=args.dtype, threads=args.threads,
-                                 quantization=args.quantization, enable_prefix_caching=False))
+                                 quantization=args.quantization, enable_prefix_caching=False, device=args.device,
+                                 cuda_graphs=args.cuda_graphs,
+                                 max_num_seqs=args.max_num_seqs or max(64, *args.concurrency)))
     print(f"device {engine.runner.device} dtype {engine.runner.dtype} weights {engine.runner.quantization_note} "
           f"threads {torch.get_num_threads()}, "
           f"load {os.getloadavg()}")

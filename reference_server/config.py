@@ -6,8 +6,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-KERNELS = ("auto", "native", "torch")
+KERNELS = ("auto", "native", "triton", "torch")
 QUANTIZATIONS = ("none", "int8", "int4", "auto")
+DEFAULT_CPU_KV_BLOCKS = 2048  # the CPU's KV pool when --num-kv-blocks is not given (2048 x 16 = 32k tokens)
 
 
 @dataclass
@@ -18,10 +19,12 @@ class EngineConfig:
     device: str = "auto"  # "auto" -> cuda when available, else cpu
     dtype: str = "auto"  # "auto" -> bf16 on CPUs with AVX512-BF16 and on CUDA, else fp32
     threads: int | None = None  # torch intra-op threads on CPU (None: all cores if idle at start, else 1)
-    kernels: str = "auto"  # CPU bf16: native (paged decode attention, RMSNorm, RoPE + KV write, SiLU; native.py) | torch | auto
+    kernels: str = "auto"  # auto | native (CPU bf16, native.py) | triton (CUDA, triton_attention.py) | torch
     quantization: str = "none"  # weight-only: none | int8 (per channel) | int4 (groups of 32) | auto (from the GGUF); quant.py
     block_size: int = 16
-    num_kv_blocks: int = 2048  # KV pool size in blocks (2048 x 16 = 32k tokens)
+    num_kv_blocks: int | None = None  # KV pool size in blocks; None: from GPU memory on CUDA, DEFAULT_CPU_KV_BLOCKS on CPU
+    gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU's memory for weights + activations + KV pool
+    cuda_graphs: bool = True  # CUDA: decode steps as CUDA graphs per batch-size bucket (cuda_graphs.py)
     max_num_batched_tokens: int = 512  # token budget of one engine step
     max_num_seqs: int = 64  # most requests running at once
     max_model_len: int | None = None  # None: the model's context length
@@ -45,11 +48,13 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "iteration_log_size"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.kernels not in KERNELS:
             raise ValueError(f"unknown kernels {self.kernels!r}: choose one of {', '.join(KERNELS)}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"unknown quantization {self.quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_waiting < 0 or (self.threads is not None and self.threads < 1):
             raise ValueError("max_waiting must be >= 0 and threads >= 1")

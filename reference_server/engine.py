@@ -89,9 +89,9 @@ class Engine:
         self.config = config
         self.runner = runner or ModelRunner(config)
         self.codec = codec or TextCodec(config.model)
-        spec_len = self.runner.spec.context_length
-        self.max_model_len = min(config.max_model_len or spec_len, spec_len, config.num_kv_blocks * config.block_size)
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        spec_len = self.runner.spec.context_length  # a context cannot outgrow the pool (sized from memory on CUDA)
+        self.max_model_len = min(config.max_model_len or spec_len, spec_len, self.runner.num_blocks * config.block_size)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         gate = BatchGate(config.batching, config.batch_size, config.batch_max_delay_ms / 1000, self.max_model_len)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    self.max_model_len, config.enable_chunked_prefill,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -46,6 +47,23 @@ class AttnBatch:
     # decode rows by PyTorch ops: blocks gathered, padding masked
     decode_cache_rows: torch.Tensor | None = None  # [B * KVH * nblk] the padded block tables as cache rows
     decode_bias: torch.Tensor | None = None  # [B * KVH, 1, maxctx] in the model's dtype: 0 = attend, -inf = padding
+    # every row by the paged GPU kernel (triton_attention.py), decode and prefill alike: per sequence
+    paged: PagedBatch | None = None
+
+
+@dataclass
+class PagedBatch:
+    """Per-sequence metadata of the paged GPU kernel (int32, on the device); see triton_attention.py."""
+
+    tables: torch.Tensor  # [S, nblk] block tables padded with block 0
+    q_start: torch.Tensor  # [S] first row of each sequence's new tokens
+    n_new: torch.Tensor  # [S] new tokens (1 for decode)
+    ctx_len: torch.Tensor  # [S] context length, the new tokens included
+    max_new: int
+
+
+PagedAttention = Callable[..., torch.Tensor]
+"""``triton_attention.paged_attention`` (imported only where it runs: on CUDA with Triton installed)."""
 
 
 class Linear(torch.nn.Module):
@@ -56,7 +74,10 @@ class Linear(torch.nn.Module):
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         self.packed = weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 16) if self.packed else weight
+        if self.packed:  # an opaque oneDNN tensor, CPU only: a plain attribute (.to() cannot move it anyway)
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
+        else:  # a parameter, so that it is seen, and moved, with the module
+            self.weight = torch.nn.Parameter(weight, requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T``, plus ``residual`` added inside the matmul's epilogue (one kernel, no extra pass)."""
@@ -74,17 +95,21 @@ class RMSNorm(torch.nn.Module):
     row has zero mean by construction, so LayerNorm's variance is ``mean(x^2)`` and its first half is exactly
     the RMS norm. On CPU ``F.rms_norm`` is a composite of ~9 kernels; this is 2 (measured here at 16 x 576 in
     bf16, norm + the next matmul: 110 -> 95 us; outputs bit-identical). The returned tensor is then a
-    strided view, which the matmuls read in place."""
+    strided view, which the matmuls read in place. On other devices ``F.rms_norm`` is one fused kernel."""
 
     def __init__(self, weight: torch.Tensor, eps: float, native: CpuKernels | None = None) -> None:
         super().__init__()
-        self.weight = torch.nn.Parameter(weight if native else torch.cat((weight, weight)), requires_grad=False)
+        self.fused = weight.device.type != "cpu"
+        plain = native is not None or self.fused
+        self.weight = torch.nn.Parameter(weight if plain else torch.cat((weight, weight)), requires_grad=False)
         self.eps = eps
         self.native = native
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is not None:
             return self.native.rms_norm(x, self.weight, self.eps)
+        if self.fused:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         n = x.shape[-1]
         return F.layer_norm(torch.cat((x, -x), dim=-1), (2 * n,), self.weight, None, self.eps)[..., :n]
 
@@ -104,7 +129,8 @@ class Layer(torch.nn.Module):
     (a power of two for head_dim 64, 256, ...: exact in any dtype)."""
 
     def __init__(self, spec: ModelSpec, w: dict[str, torch.Tensor], i: int, dtype: torch.dtype,
-                 native: CpuKernels | None = None, quant: Quantizer | None = None) -> None:
+                 native: CpuKernels | None = None, paged: PagedAttention | None = None,
+                 quant: Quantizer | None = None) -> None:
         super().__init__()
         p = f"blk.{i}."
         self.spec = spec
@@ -118,6 +144,7 @@ class Layer(torch.nn.Module):
         self.q_size = spec.n_heads * spec.head_dim
         self.kv_size = spec.n_kv_heads * spec.head_dim
         self.native = native
+        self.paged = paged
 
     def forward(
         self,
@@ -140,7 +167,12 @@ class Layer(torch.nn.Module):
             v = qkv[:, self.q_size + self.kv_size :].view(t, s.n_kv_heads, s.head_dim)
             k_cache.view(s.n_kv_heads, -1, s.head_dim).index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
             v_cache.view(s.n_kv_heads, -1, s.head_dim).index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
-        attn = _attention(q, k_cache, v_cache, batch, self.native)
+        if batch.paged is not None:
+            assert self.paged is not None, "paged metadata for a model built without the paged kernel"
+            pb = batch.paged
+            attn = self.paged(q, k_cache, v_cache, pb.tables, pb.q_start, pb.n_new, pb.ctx_len, pb.max_new)
+        else:
+            attn = _attention(q, k_cache, v_cache, batch, self.native)
         x = self.o(attn.reshape(t, self.q_size), residual=x)
         gate_up = self.gate_up(self.ffn_norm(x))
         if self.native is not None:
@@ -201,25 +233,29 @@ def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ba
 
 
 class LlamaModel(torch.nn.Module):
-    """Llama with tied (or separate) output head; weights converted once to ``dtype``. ``native``: the CPU
-    kernels (native.py) for the norms, RoPE + KV write, decode attention and SiLU-and-multiply; ``quant``:
-    weight-only quantised linears (quant.py) for the layers and the output head."""
+    """Llama with tied (or separate) output head; weights converted once to ``dtype`` on the device the
+    weights ``w`` are on (every parameter, buffer and table lands there). ``native``: the CPU kernels
+    (native.py) for the norms, RoPE + KV write, decode attention and SiLU-and-multiply; ``paged``: the GPU
+    paged-attention kernel (triton_attention.py) for all attention rows; ``quant``: weight-only quantised
+    linears (quant.py) for the layers and the output head."""
 
     def __init__(self, spec: ModelSpec, w: dict[str, torch.Tensor], dtype: torch.dtype,
-                 native: CpuKernels | None = None, quant: Quantizer | None = None) -> None:
+                 native: CpuKernels | None = None, paged: PagedAttention | None = None,
+                 quant: Quantizer | None = None) -> None:
         super().__init__()
         self.spec = spec
         self.dtype = dtype
         self.embed = torch.nn.Parameter(w["token_embd.weight"].to(dtype), requires_grad=False)
         self.lm_head = make_linear(w, [("output.weight" if "output.weight" in w else "token_embd.weight", 1.0)], dtype, quant)
-        self.layers = torch.nn.ModuleList(Layer(spec, w, i, dtype, native, quant) for i in range(spec.n_layers))
+        self.layers = torch.nn.ModuleList(Layer(spec, w, i, dtype, native, paged, quant) for i in range(spec.n_layers))
         self.norm = RMSNorm(w["output_norm.weight"].to(dtype), spec.rms_eps, native)
         # cos/sin for every position, computed once in float64 (gathered per step, not recomputed)
         inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float64) / spec.head_dim))
         freqs = torch.arange(spec.context_length, dtype=torch.float64)[:, None] * inv_freq[None, :]
         cos, sin = freqs.cos(), freqs.sin()
-        self.register_buffer("rope_cos", torch.cat((cos, cos), dim=-1).to(dtype)[:, None, :], persistent=False)
-        self.register_buffer("rope_sin", torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :], persistent=False)
+        dev = self.embed.device
+        self.register_buffer("rope_cos", torch.cat((cos, cos), dim=-1).to(dev, dtype)[:, None, :], persistent=False)
+        self.register_buffer("rope_sin", torch.cat((-sin, sin), dim=-1).to(dev, dtype)[:, None, :], persistent=False)
 
     def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, 1, head_dim] cos and sin for ``positions``."""

@@ -9,14 +9,15 @@ from typing import TYPE_CHECKING
 import psutil
 import torch
 
-from reference_server.config import EngineConfig
+from reference_server.config import DEFAULT_CPU_KV_BLOCKS, EngineConfig
+from reference_server.cuda_graphs import DecodeGraphs, graph_buckets
 from reference_server.gguf_loader import ModelSpec, load_gguf
-from reference_server.model import AttnBatch, LlamaModel, PrefillGroup
+from reference_server.model import AttnBatch, LlamaModel, PagedAttention, PagedBatch, PrefillGroup
 from reference_server.native import CpuKernels, cpu_kernels, supports
 from reference_server.quant import Quantizer, auto_quantization
 from reference_server.sampler import sample
 from reference_server.scheduler import ScheduledBatch
-from reference_server.sequence import Sequence
+from reference_server.sequence import SamplingParams, Sequence
 
 if TYPE_CHECKING:
     from reference_server.spec_decode import SpecDecoder
@@ -62,12 +63,34 @@ def _cpu_has_bf16() -> bool:
         return False
 
 
+def triton_attention() -> PagedAttention | str:
+    """The Triton paged-attention kernel, or why it cannot be had (Triton not installed)."""
+    try:
+        from reference_server.triton_attention import paged_attention
+    except ImportError as e:
+        return f"Triton is not installed ({e}); pip install 'triton' for the paged GPU kernel"
+    return paged_attention
+
+
 def pick_kernels(choice: str, device: torch.device, dtype: torch.dtype, spec: ModelSpec,
-                 block_size: int) -> tuple[CpuKernels | None, str]:
-    """The native CPU kernels when ``choice`` allows them and they can run here, else None (PyTorch ops
-    only). Also returns a line saying which, and why."""
+                 block_size: int) -> tuple[CpuKernels | None, PagedAttention | None, str]:
+    """The native CPU kernels, or on CUDA the Triton paged-attention kernel, when ``choice`` allows them
+    and they can run here; else None (PyTorch ops only). Also returns a line saying which, and why."""
     if choice == "torch":
-        return None, "torch (--kernels torch)"
+        return None, None, "torch (--kernels torch)"
+    interpreted = choice == "triton" and os.environ.get("TRITON_INTERPRET") == "1"  # tests: the kernel on CPU
+    if (device.type == "cuda" and choice == "auto") or choice == "triton" and (device.type == "cuda" or interpreted):
+        paged: PagedAttention | str = triton_attention()
+        if block_size < 16 or block_size & (block_size - 1):
+            paged = f"block size {block_size} (the Triton kernel needs a power of two >= 16)"
+        if not isinstance(paged, str):
+            return None, paged, "triton"
+        if choice == "triton":
+            raise ValueError(f"--kernels triton is unavailable: {paged}; use --kernels torch or auto")
+        return None, None, f"torch ({paged})"
+    if choice == "triton":
+        raise ValueError(f"--kernels triton runs on CUDA (or under TRITON_INTERPRET=1), this is {device.type}; "
+                         "use --kernels auto")
     why: str | None = None
     if device.type != "cpu" or dtype != torch.bfloat16:
         why = f"the native kernels are for bf16 on CPU, this is {str(dtype).removeprefix('torch.')} on {device.type}"
@@ -76,11 +99,23 @@ def pick_kernels(choice: str, device: torch.device, dtype: torch.dtype, spec: Mo
     if why is None:
         kernels = cpu_kernels()
         if not isinstance(kernels, str):
-            return kernels, "native"
+            return kernels, None, "native"
         why = kernels
     if choice == "native":
         raise ValueError(f"--kernels native is unavailable: {why}; use --kernels torch or auto")
-    return None, f"torch ({why})"
+    return None, None, f"torch ({why})"
+
+
+def kv_block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block across all layers: K and V, ``kv_heads x block_size x head_dim`` each."""
+    return 2 * spec.n_layers * spec.n_kv_heads * block_size * spec.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def kv_blocks_for_memory(total: int, used: int, peak_activations: int, utilization: float, block_bytes: int) -> int:
+    """KV blocks that fit when this process may use ``utilization`` of the device's ``total`` bytes:
+    what is ``used`` already (weights, CUDA context, other processes) and the step's ``peak_activations``
+    come off first (vLLM's and nano-vllm's rule)."""
+    return max(0, (int(total * utilization) - used - peak_activations) // block_bytes)
 
 
 def pick_quantization(choice: str, config_model: Path, device: torch.device, native: CpuKernels | None,
@@ -116,22 +151,65 @@ class ModelRunner:
             self.threads = config.threads or cpu_threads()
             torch.set_num_threads(self.threads)
         self.block_size = config.block_size
-        self.num_blocks = config.num_kv_blocks
-        self.native, self.kernels = pick_kernels(config.kernels, self.device, self.dtype, spec, config.block_size)
+        self.native, self.paged, self.kernels = pick_kernels(config.kernels, self.device, self.dtype, spec,
+                                                             config.block_size)
         self.quantization, self.quantization_note = pick_quantization(config.quantization, config.model, self.device,
                                                                       self.native, self.kernels)
         quant = None
-        if self.quantization != "none":
+        if self.quantization != "none":  # CPU only (pick_quantization): the weights are where the kernels are
             assert self.native is not None
             quant = Quantizer(self.quantization, config.model, spec, weights, self.native)
-        with torch.device(self.device):
-            self.model = LlamaModel(spec, weights, self.dtype, self.native, quant).eval()
-        shape = (spec.n_kv_heads, self.num_blocks, self.block_size, spec.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(spec.n_layers)
-        ]
+        # dequantised once (load_gguf), moved once, then converted and fused on the device itself
+        on_device = {name: w.to(self.device) for name, w in weights.items()}
+        self.model = LlamaModel(spec, on_device, self.dtype, self.native, self.paged, quant).eval()
+        del on_device
+        self.max_model_len = min(config.max_model_len or spec.context_length, spec.context_length)
+        self.use_graphs = config.cuda_graphs and self.device.type == "cuda" and self.paged is not None
+        self.graphs: DecodeGraphs | None = None
+        if config.num_kv_blocks is not None:
+            self.num_blocks = config.num_kv_blocks
+        elif self.device.type == "cuda":
+            self.num_blocks = self._blocks_from_memory(config)
+        else:
+            self.num_blocks = DEFAULT_CPU_KV_BLOCKS
+        self.kv_caches = self._allocate_kv(self.num_blocks + self.use_graphs)  # + the graphs' scratch block
+        if self.use_graphs:
+            with torch.inference_mode():
+                self.graphs = DecodeGraphs(
+                    lambda ids, pos, attn, rows: self.model(ids, pos, self.kv_caches, attn, rows),
+                    graph_buckets(config.max_num_seqs), -(-self.max_model_len // self.block_size),
+                    self.num_blocks, self.block_size, self.device)
+
+    def _allocate_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shape = (self.spec.n_kv_heads, num_blocks, self.block_size, self.spec.head_dim)
+        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.spec.n_layers)]
+
+    def _blocks_from_memory(self, config: EngineConfig) -> int:
+        """KV pool size from free device memory: one prefill of a full token budget runs on a temporary
+        cache to measure the step's activation peak, then the pool takes what ``gpu_memory_utilization``
+        leaves."""
+        tokens = min(config.max_num_batched_tokens, self.max_model_len)
+        nblk = -(-tokens // self.block_size)
+        self.num_blocks = nblk
+        self.kv_caches = self._allocate_kv(nblk)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        probe = Sequence([0] * tokens, SamplingParams(max_tokens=1))
+        probe.block_table = list(range(nblk))
+        self.forward(ScheduledBatch([(probe, tokens)]))  # (no graphs yet: eager)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del self.kv_caches
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        block_bytes = kv_block_bytes(self.spec, self.block_size, self.dtype)
+        blocks = kv_blocks_for_memory(total, total - free, peak, config.gpu_memory_utilization, block_bytes)
+        if blocks < -(-self.max_model_len // self.block_size):
+            raise ValueError(f"{blocks} KV blocks fit in {config.gpu_memory_utilization:.0%} of the GPU's "
+                             f"{total / 2**30:.1f} GiB ({(total - free) / 2**30:.1f} GiB in use): too few for one "
+                             f"{self.max_model_len}-token context; raise --gpu-memory-utilization or lower --max-model-len")
+        return blocks
 
     def _cache_rows(self, tables: torch.Tensor) -> torch.Tensor:
         """Block tables ``[..., nblk]`` -> rows ``h * num_blocks + b`` of the cache viewed as
@@ -152,6 +230,7 @@ class ModelRunner:
         dec_rows: list[int] = []
         dec_seqs: list[tuple[list[int], int]] = []  # (block table, context length) per decode row
         prefill_specs: list[tuple[int, int, int, list[int]]] = []
+        per_seq: list[tuple[int, int, int, list[int]]] = []  # (first row, new tokens, context, block table)
         for seq, n in batch.items:
             start, row = seq.num_computed_tokens, len(ids)
             end = start + n
@@ -160,6 +239,7 @@ class ModelRunner:
             pos.extend(range(start, end))
             new_slots = self._slots(seq, start, end)
             slots.extend(new_slots)
+            per_seq.append((row, n, end, seq.block_table))
             if end == len(tokens):  # a draft being verified needs the logits of all its positions
                 logit_rows.extend(range(row + n - 1 - len(seq.spec_token_ids), row + n))
             if n == 1:
@@ -169,6 +249,7 @@ class ModelRunner:
                 prefill_specs.append((row, n, start, seq.block_table[: -(-end // self.block_size)]))
         for seq in batch.padding:  # recompute the last fed position: same token, same KV, output unused
             p = seq.num_computed_tokens
+            per_seq.append((len(ids), 1, p + 1, seq.block_table))
             logit_rows.append(len(ids))
             dec_rows.append(len(ids))
             dec_seqs.append((seq.block_table, p + 1))
@@ -177,6 +258,16 @@ class ModelRunner:
             slots.extend(self._slots(seq, p, p + 1))
         dev = self.device
         attn = AttnBatch(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), prefills=[])
+        if self.paged is not None:  # the GPU kernel: every row, per sequence, read in place through the tables
+            s, nblk = len(per_seq), max(-(-ctx // self.block_size) for _, _, ctx, _ in per_seq)
+            flat = [r for r, _, _, _ in per_seq] + [n for _, n, _, _ in per_seq] + [c for _, _, c, _ in per_seq]
+            for *_, table in per_seq:
+                flat += table[:nblk] + [0] * (nblk - len(table[:nblk]))
+            meta = torch.tensor(flat, dtype=torch.int32).to(dev)  # one host-to-device copy
+            attn.paged = PagedBatch(meta[3 * s :].view(s, nblk), meta[:s], meta[s : 2 * s], meta[2 * s : 3 * s],
+                                    max(n for _, n, _, _ in per_seq))
+            return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
+                    attn, logit_rows)
         if dec_rows:  # keys of all decode rows: block tables padded to the longest
             bs = self.block_size
             nblk = max(-(-ctx // bs) for _, ctx in dec_seqs)
@@ -200,38 +291,68 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch, num_layers: int | None = None) -> torch.Tensor:
-        """Float32 logits for every sequence of ``batch`` that reaches its last token this step."""
+        """Float32 logits, on the device, for every sequence of ``batch`` that reaches its last token this
+        step. A decode-only step of the whole model replays its CUDA graph when one is captured."""
         ids, pos, attn, rows = self.prepare(batch)
+        if self.graphs is not None and num_layers is None and len(rows) == len(ids):
+            logits = self.graphs.run(ids, pos, attn)
+            if logits is not None:
+                return logits
         rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
-        return self.model(ids, pos, self.kv_caches, attn, rows_t, num_layers).cpu()
+        return self.model(ids, pos, self.kv_caches, attn, rows_t, num_layers)
+
+    def _generator(self, seq: Sequence) -> None:
+        """A seeded request samples with a generator on the model's device (made once, from its seed)."""
+        if seq.generator is not None and seq.generator.device.type != self.device.type and seq.params.seed is not None:
+            seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed)
 
     @torch.inference_mode()
     def step(self, batch: ScheduledBatch, spec: SpecDecoder | None = None) -> list[tuple[Sequence, list[int]]]:
         """Run ``batch``; return ``(seq, new_tokens)`` for the sequences that completed their gap: one
-        sampled token each, or the verified draft prefix plus one token for a speculating sequence."""
+        sampled token each, or the verified draft prefix plus one token for a speculating sequence.
+
+        Sampling and verification run on the logits' device; their results come back to the host in one
+        copy, the step's only wait for the device."""
         done = [seq for seq, n in batch.items
                 if seq.num_computed_tokens + n == seq.num_tokens + len(seq.spec_token_ids)]  # fmt: skip
         if not batch.items:
             return []
         logits = self.forward(batch)
-        out: list[tuple[Sequence, list[int]]] = []
-        plain: list[tuple[int, int]] = []  # (index in out, logits row) of ordinary samples
+        if not done:  # only prefill chunks short of their last token: nothing to sample
+            return []
+        plain: list[int] = []  # logits rows of ordinary samples, in ``done`` order
+        drafts: list[tuple[int, int]] = []  # (first logits row, draft tokens) of speculating sequences
         row = 0
         for seq in done:
+            self._generator(seq)
             k = len(seq.spec_token_ids)
             if k:
                 assert spec is not None, "draft tokens without a speculative decoder"
-                out.append((seq, spec.verify(seq, logits[row : row + k + 1])))
+                drafts.append((row, k))
             else:
-                plain.append((len(out), row))
-                out.append((seq, []))
+                plain.append(row)
             row += k + 1
+        pending: list[torch.Tensor] = []
         if plain:
-            seqs = [out[i][0] for i, _ in plain]
-            rows = [r for _, r in plain]
-            if rows != list(range(len(logits))):  # index_select: advanced indexing by a list is ~10x slower
-                logits = logits.index_select(0, torch.tensor(rows))
+            rows = logits
+            if plain != list(range(len(logits))):  # index_select: advanced indexing by a list is ~10x slower
+                rows = logits.index_select(0, torch.tensor(plain, device=logits.device))
             argmax = self.native.argmax if self.native is not None else None
-            for (i, _), tok in zip(plain, sample(logits, seqs, argmax), strict=True):
-                out[i][1].append(tok)
+            pending.append(sample(rows, [s for s in done if not s.spec_token_ids], argmax))
+        if spec is not None:
+            pending += [spec.draws(s, logits[r : r + k + 1]) for s, (r, k) in
+                        zip([s for s in done if s.spec_token_ids], drafts, strict=True)]
+        values = (pending[0] if len(pending) == 1 else torch.cat(pending)).tolist()  # the one host sync
+        out: list[tuple[Sequence, list[int]]] = []
+        i_plain, at = 0, len(plain)
+        for seq in done:
+            k = len(seq.spec_token_ids)
+            if k:
+                assert spec is not None
+                n = k + 1 if seq.params.greedy else 2 * k + 1
+                out.append((seq, spec.verify(seq, k, values[at : at + n])))
+                at += n
+            else:
+                out.append((seq, [values[i_plain]]))
+                i_plain += 1
         return out

@@ -126,13 +126,14 @@ class CpuKernels:
             raise ValueError(f"qdequant: {w.bits}-bit weights in groups of {w.group} unsupported")
         return out
 
-    def argmax(self, logits: torch.Tensor) -> list[int]:
-        """Row-wise argmax of float32 ``logits`` [B, V], as ``torch.argmax`` (first maximum; first NaN)."""
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Row-wise argmax of float32 ``logits`` [B, V] into int64 [B], as ``torch.argmax`` (first maximum;
+        first NaN)."""
         if not (logits.dtype == torch.float32 and logits.dim() == 2 and logits.is_contiguous()):
             raise ValueError("argmax: unexpected tensor layout or dtype")
         out = torch.empty(logits.shape[0], dtype=torch.int64)
         self._argmax(logits.data_ptr(), out.data_ptr(), logits.shape[0], logits.shape[1])
-        return out.tolist()
+        return out
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                  lens: torch.Tensor) -> torch.Tensor:

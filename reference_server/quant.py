@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from reference_server.gguf_loader import ModelSpec, _unpermute
+from reference_server.gguf_loader import ModelSpec, _unpermute, gguf_reader
 from reference_server.native import CpuKernels
 
 GROUP = 32  # int4 group size: GGUF's block
@@ -122,7 +122,7 @@ def from_gguf_blocks(raw: np.ndarray, kind: gguf.GGMLQuantizationType, n: int, k
 def auto_quantization(path: Path) -> tuple[str, str]:
     """What ``--quantization auto`` picks for this GGUF, and why: int4 when its linear weights are 4-bit
     blocks, none when they are float, else int8."""
-    reader = gguf.GGUFReader(str(path))
+    reader = gguf_reader(path)
     kinds = [t.tensor_type for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2]
     q4 = sum(kind in _Q4 or "Q4" in kind.name for kind in kinds)
     fl = sum(kind in _FLOAT for kind in kinds)
@@ -142,7 +142,7 @@ class Quantizer:
         self.weights = weights
         self.raw: dict[str, tuple[gguf.GGMLQuantizationType, np.ndarray]] = {}
         taken = _Q4 | {gguf.GGMLQuantizationType.Q8_0} if mode == "int4" else {gguf.GGMLQuantizationType.Q8_0}
-        for t in gguf.GGUFReader(str(path)).tensors:
+        for t in gguf_reader(path).tensors:
             if t.tensor_type in taken and len(t.shape) == 2 and int(t.shape[0]) % 32 == 0:
                 data = np.asarray(t.data).reshape(int(t.shape[1]), -1)
                 if t.name.endswith("attn_q.weight"):

@@ -22,18 +22,20 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         sorted_probs, idx = probs.sort(descending=True)
         # keep the smallest prefix whose mass reaches top_p (always at least one token)
-        sorted_probs[sorted_probs.cumsum(0) - sorted_probs >= params.top_p] = 0.0
+        sorted_probs.masked_fill_(sorted_probs.cumsum(0) - sorted_probs >= params.top_p, 0.0)  # no host sync
         probs = torch.zeros_like(probs).scatter_(0, idx, sorted_probs / sorted_probs.sum())
     return probs
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence],
-           argmax: Callable[[torch.Tensor], list[int]] | None = None) -> list[int]:
-    """Pick one token per row of ``logits`` [B, V] for the matching sequence (``argmax``: a faster
-    row-wise argmax than ``torch.argmax``, e.g. the native one)."""
-    out = argmax(logits) if argmax is not None else logits.argmax(dim=-1).tolist()
+           argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """Pick one token per row of ``logits`` [B, V] for the matching sequence, on the logits' device and
+    without waiting for it: int64 [B] (the caller reads it back once per step). ``argmax``: a faster
+    row-wise argmax than ``torch.argmax``, e.g. the native one. A seeded request's generator must be on
+    the same device."""
+    out = argmax(logits) if argmax is not None else logits.argmax(dim=-1)
     for i, seq in enumerate(seqs):
         if not seq.params.greedy:
             probs = target_probs(logits[i], seq.params)
-            out[i] = int(torch.multinomial(probs, 1, generator=seq.generator).item())
+            out[i] = torch.multinomial(probs, 1, generator=seq.generator)[0]
     return out

@@ -612,13 +612,20 @@ FLAG_HELP: dict[str, tuple[str, str]] = {
                        "fp32), bf16, fp16 or fp32"),
     "threads": ("model", "torch intra-op threads on CPU (default: all cores when the machine is idle at "
                          "start, else 1)"),
-    "kernels": ("model", "CPU bf16 kernels: native (paged decode attention, RMSNorm, RoPE + KV write, SiLU), "
-                         "torch, or auto (native when the CPU has AVX-512 BF16)"),
+    "kernels": ("model", "auto: on CPU in bf16 the native kernels (paged decode attention, RMSNorm, RoPE + KV "
+                         "write, SiLU) when the CPU has AVX-512 BF16, on CUDA the Triton paged-attention kernel "
+                         "when Triton is installed, else PyTorch ops; native, triton or torch insist on one"),
     "quantization": ("model", "weight-only quantised linears on the native CPU kernels: none (bf16), int8 (per "
                               "output channel; Q8_0 blocks as they are), int4 (groups of 32; Q4_0/Q4_1 blocks "
                               "as they are) or auto (from the GGUF's block types)"),
     "block_size": ("engine", "tokens per KV-cache block (paged KV)"),
-    "num_kv_blocks": ("engine", "KV pool size in blocks; tokens held = blocks x block size"),
+    "num_kv_blocks": ("engine", "KV pool size in blocks; tokens held = blocks x block size (default: on CUDA "
+                                "sized from free GPU memory by --gpu-memory-utilization, on CPU 2048)"),
+    "gpu_memory_utilization": ("engine", "CUDA: fraction of the GPU's memory this server may use, weights, "
+                                         "activations and KV pool together; the pool takes what is left "
+                                         "(0 < f <= 1; ignored with --num-kv-blocks)"),
+    "cuda_graphs": ("model", "CUDA: replay decode steps as CUDA graphs captured per batch-size bucket (1, 2, "
+                             "4, 8, 16, 32, ... up to --max-num-seqs); --no-cuda-graphs runs every step eagerly"),
     "max_model_len": ("engine", "longest prompt + output in tokens (default: the model's context length)"),
     "enable_prefix_caching": ("engine", "reuse the KV blocks of a shared prompt prefix (hash of full blocks)"),
     "iteration_log_size": ("engine", "per-step records kept for GET /v1/iterations"),
@@ -679,7 +686,7 @@ def build_parser(prog: str = "python -m reference_server") -> argparse.ArgumentP
         if isinstance(default, bool):
             groups[group].add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text + shown)
         else:
-            kind = {"threads": int, "max_model_len": int}.get(f.name, type(default))
+            kind = {"threads": int, "max_model_len": int, "num_kv_blocks": int}.get(f.name, type(default))
             groups[group].add_argument(flag, type=kind, default=default, choices=choices.get(f.name),
                                        help=text + shown)  # fmt: skip
     return p
@@ -705,7 +712,7 @@ def serve(argv: list[str] | None = None, prog: str = "python -m reference_server
     threads += (f", kernels {engine.runner.kernels}, weights {engine.runner.quantization_note}: linears "
                 f"{linear_bytes(engine.runner.model) / 2**20:.0f} MiB")
     print(f"loaded {model.name} on {engine.runner.device} ({engine.runner.dtype}{threads}) in {time.perf_counter() - t0:.1f} s; "
-          f"KV pool {config.num_kv_blocks} x {config.block_size} tokens; serving on http://{args.host}:{args.port}",
+          f"KV pool {engine.runner.num_blocks} x {config.block_size} tokens; serving on http://{args.host}:{args.port}",
           flush=True)
     uvicorn.run(create_app(engine, args.served_model_name or model.stem), host=args.host, port=args.port,
                 log_level=args.log_level, access_log=False)

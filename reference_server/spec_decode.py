@@ -115,34 +115,49 @@ def verify_greedy(draft: list[int], target_argmax: list[int]) -> list[int]:
     return out
 
 
-def verify_sampled(draft: Draft, target_probs: torch.Tensor, generator: torch.Generator | None = None) -> list[int]:
-    """The rejection rule on probabilities (rows already temperature/top-k/top-p processed).
+def sampled_draws(draft: Draft, target_probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Every random draw the rejection rule may need, made at once on the probabilities' device with no
+    host sync: int64 ``[2k + 1]`` = k accept flags, k residual samples (one per position, used only at the
+    first rejection), the bonus sample. :func:`accept_sampled` turns them into tokens once on the host.
 
-    ``target_probs`` is ``(len(draft) + 1, vocab)``: row i scores the token after draft position i-1.
-    """
+    ``target_probs`` is ``(len(draft) + 1, vocab)`` (rows already temperature/top-k/top-p processed):
+    row i scores the token after draft position i-1."""
     k = len(draft)
     if target_probs.shape[0] != k + 1:
         raise ValueError(f"need {k + 1} target rows for {k} draft tokens, got {target_probs.shape[0]}")
     p_all = target_probs.float()
-    out: list[int] = []
-    for i, x in enumerate(draft.tokens):
-        p = p_all[i]
-        q_x = 1.0 if draft.probs is None else float(draft.probs[i, x])
-        u = float(torch.rand((), generator=generator))
-        if u * q_x < float(p[x]):  # accept with probability min(1, p(x) / q(x))
-            out.append(x)
-            continue
-        if draft.probs is None:
-            residual = p.clone()
-            residual[x] = 0.0
-        else:
-            residual = (p - draft.probs[i].float()).clamp_min(0.0)
-        if float(residual.sum()) <= 0.0:  # p == q up to rounding: the residual is undefined, p is exact
-            residual = p
-        out.append(int(torch.multinomial(residual, 1, generator=generator)))
-        return out
-    out.append(int(torch.multinomial(p_all[k], 1, generator=generator)))
-    return out
+    p = p_all[:k]
+    x = torch.tensor(draft.tokens, dtype=torch.long, device=p.device)
+    p_x = p.gather(1, x[:, None])[:, 0]
+    if draft.probs is None:  # a deterministic draft: q = one_hot(x)
+        q_x = torch.ones_like(p_x)
+        residual = p.scatter(1, x[:, None], 0.0)
+    else:
+        q = draft.probs.to(p.device).float()
+        q_x = q.gather(1, x[:, None])[:, 0]
+        residual = (p - q).clamp_min(0.0)
+    # p == q up to rounding: the residual is undefined, p is exact
+    residual = torch.where(residual.sum(1, keepdim=True) > 0.0, residual, p)
+    u = torch.rand(k, generator=generator, device=p.device)
+    accept = u * q_x < p_x  # accept with probability min(1, p(x) / q(x))
+    resampled = torch.multinomial(residual, 1, generator=generator)[:, 0] if k else x
+    bonus = torch.multinomial(p_all[k], 1, generator=generator)
+    return torch.cat((accept.long(), resampled, bonus))
+
+
+def accept_sampled(draft_tokens: list[int], draws: list[int]) -> list[int]:
+    """Tokens to emit from :func:`sampled_draws`' values: the draft up to its first rejection, replaced
+    there by that position's residual sample; the bonus sample when every draft token is kept."""
+    k = len(draft_tokens)
+    for i in range(k):
+        if not draws[i]:
+            return draft_tokens[:i] + [draws[k + i]]
+    return draft_tokens + [draws[2 * k]]
+
+
+def verify_sampled(draft: Draft, target_probs: torch.Tensor, generator: torch.Generator | None = None) -> list[int]:
+    """The rejection rule on probabilities: :func:`sampled_draws`, read back, then :func:`accept_sampled`."""
+    return accept_sampled(draft.tokens, sampled_draws(draft, target_probs, generator).tolist())
 
 
 class AdaptiveK:
@@ -261,16 +276,22 @@ class SpecDecoder:
                 self.drafts[seq.seq_id] = draft
                 seq.spec_token_ids = list(draft.tokens)
 
-    def verify(self, seq: Sequence, logits: torch.Tensor) -> list[int]:
-        """Tokens to emit for ``seq`` from its ``1 + k`` logit rows (k = draft tokens actually scheduled)."""
-        k = logits.shape[0] - 1
-        draft = self.drafts.pop(seq.seq_id, Draft([]))
-        draft = Draft(draft.tokens[:k], None if draft.probs is None else draft.probs[:k])
+    def draws(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
+        """What verifying ``seq`` needs from its ``1 + k`` logit rows (k = draft tokens actually scheduled),
+        computed on their device without a host sync: the rows' argmax when greedy, else
+        :func:`sampled_draws`. :meth:`verify` takes them back as a list."""
         if seq.params.greedy:
-            out = verify_greedy(draft.tokens, logits.argmax(dim=-1).tolist())
-        else:
-            probs = torch.stack([target_probs(row, seq.params) for row in logits])
-            out = verify_sampled(draft, probs, seq.generator)
+            return logits.argmax(dim=-1)
+        k = logits.shape[0] - 1
+        draft = self.drafts[seq.seq_id]
+        draft = Draft(draft.tokens[:k], None if draft.probs is None else draft.probs[:k])
+        return sampled_draws(draft, torch.stack([target_probs(row, seq.params) for row in logits]), seq.generator)
+
+    def verify(self, seq: Sequence, k: int, draws: list[int]) -> list[int]:
+        """Tokens to emit for ``seq`` after ``k`` scheduled draft tokens, from :meth:`draws` read back."""
+        draft = self.drafts.pop(seq.seq_id, Draft([]))
+        tokens = draft.tokens[:k]
+        out = verify_greedy(tokens, draws) if seq.params.greedy else accept_sampled(tokens, draws)
         accepted = len(out) - 1
         self.num_drafted += k
         self.num_accepted += accepted
@@ -301,9 +322,9 @@ def make_spec_decoder(cfg: SpecConfig, runner: ModelRunner, blocks: BlockManager
         layers = min(cfg.self_draft_layers, runner.spec.n_layers)
         return SpecDecoder(cfg, ModelProposer(runner, blocks, num_layers=layers))
     assert cfg.draft_model
-    draft_cfg = replace(engine_config, model=Path(cfg.draft_model))
+    draft_cfg = replace(engine_config, model=Path(cfg.draft_model), num_kv_blocks=runner.num_blocks)
     draft = ModelRunner(draft_cfg)
     if draft.spec.vocab != runner.spec.vocab:
         raise ValueError(f"draft model vocabulary ({draft.spec.vocab}) differs from the model's ({runner.spec.vocab})")
-    own = BlockManager(engine_config.num_kv_blocks, engine_config.block_size, enable_prefix_caching=False)
+    own = BlockManager(draft.num_blocks, engine_config.block_size, enable_prefix_caching=False)
     return SpecDecoder(cfg, ModelProposer(draft, own, separate=True))

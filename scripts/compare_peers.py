@@ -1,7 +1,7 @@
 """Do `bench run` and vLLM's `bench serve` measure the same thing? Same server, same traffic, interleaved.
 
     .venv/bin/python scripts/compare_peers.py [--servers reference,llama-server] [--concurrency 1,4,16]
-        [--rounds 3] [--out results/peers-<time>] [--lock /work/coord/heavy.lock]
+        [--rounds 3] [--out results/peers-<time>] [--lock FILE]
 
 For each server (the bundled reference server and llama-server, started here on a free loopback port
 with 2 threads; ``null``, loadgen.nullserver pacing a known stream, checks the definitions alone) it runs, per round and concurrency, vLLM's `bench serve` (``vllm.benchmarks.serve.main``

@@ -8,7 +8,7 @@ requests are malformed (bad JSON, wrong types, out-of-range numbers, unsupported
 bodies). At the end: every KV block free, the engine alive, the server's resident memory over the run,
 and every error that was not injected. Writes a JSON summary; exits 1 on a leak or an unexpected error.
 
-    flock /work/coord/heavy.lock .venv/bin/python scripts/soak_reference_server.py --duration 600
+    .venv/bin/python scripts/soak_reference_server.py --duration 600
 """
 
 from __future__ import annotations

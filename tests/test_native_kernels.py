@@ -7,9 +7,11 @@ project runs its CI on); an unavailable build fails here with the reason instead
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
-from test_reference_engine import PROMPTS, _codec, _weights, capture_logits, dense_logits
+from test_reference_engine import PROMPTS, _codec, _weights, capture_logits, dense_position_logits
 
 from reference_server import native
 from reference_server.config import EngineConfig
@@ -154,38 +156,53 @@ def test_argmax_matches_torch_with_ties_and_nan():
     x[2] = 0.0  # all equal
     x[3, 77] = float("nan")  # NaN counts as the maximum
     x[4, -1] = float("inf")
-    assert kernels().argmax(x) == x.argmax(dim=-1).tolist()
-    assert kernels().argmax(x)[1:5] == [10, 0, 77, 49151]
+    assert kernels().argmax(x).tolist() == x.argmax(dim=-1).tolist()
+    assert kernels().argmax(x)[1:5].tolist() == [10, 0, 77, 49151]
     with pytest.raises(ValueError, match="layout or dtype"):
         kernels().argmax(x.bfloat16())
 
 
-def test_pick_kernels_says_which_and_why():
+def test_pick_kernels_says_which_and_why(monkeypatch):
+    # test_triton_attention sets TRITON_INTERPRET=1 for the whole session at collection (Triton on CPU);
+    # without it, --kernels triton on a CPU is refused
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     spec, _ = _weights()
-    cpu = torch.device("cpu")
-    chosen, line = pick_kernels("auto", cpu, torch.bfloat16, spec, 16)
-    assert chosen is kernels() and line == "native"
-    assert pick_kernels("torch", cpu, torch.bfloat16, spec, 16) == (None, "torch (--kernels torch)")
-    chosen, line = pick_kernels("auto", cpu, torch.float32, spec, 16)
-    assert chosen is None and "bf16 on CPU, this is float32" in line
-    chosen, line = pick_kernels("auto", cpu, torch.bfloat16, spec, 8)
-    assert chosen is None and "block size 8" in line
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    native_k, paged, line = pick_kernels("auto", cpu, torch.bfloat16, spec, 16)
+    assert native_k is kernels() and paged is None and line == "native"
+    assert pick_kernels("torch", cpu, torch.bfloat16, spec, 16) == (None, None, "torch (--kernels torch)")
+    native_k, paged, line = pick_kernels("auto", cpu, torch.float32, spec, 16)
+    assert native_k is None and paged is None and "bf16 on CPU, this is float32" in line
+    native_k, paged, line = pick_kernels("auto", cpu, torch.bfloat16, spec, 8)
+    assert native_k is None and "block size 8" in line
     with pytest.raises(ValueError, match="--kernels native is unavailable: .*float32"):
         pick_kernels("native", cpu, torch.float32, spec, 16)
     with pytest.raises(ValueError, match="unknown kernels 'fast'"):
         EngineConfig(model=default_model_path(), kernels="fast")
+    # on CUDA (only the choice: no GPU needed) the Triton paged-attention kernel, which the dev extra installs
+    from reference_server.triton_attention import paged_attention
+
+    assert pick_kernels("auto", cuda, torch.bfloat16, spec, 16) == (None, paged_attention, "triton")
+    assert pick_kernels("triton", cuda, torch.float16, spec, 32) == (None, paged_attention, "triton")
+    native_k, paged, line = pick_kernels("auto", cuda, torch.bfloat16, spec, 8)
+    assert paged is None and "power of two >= 16" in line
+    with pytest.raises(ValueError, match="--kernels triton runs on CUDA .*this is cpu"):
+        pick_kernels("triton", cpu, torch.bfloat16, spec, 16)
+    with pytest.raises(ValueError, match="--kernels native is unavailable"):
+        pick_kernels("native", cuda, torch.bfloat16, spec, 16)
 
 
-def _logit_errors(kernels_choice: str, dense: Engine, quantization: str = "none") -> tuple[torch.Tensor, float, bool]:
+def _logit_errors(kernels_choice: str, dense: Engine, quantization: str = "none",
+                  max_tokens: int = 24) -> tuple[torch.Tensor, float, bool]:
     """Greedy bf16 run (chunked prefill, a shared prefix, mixed steps); per sampled row, max |logit - the
     float32 dense forward's|; the top-1 agreement with it; whether a step mixed prefill and decode."""
     spec, w = _weights()
-    cfg = EngineConfig(model=default_model_path(), dtype="bf16", threads=2, kernels=kernels_choice,
+    cfg = EngineConfig(model=default_model_path(), device="cpu", dtype="bf16", threads=2, kernels=kernels_choice,
                        max_num_batched_tokens=20, quantization=quantization)
     engine = Engine(cfg, ModelRunner(cfg, spec, w), _codec())
     assert (engine.runner.native is not None) == (kernels_choice == "native")
     captured = capture_logits(engine)
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     seqs = [engine.add_request(_codec().encode(p), params) for p in PROMPTS]
     for _ in range(3):
         engine.step()
@@ -193,20 +210,24 @@ def _logit_errors(kernels_choice: str, dense: Engine, quantization: str = "none"
     while any(s.finish_reason is None for s in seqs):
         engine.step()
     assert seqs[-1].num_cached_tokens > 0
+    # every scored row is a prefix of a finished sequence: one float32 forward per sequence scores them all
+    wants = [(s.token_ids, dense_position_logits(dense, s.token_ids)) for s in seqs]
     errors, agree = [], 0
     for rows, logits in captured:
         for tokens, got in zip(rows, logits, strict=True):
-            want = dense_logits(dense, tokens, params)
+            want = next(w[len(tokens) - 1] for full, w in wants if full[: len(tokens)] == tokens)
             errors.append((got - want).abs().max().item())
             agree += int(got.argmax() == want.argmax())
     mixed = any(r.prefill_tokens and r.decode_tokens for r in engine.iterations)
     return torch.tensor(errors), agree / len(errors), mixed
 
 
+@functools.cache
 def dense_engine() -> Engine:
-    """The float32 model with PyTorch ops: the reference the bf16 paths are measured against."""
+    """The float32 model with PyTorch ops: the reference the bf16 paths are measured against (one per
+    test process; :func:`dense_position_logits` leaves it empty)."""
     spec, w = _weights()
-    cfg = EngineConfig(model=default_model_path(), dtype="fp32", threads=2, num_kv_blocks=64,
+    cfg = EngineConfig(model=default_model_path(), device="cpu", dtype="fp32", threads=2, num_kv_blocks=64,
                        max_num_batched_tokens=4096, enable_prefix_caching=False)
     return Engine(cfg, ModelRunner(cfg, spec, w), _codec())
 

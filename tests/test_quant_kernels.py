@@ -105,13 +105,14 @@ def test_bad_layout_is_refused():
 
 def test_quantised_engines_against_float32():
     """The whole model with quantised linears against the float32 model (teacher-forced over a greedy
-    run): int4 takes the GGUF's Q4_1 blocks as they are, so it must be as close as the bf16 path (measured
-    there: mean of the per-row max error 0.33, top-1 agreement 98 %); int8 is re-quantised per channel from
-    them, one more rounding of every weight. Measured here: int4 0.344 / 98.3 %, int8 0.931 / 97.5 %."""
+    run of 12 tokens: 60 scored rows each): int4 takes the GGUF's Q4_1 blocks as they are, so it must be
+    as close as the bf16 path (measured there: mean of the per-row max error 0.33, top-1 agreement 98 %);
+    int8 is re-quantised per channel from them, one more rounding of every weight. Measured here: int4
+    0.325 / 100 %, int8 0.960 / 98.3 %."""
     dense = dense_engine()
-    int4_err, int4_agree, mixed = _logit_errors("native", dense, "int4")
-    int8_err, int8_agree, _ = _logit_errors("native", dense, "int8")
-    assert mixed and len(int4_err) >= 100
+    int4_err, int4_agree, mixed = _logit_errors("native", dense, "int4", max_tokens=12)
+    int8_err, int8_agree, _ = _logit_errors("native", dense, "int8", max_tokens=12)
+    assert mixed and len(int4_err) >= 50
     assert int4_err.mean() <= 0.45 and int4_agree >= 0.95
     assert int8_err.mean() <= 1.3 and int8_agree >= 0.93
 

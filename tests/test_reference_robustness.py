@@ -65,7 +65,7 @@ def test_tiny_temperature_is_greedy(server):
     assert SamplingParams(temperature=1e-40).greedy and not SamplingParams(temperature=1e-5).greedy
     logits = torch_logits()
     seqs = [Sequence([1], SamplingParams(temperature=t)) for t in (1e-40, 5e-324, 1e-6)]
-    assert sample(logits, seqs) == [int(logits[0].argmax())] * 3
+    assert sample(logits, seqs).tolist() == [int(logits[0].argmax())] * 3
     body = {"prompt": "The capital of France is", "max_tokens": 5}
     tiny = _post(server, {**body, "temperature": 1e-40})
     zero = _post(server, {**body, "temperature": 0})

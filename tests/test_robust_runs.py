@@ -260,12 +260,14 @@ def test_error_rate_above_the_limit_fails_with_the_top_kinds(tmp_path, null_serv
 def test_second_ctrl_c_exits_at_once(tmp_path, null_server):
     """Two Ctrl-Cs in a row: the second does not wait for the partial summary, it exits 130 now
     (every finished record is already on disk)."""
-    args = ["run", "--url", null_server, "--concurrency", "4", "--num-requests", "100000", "--output-dir",
+    # hundreds of records and 16 in flight: stopping (cancel, summary, report) takes long enough for the
+    # second signal to land in it
+    args = ["run", "--url", null_server, "--concurrency", "16", "--num-requests", "100000", "--output-dir",
             str(tmp_path), "--run-id", "twice", "--poll-hz", "0", "--telemetry-hz", "0",
             "--extra-body", '{"nullserver": {"itl": 0.01}}']  # fmt: skip
     proc = _bench(args, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    reqs = tmp_path / "twice" / "points" / "c004" / "requests.jsonl"
-    _wait_records(reqs, 10, proc)
+    reqs = tmp_path / "twice" / "points" / "c016" / "requests.jsonl"
+    _wait_records(reqs, 400, proc)
     proc.send_signal(signal.SIGINT)
     seen = b""
     assert proc.stdout is not None

@@ -37,7 +37,7 @@ def test_help_lists_choices_and_defaults():
     text = parser.format_help()
     assert text.startswith("usage: bench serve")
     for expected in ("{continuous,dynamic,static}", "{fifo,sjf,priority}", "{off,ngram,draft,self}",
-                     "{auto,native,torch}", "(default: 16)", "--no-enable-prefix-caching"):  # fmt: skip
+                     "{auto,native,triton,torch}", "(default: 16)", "--no-enable-prefix-caching"):  # fmt: skip
         assert expected in text, expected
     # group headers appear in the documented order
     positions = [text.index(f"\n{g}:") for g in FLAG_GROUPS]

@@ -132,11 +132,10 @@ def test_bad_settings_are_rejected(base):
         engine(base, spec="magic")
 
 
-def test_spec_counters_in_usage_and_metrics(base):
+def test_spec_counters_in_usage_and_metrics(base, live_server):
     import httpx
-    from test_reference_server import _Running  # the HTTP harness of the reference-server tests
 
-    with _Running(engine(base, spec="ngram")) as srv:
+    with live_server(engine(base, spec="ngram")) as srv:
         body = {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
         with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=120) as resp:
