@@ -197,7 +197,7 @@ def _logit_errors(kernels_choice: str, dense: Engine, quantization: str = "none"
     """Greedy bf16 run (chunked prefill, a shared prefix, mixed steps); per sampled row, max |logit - the
     float32 dense forward's|; the top-1 agreement with it; whether a step mixed prefill and decode."""
     spec, w = _weights()
-    cfg = EngineConfig(model=default_model_path(), device="cpu", dtype="bf16", threads=2, kernels=kernels_choice,
+    cfg = EngineConfig(model=default_model_path(), device="cpu", dtype="bf16", threads=1, kernels=kernels_choice,
                        max_num_batched_tokens=20, quantization=quantization)
     engine = Engine(cfg, ModelRunner(cfg, spec, w), _codec())
     assert (engine.runner.native is not None) == (kernels_choice == "native")
@@ -227,7 +227,7 @@ def dense_engine() -> Engine:
     """The float32 model with PyTorch ops: the reference the bf16 paths are measured against (one per
     test process; :func:`dense_position_logits` leaves it empty)."""
     spec, w = _weights()
-    cfg = EngineConfig(model=default_model_path(), device="cpu", dtype="fp32", threads=2, num_kv_blocks=64,
+    cfg = EngineConfig(model=default_model_path(), device="cpu", dtype="fp32", threads=1, num_kv_blocks=64,
                        max_num_batched_tokens=4096, enable_prefix_caching=False)
     return Engine(cfg, ModelRunner(cfg, spec, w), _codec())
 
