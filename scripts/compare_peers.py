@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 from backends.launcher import ServerProcess, bundled_model, free_port, llama_server_binary  # noqa: E402
 
 PROMPT, OUTPUT = 32, 128
-REQUESTS = {1: 10, 4: 24, 16: 64}  # per concurrency: 4-10 waves; fewer let one wave's TTFT swing the median
+REQUESTS = {1: 10, 4: 32, 16: 128}  # per concurrency: 8-10 waves; fewer let one wave's TTFT swing the median
 FIGURES = ("ttft_ms", "tpot_ms", "itl_ms", "output_tok_s")
 NULL_PACE = {"ttft": 0.05, "itl": 0.01}  # the null server's stream: TTFT 50 ms, then a token every 10 ms
 WORKLOAD = f"""description = "Peer agreement: {PROMPT}-token prompts, exactly {OUTPUT} output tokens."
