@@ -232,3 +232,15 @@ def test_report_of_a_search_stopped_in_its_pilot_has_no_empty_chart(tmp_path):
     (tmp_path / "capacity.json").write_text(json.dumps({"config": {}, "configs": [{"point_id": "server", **res.to_json()}]}))
     text = write_report(tmp_path).read_text()
     assert text.count('class="chart"') == 1 and 'data-fig="c0-path"' in text and "so no SLO chart" in text
+
+
+def test_unreachable_needs_more_than_a_pilot_cut_short():
+    """A pilot that finished one request before its time cap is no verdict on a p90: the SLOs are called
+    unreachable only on a pilot that finished its waves (here 8 of 8 over) or a confident sequential probe."""
+    slow = ServiceModel(prefill_base=1.5)  # every first token after 1.5 s: ttft_p90=1s is truly unreachable
+    slos = parse_slos("ttft_p90=1s")
+    short = run_async(search(SimProber(slow, SIM_JOB, slos), slos, SearchConfig("concurrency", budget_s=6, max_probe_s=2)))
+    assert short.status == "budget" and short.probes[0].requests <= 2, short.message
+    res = run_async(search(SimProber(slow, SIM_JOB, slos), slos, SearchConfig("concurrency", budget_s=200)))
+    assert res.status == "unreachable" and "fail already at the lowest load" in res.message, res.message
+    assert res.probes[-1].load == 1 and res.probes[-1].confident and res.probes[-1].requests >= 8  # waves done
