@@ -59,19 +59,28 @@ def test_simulator_matches_the_closed_form_below_the_slots():
 
 
 def test_sequential_decisions_are_calibrated():
-    """At a miss share on the allowed line, a verdict said with confidence is wrong in <~5 % of probes."""
+    """Near the allowed miss share (10 % for p90), a verdict said with confidence is wrong in <~5 % of probes:
+    at 12 % over the limit (truly violated) a confident pass, at 9 % (truly holds) a confident fail; and with
+    misses in bursts of 10 requests (4 % of them: holds), where counting each request as independent
+    evidence (no correlation time) fails ~16 % of the probes."""
     slo = parse_slos("ttft_p90=100ms")
-    wrong = 0
-    for seed in range(200):
-        rng = np.random.default_rng(seed)
-        seq, samples = Sequential(slo, 0.95, 30, 600), Samples()
-        d = None
-        for v in rng.uniform(0, 0.1 / 0.88, 600):  # 12 % above the limit: truly violated
-            samples.add(v, None, v, False)
-            if seq.due(len(samples)) and (d := seq.decide(samples)) is not None:
-                break
-        wrong += d is not None and d.confident and d.verdict == "pass"
-    assert wrong <= 10
+    cases = [
+        (lambda rng: rng.uniform(0, 0.1 / 0.88, 600), "pass"),
+        (lambda rng: rng.uniform(0, 0.1 / 0.91, 600), "fail"),
+        (lambda rng: np.where(np.repeat(rng.random(60) < 0.04, 10), 0.2, rng.uniform(0, 0.1, 600)), "fail"),
+    ]
+    for i, (values, wrong_verdict) in enumerate(cases):
+        wrong = 0
+        for seed in range(200):
+            rng = np.random.default_rng(seed)
+            seq, samples = Sequential(slo, 0.95, 30, 600), Samples()
+            d = None
+            for v in values(rng):
+                samples.add(v, None, v, False)
+                if seq.due(len(samples)) and (d := seq.decide(samples)) is not None:
+                    break
+            wrong += d is not None and d.confident and d.verdict == wrong_verdict
+        assert wrong <= 10, (i, wrong)
     s = Samples()
     for _ in range(50):
         s.add(0.2, None, 0.2, False)
