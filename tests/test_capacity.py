@@ -122,7 +122,7 @@ LIVE = ServiceModel(slots=8, prefill_base=0.003, prefill_per_token=0.000075, dec
 LIVE_WL = FixedWorkload(max_tokens=8, prompt="w " * 60)
 LIVE_CASES = [
     ("concurrency", "constant", "tpot_p50=30ms"),  # TPOT = 3 + 6c ms: capacity 4 (27 ms; 5 sessions: 33 ms)
-    ("rate", "constant", "ttft_p90=60ms"),  # TTFT 7.5 ms until the slots saturate at 21.9 req/s, then the queue grows
+    ("rate", "constant", "ttft_p90=60ms"),  # TTFT 7.5 ms until the slots saturate (~22 req/s), then the queue grows
 ]
 
 
