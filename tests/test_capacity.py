@@ -163,6 +163,9 @@ def test_cli_exit_codes(tmp_path):
                       *common)  # fmt: skip
         assert easy.returncode == ExitCode.NOT_SATURATED, easy.stdout + easy.stderr
         assert "still hold" in easy.stdout
+    for run in ("never", "easy"):
+        doc = json.loads((tmp_path / run / "capacity.json").read_text())["result"]
+        assert doc["probes"] and all(p["errors"] == 0 for p in doc["probes"]), (run, doc["probes"])
 
 
 def test_cli_capacity_per_server_configuration_and_gate(tmp_path):
