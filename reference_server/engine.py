@@ -21,6 +21,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from reference_server import cpu_memory
 from reference_server.batching import BatchGate
 from reference_server.block_manager import BlockManager
 from reference_server.config import EngineConfig
@@ -86,6 +87,7 @@ def _describe(exc: BaseException) -> str:
 class Engine:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None, codec: TextCodec | None = None,
                  policy: Policy | None = None) -> None:
+        cpu_memory.bound_onednn_caches()  # before the model's first matmul: read once per process
         self.config = config
         self.runner = runner or ModelRunner(config)
         self.codec = codec or TextCodec(config.model)
@@ -116,6 +118,7 @@ class Engine:
         self._go: threading.Event | None = None  # set by on_own_thread
         self._running = False
         self._sink: OutputSink | None = None
+        cpu_memory.release_free_heap()  # the loader's freed temporaries
 
     # -- requests (thread-safe) ---------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, seq_id: str | None = None,
