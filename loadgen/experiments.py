@@ -12,6 +12,7 @@ import itertools
 import json
 import random
 import re
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -60,7 +61,8 @@ class Experiment:
     columns: list[Column]
     verdict: Callable[[dict[str, list[Summary]], dict[str, dict[str, Any]]], str]
     common_args: list[str] = field(default_factory=list)  # server flags shared by all configurations
-    probe: Callable[[str], dict[str, Any]] | None = None  # extra measurement against a running server
+    # extra measurement against a running server: (base URL, its reference_server flags) -> values
+    probe: Callable[[str, list[str]], dict[str, Any]] | None = None
 
 
 def _get(d: dict[str, Any], path: str) -> Any:
@@ -129,7 +131,7 @@ def run_experiment(exp: Experiment, out: Path, quick: bool, model: Path | None, 
                                             lambda _plan: [SpecCounters(srv.base_url)]))
             extra: dict[str, Any] = {"seconds": time.monotonic() - t0, "metrics": scrape_metrics(srv.base_url)}
             if exp.probe is not None:
-                extra.update(exp.probe(srv.base_url))
+                extra.update(exp.probe(srv.base_url, argv[3:]))
         per_config[cfg.label] = summaries
         extras[cfg.label] = extra
     comparison = _comparison(exp, per_config, extras, quick)
@@ -197,7 +199,7 @@ EXPERIMENTS: dict[str, Callable[[], Experiment]] = {}
 
 
 def experiment_command(
-    name: Annotated[str, typer.Argument(help="batching, chunked-prefill, scheduling, prefix-cache or speculative.")],
+    name: Annotated[str, typer.Argument(help="batching, chunked-prefill, scheduling, prefix-cache, speculative or quantization.")],
     quick: Annotated[bool, typer.Option("--quick", help="Smaller traffic: under 2 minutes.")] = False,
     out: Annotated[Path | None, typer.Option(help="Results directory (default results/exp-NAME-<id>).")] = None,
     model: Annotated[Path | None, typer.Option(help="GGUF model (default: the bundled SmolLM2).")] = None,
@@ -473,7 +475,7 @@ def speculative() -> Experiment:
         load = LoadSpec(process="closed", concurrency=1, num_requests=n, seed=5)
         return _plans(edit, load, "code-edit") + _plans(creative, load, "creative")
 
-    def probe(base_url: str) -> dict[str, Any]:
+    def probe(base_url: str, _args: list[str]) -> dict[str, Any]:
         return {"outputs": greedy_outputs(base_url, [_edit_prompt(0), _edit_prompt(1)], 48)}
 
     def verdict(pc: dict[str, list[Summary]], extras: dict[str, dict[str, Any]]) -> str:
@@ -505,5 +507,56 @@ def speculative() -> Experiment:
     )
 
 
+def quantization() -> Experiment:
+    """Weight-only quantisation: bf16 vs int8 vs int4 linears, decode speed at c = 1 and 16 and the accuracy cost.
+
+    The accuracy columns come from ``python -m reference_server.accuracy`` (teacher-forced top-1 agreement
+    and mean logit error against the float32 model on a fixed text, greedy-output identity on four prompts),
+    run once per configuration with the same flags."""
+
+    def traffic(quick: bool) -> list[PointPlan]:
+        decode = MixWorkload("decode128", [RequestClass("decode", 32 if quick else 128, _short_prompt)])
+        return [plan for c in (1, 16) for plan in _plans(
+            decode, LoadSpec(process="closed", concurrency=c, num_requests=(2 if quick else 6) * c, seed=3))]
+
+    def probe(_base_url: str, args: list[str]) -> dict[str, Any]:
+        model = args[args.index("--model") + 1]
+        quant = args[args.index("--quantization") + 1]
+        res = subprocess.run([sys.executable, "-m", "reference_server.accuracy", "--model", model,
+                              "--quantization", quant], capture_output=True, text=True, timeout=1800)  # fmt: skip
+        if res.returncode != 0:
+            return {"accuracy_error": res.stderr.strip()[-300:]}
+        return json.loads(res.stdout.strip().splitlines()[-1])
+
+    def tps(pc: dict[str, list[Summary]], label: str, c: int) -> float | None:
+        return next((_get(s, OUT_TPS) for s in pc[label] if s["point_id"] == f"c{c:03d}"), None)
+
+    def verdict(pc: dict[str, list[Summary]], extras: dict[str, dict[str, Any]]) -> str:
+        parts = []
+        for label in ("int8", "int4"):
+            c1, c16 = _ratio(tps(pc, label, 1), tps(pc, "none", 1)), _ratio(tps(pc, label, 16), tps(pc, "none", 16))
+            lost = _ratio(extras["none"].get("top1_agreement", 0) - extras[label].get("top1_agreement", 0), 0.01)
+            parts.append(f"{label}: c=1 {c1 or 0:.2f}x, c=16 {c16 or 0:.2f}x bf16, top-1 agreement "
+                         f"{-(lost or 0):+.1f} points")  # fmt: skip
+        return "; ".join(parts)
+
+    def acc(key: str) -> Callable[[Summary, dict[str, Any]], Any]:
+        return lambda _s, e: e.get(key)
+
+    return Experiment(
+        "quantization", "int4 / int8 weights: faster single-stream decode (fewer bytes per step) at a small accuracy cost",
+        [Config("none", ["--quantization", "none"]), Config("int8", ["--quantization", "int8"]),
+         Config("int4", ["--quantization", "int4"])],  # fmt: skip
+        traffic,
+        [Column("out tok/s", metric(OUT_TPS)), Column("ttft p50 ms", lambda s, _e: _ms(_get(s, "latency.ttft.p50"))),
+         Column("tpot p50 ms", lambda s, _e: _ms(_get(s, "latency.tpot.p50"))),
+         Column("top-1 vs fp32", acc("top1_agreement"), "{:.1%}"),
+         Column("mean |logit err|", acc("mean_logit_error"), "{:.3f}"),
+         Column("greedy identical", acc("greedy_identical"), "{:.0%}")],  # fmt: skip
+        verdict,
+        probe=probe,
+    )
+
+
 EXPERIMENTS.update({"batching": batching, "chunked-prefill": chunked_prefill, "scheduling": scheduling,
-                    "prefix-cache": prefix_cache, "speculative": speculative})  # fmt: skip
+                    "prefix-cache": prefix_cache, "speculative": speculative, "quantization": quantization})  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,9 +64,16 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+@functools.lru_cache(maxsize=1)
+def gguf_reader(path: Path) -> gguf.GGUFReader:
+    """The file's reader (memory-mapped, read-only), made once per process: indexing its fields takes
+    seconds (the tokenizer's arrays), and the loader and the quantiser both read the tensors."""
+    return gguf.GGUFReader(str(path))
+
+
 def load_gguf(path: Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
     """Return the spec and all tensors as float32, keyed by GGUF name (``blk.N.attn_q.weight``...)."""
-    reader = gguf.GGUFReader(str(path))
+    reader = gguf_reader(path)
     spec = read_spec(reader)
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:

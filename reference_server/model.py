@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from reference_server.gguf_loader import ModelSpec
 from reference_server.native import CpuKernels
+
+if TYPE_CHECKING:
+    from reference_server.quant import Quantizer
 
 
 @dataclass
@@ -110,23 +114,33 @@ class RMSNorm(torch.nn.Module):
         return F.layer_norm(torch.cat((x, -x), dim=-1), (2 * n,), self.weight, None, self.eps)[..., :n]
 
 
+def make_linear(w: dict[str, torch.Tensor], parts: list[tuple[str, float]], dtype: torch.dtype,
+                quant: Quantizer | None) -> torch.nn.Module:
+    """The linear of the named weights stacked along N, each times its factor: quantised (quant.py) when
+    ``quant`` is given, else converted to ``dtype`` after the float32 products."""
+    if quant is not None:
+        return quant.linear(parts)
+    return Linear(torch.cat([w[name].float() * f if f != 1.0 else w[name] for name, f in parts]).to(dtype))
+
+
 class Layer(torch.nn.Module):
     """One decoder block; Q/K/V and gate/up are fused into single matmuls, the residual adds into the
     output projections, and the attention scale 1/sqrt(head_dim) into the Q rows of the QKV weight
     (a power of two for head_dim 64, 256, ...: exact in any dtype)."""
 
     def __init__(self, spec: ModelSpec, w: dict[str, torch.Tensor], i: int, dtype: torch.dtype,
-                 native: CpuKernels | None = None, paged: PagedAttention | None = None) -> None:
+                 native: CpuKernels | None = None, paged: PagedAttention | None = None,
+                 quant: Quantizer | None = None) -> None:
         super().__init__()
         p = f"blk.{i}."
         self.spec = spec
         self.attn_norm = RMSNorm(w[p + "attn_norm.weight"].to(dtype), spec.rms_eps, native)
         self.ffn_norm = RMSNorm(w[p + "ffn_norm.weight"].to(dtype), spec.rms_eps, native)
-        q_scaled = w[p + "attn_q.weight"].float() * spec.head_dim**-0.5
-        self.qkv = Linear(torch.cat([q_scaled, w[p + "attn_k.weight"].float(), w[p + "attn_v.weight"].float()]).to(dtype))
-        self.o = Linear(w[p + "attn_output.weight"].to(dtype))
-        self.gate_up = Linear(torch.cat([w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]]).to(dtype))
-        self.down = Linear(w[p + "ffn_down.weight"].to(dtype))
+        qkv = [(p + "attn_q.weight", spec.head_dim**-0.5), (p + "attn_k.weight", 1.0), (p + "attn_v.weight", 1.0)]
+        self.qkv = make_linear(w, qkv, dtype, quant)
+        self.o = make_linear(w, [(p + "attn_output.weight", 1.0)], dtype, quant)
+        self.gate_up = make_linear(w, [(p + "ffn_gate.weight", 1.0), (p + "ffn_up.weight", 1.0)], dtype, quant)
+        self.down = make_linear(w, [(p + "ffn_down.weight", 1.0)], dtype, quant)
         self.q_size = spec.n_heads * spec.head_dim
         self.kv_size = spec.n_kv_heads * spec.head_dim
         self.native = native
@@ -222,16 +236,18 @@ class LlamaModel(torch.nn.Module):
     """Llama with tied (or separate) output head; weights converted once to ``dtype`` on the device the
     weights ``w`` are on (every parameter, buffer and table lands there). ``native``: the CPU kernels
     (native.py) for the norms, RoPE + KV write, decode attention and SiLU-and-multiply; ``paged``: the GPU
-    paged-attention kernel (triton_attention.py) for all attention rows."""
+    paged-attention kernel (triton_attention.py) for all attention rows; ``quant``: weight-only quantised
+    linears (quant.py) for the layers and the output head."""
 
     def __init__(self, spec: ModelSpec, w: dict[str, torch.Tensor], dtype: torch.dtype,
-                 native: CpuKernels | None = None, paged: PagedAttention | None = None) -> None:
+                 native: CpuKernels | None = None, paged: PagedAttention | None = None,
+                 quant: Quantizer | None = None) -> None:
         super().__init__()
         self.spec = spec
         self.dtype = dtype
         self.embed = torch.nn.Parameter(w["token_embd.weight"].to(dtype), requires_grad=False)
-        self.lm_head = Linear(w.get("output.weight", w["token_embd.weight"]).to(dtype))
-        self.layers = torch.nn.ModuleList(Layer(spec, w, i, dtype, native, paged) for i in range(spec.n_layers))
+        self.lm_head = make_linear(w, [("output.weight" if "output.weight" in w else "token_embd.weight", 1.0)], dtype, quant)
+        self.layers = torch.nn.ModuleList(Layer(spec, w, i, dtype, native, paged, quant) for i in range(spec.n_layers))
         self.norm = RMSNorm(w["output_norm.weight"].to(dtype), spec.rms_eps, native)
         # cos/sin for every position, computed once in float64 (gathered per step, not recomputed)
         inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float64) / spec.head_dim))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psutil
@@ -13,6 +14,7 @@ from reference_server.cuda_graphs import DecodeGraphs, graph_buckets
 from reference_server.gguf_loader import ModelSpec, load_gguf
 from reference_server.model import AttnBatch, LlamaModel, PagedAttention, PagedBatch, PrefillGroup
 from reference_server.native import CpuKernels, cpu_kernels, supports
+from reference_server.quant import Quantizer, auto_quantization
 from reference_server.sampler import sample
 from reference_server.scheduler import ScheduledBatch
 from reference_server.sequence import SamplingParams, Sequence
@@ -116,6 +118,24 @@ def kv_blocks_for_memory(total: int, used: int, peak_activations: int, utilizati
     return max(0, (int(total * utilization) - used - peak_activations) // block_bytes)
 
 
+def pick_quantization(choice: str, config_model: Path, device: torch.device, native: CpuKernels | None,
+                      kernels_note: str) -> tuple[str, str]:
+    """The weight quantisation to run (none, int8, int4) and a line saying why. The quantised kernels are
+    native CPU kernels (AVX512-BF16, bf16 model); elsewhere an explicit choice is refused."""
+    if choice == "none":
+        return "none", "none"
+    if device.type != "cpu" or native is None:
+        why = (f"the quantised kernels are native CPU kernels, this is {device.type} with kernels "
+               f"{kernels_note}")  # fmt: skip
+        if choice == "auto":
+            return "none", f"none (auto: {why})"
+        raise ValueError(f"--quantization {choice} is not available on this device: {why}; use --quantization none")
+    if choice == "auto":
+        mode, why = auto_quantization(config_model)
+        return mode, f"{mode} (auto: {why})"
+    return choice, choice
+
+
 class ModelRunner:
     """Owns the weights and the per-layer KV cache tensors ``[kv_heads, num_blocks, block_size, head_dim]``."""
 
@@ -133,9 +153,15 @@ class ModelRunner:
         self.block_size = config.block_size
         self.native, self.paged, self.kernels = pick_kernels(config.kernels, self.device, self.dtype, spec,
                                                              config.block_size)
+        self.quantization, self.quantization_note = pick_quantization(config.quantization, config.model, self.device,
+                                                                      self.native, self.kernels)
+        quant = None
+        if self.quantization != "none":  # CPU only (pick_quantization): the weights are where the kernels are
+            assert self.native is not None
+            quant = Quantizer(self.quantization, config.model, spec, weights, self.native)
         # dequantised once (load_gguf), moved once, then converted and fused on the device itself
         on_device = {name: w.to(self.device) for name, w in weights.items()}
-        self.model = LlamaModel(spec, on_device, self.dtype, self.native, self.paged).eval()
+        self.model = LlamaModel(spec, on_device, self.dtype, self.native, self.paged, quant).eval()
         del on_device
         self.max_model_len = min(config.max_model_len or spec.context_length, spec.context_length)
         self.use_graphs = config.cuda_graphs and self.device.type == "cuda" and self.paged is not None

@@ -41,6 +41,7 @@ from starlette.requests import ClientDisconnect
 
 from reference_server.config import EngineConfig
 from reference_server.engine import Engine, EngineDead, IterationRecord, RequestOutput
+from reference_server.quant import linear_bytes
 from reference_server.sequence import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -614,6 +615,9 @@ FLAG_HELP: dict[str, tuple[str, str]] = {
     "kernels": ("model", "auto: on CPU in bf16 the native kernels (paged decode attention, RMSNorm, RoPE + KV "
                          "write, SiLU) when the CPU has AVX-512 BF16, on CUDA the Triton paged-attention kernel "
                          "when Triton is installed, else PyTorch ops; native, triton or torch insist on one"),
+    "quantization": ("model", "weight-only quantised linears on the native CPU kernels: none (bf16), int8 (per "
+                              "output channel; Q8_0 blocks as they are), int4 (groups of 32; Q4_0/Q4_1 blocks "
+                              "as they are) or auto (from the GGUF's block types)"),
     "block_size": ("engine", "tokens per KV-cache block (paged KV)"),
     "num_kv_blocks": ("engine", "KV pool size in blocks; tokens held = blocks x block size (default: on CUDA "
                                 "sized from free GPU memory by --gpu-memory-utilization, on CPU 2048)"),
@@ -651,11 +655,11 @@ _HIDDEN = ("model", "step_sleep_ms")  # --model is added by hand; step_sleep_ms 
 
 def _choices() -> dict[str, tuple[str, ...]]:
     from reference_server.batching import BATCHING
-    from reference_server.config import KERNELS
+    from reference_server.config import KERNELS, QUANTIZATIONS
     from reference_server.policies import POLICIES
     from reference_server.spec_decode import SPEC_METHODS
 
-    return {"kernels": KERNELS, "batching": BATCHING, "policy": POLICIES, "spec": SPEC_METHODS}
+    return {"kernels": KERNELS, "quantization": QUANTIZATIONS, "batching": BATCHING, "policy": POLICIES, "spec": SPEC_METHODS}
 
 
 def build_parser(prog: str = "python -m reference_server") -> argparse.ArgumentParser:
@@ -705,7 +709,8 @@ def serve(argv: list[str] | None = None, prog: str = "python -m reference_server
     except ValueError as e:  # bad flag values (batching, policy, speculation) are reported, not raised
         raise SystemExit(f"error: {e}") from None
     threads = f", {engine.runner.threads} threads" if engine.runner.device.type == "cpu" else ""
-    threads += f", kernels {engine.runner.kernels}"
+    threads += (f", kernels {engine.runner.kernels}, weights {engine.runner.quantization_note}: linears "
+                f"{linear_bytes(engine.runner.model) / 2**20:.0f} MiB")
     print(f"loaded {model.name} on {engine.runner.device} ({engine.runner.dtype}{threads}) in {time.perf_counter() - t0:.1f} s; "
           f"KV pool {engine.runner.num_blocks} x {config.block_size} tokens; serving on http://{args.host}:{args.port}",
           flush=True)

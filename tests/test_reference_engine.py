@@ -66,13 +66,22 @@ def capture_logits(engine: Engine) -> list[tuple[list[list[int]], torch.Tensor]]
     return captured
 
 
-def dense_logits(dense: Engine, tokens: list[int], params: SamplingParams) -> torch.Tensor:
-    """Last-position logits of ``tokens`` by one fresh forward over the whole sequence; frees its blocks."""
-    seq = Sequence(tokens, params)
+def dense_position_logits(dense: Engine, tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), V] float32: row i the logits after ``tokens[: i + 1]``, by one fresh forward over the
+    whole sequence (every row sent to the head); frees its blocks."""
+    seq = Sequence(tokens, SamplingParams(temperature=0.0, max_tokens=1))
     dense.scheduler.add(seq)
-    want = dense.runner.forward(dense.scheduler.schedule())[0]
+    runner = dense.runner
+    with torch.inference_mode():
+        ids, pos, attn, _ = runner.prepare(dense.scheduler.schedule())
+        want = runner.model(ids, pos, runner.kv_caches, attn, torch.arange(len(tokens), device=runner.device))
     dense.scheduler.finish(seq, "abort")
     return want
+
+
+def dense_logits(dense: Engine, tokens: list[int]) -> torch.Tensor:
+    """Last-position logits of ``tokens`` (:func:`dense_position_logits`)."""
+    return dense_position_logits(dense, tokens)[-1]
 
 
 PROMPTS = [
@@ -139,7 +148,7 @@ def test_paged_chunked_prefix_forward_equals_dense_recompute():
     checked = 0
     for rows, logits in captured:
         for tokens, got in zip(rows, logits, strict=True):
-            torch.testing.assert_close(got, dense_logits(dense, tokens, params), atol=2e-4, rtol=1e-4)
+            torch.testing.assert_close(got, dense_logits(dense, tokens), atol=2e-4, rtol=1e-4)
             checked += 1
             assert dense.block_manager.num_used == 0
     assert checked >= 12

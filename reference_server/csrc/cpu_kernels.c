@@ -12,6 +12,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define TILE 16 /* tokens per score vector: one zmm of float32 */
@@ -236,4 +237,205 @@ void argmax_rows_f32(const float *x, int64_t *out, int B, int V) {
             }
         out[b] = idx;
     }
+}
+
+/* Weight-only quantised linear layers: out[m, n] = sum_k x[m, k] * w[n, k] (+ residual[m, n]).
+ *
+ * w is stored quantised, row n in blocks of 32 along k: bits 4 -> 16 bytes per block (byte j holds element
+ * j in its low nibble and element j + 16 in its high nibble, GGUF's Q4_0/Q4_1 layout), unsigned 0..15;
+ * bits 8 -> 32 signed bytes. Each group of `group` elements (a multiple of 32) has a scale and a minimum:
+ * w = bf16(q * scale + min), the value the bf16 model would hold (q * d + m rounded once more to bf16, as
+ * dequantising to float32 and then to bf16 does). The weights are dequantised in registers into a small
+ * per-thread bf16 tile (NR rows) that stays in L1, then every MR x NR block of the output is a run of
+ * VDPBF16PS (exact bf16 products, float32 sums): each weight byte is read from memory once per call,
+ * whatever M. K need not be a multiple of 32: x's tail is loaded masked (zeros), the packed tail is zero. */
+#define QNR 4
+#define QMR 4
+
+static inline void dequant_block(const uint8_t *src, int bits, __m512 scale, __m512 minv, uint16_t *dst) {
+    __m512i lo, hi;
+    if (bits == 4) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)src));
+        lo = _mm512_and_si512(v, _mm512_set1_epi32(15));
+        hi = _mm512_srli_epi32(v, 4);
+    } else {
+        lo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src));
+        hi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 16)));
+    }
+    /* mul then add, two roundings: the same float32 as numpy's q * d + m in the GGUF reader */
+    const __m512 flo = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lo), scale), minv);
+    const __m512 fhi = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(hi), scale), minv);
+    _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(fhi, flo));
+}
+
+/* Dequantise rows [n0, n0 + nr) into tile [nr][Kp] bf16. */
+static void dequant_rows(const uint8_t *qw, const float *scale, const float *minv, int n0, int nr, int Kp, int bits,
+                         int group, uint16_t *tile) {
+    const int nblk = Kp / 32, bb = bits * 4, ngroups = (Kp + group - 1) / group;
+    for (int r = 0; r < nr; r++) {
+        const size_t n = (size_t)(n0 + r);
+        const uint8_t *row = qw + n * (size_t)nblk * bb;
+        for (int kb = 0; kb < nblk; kb++) {
+            const int gi = kb * 32 / group;
+            dequant_block(row + (size_t)kb * bb, bits, _mm512_set1_ps(scale[n * ngroups + gi]),
+                          _mm512_set1_ps(minv[n * ngroups + gi]), tile + (size_t)r * Kp + (size_t)kb * 32);
+        }
+    }
+}
+
+/* For 1..QDIRECT rows the weights go straight from their bytes into the dot products, unscaled: an int4
+ * block becomes the exact bf16 numbers 128 + q (q's nibble in the mantissa of 128.0: four instructions for
+ * 32 weights), an int8 block the exact bf16 of q. Each group's float32 dot is then scaled once,
+ * acc += d * dot, and the constant part, sum_g (m - 128 d) * sum(x over g), added at the end: the weights
+ * enter as q * d + m without any bf16 rounding. */
+#define QDIRECT 3
+
+static inline __m512bh raw_block(const uint8_t *src, int bits) {
+    if (bits == 4) {
+        const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1); /* 0 | 4 */
+        const __m512i b = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)src)));
+        const __m512i v = _mm512_srlv_epi16(b, shift);
+        return (__m512bh)_mm512_ternarylogic_epi32(v, _mm512_set1_epi16(0x000f), _mm512_set1_epi16(0x4300), 0xea);
+    }
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 16))));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+/* One tile of QNR output channels for M (a constant after inlining: accumulators stay in registers) rows. */
+static inline __attribute__((always_inline)) void direct_tile(const uint16_t *x, int64_t x_stride, const uint8_t *qw,
+                                                              const float *scale, int n0, int N, int nblk, int bb,
+                                                              int ngroups, int per, __mmask32 tail, int bits,
+                                                              const int M, float *res) {
+    __m512 acc[QDIRECT][QNR], gacc[QDIRECT][QNR];
+    size_t rows[QNR];
+    for (int j = 0; j < QNR; j++) rows[j] = (size_t)(n0 + j < N ? n0 + j : N - 1); /* a short tile repeats its last row */
+    for (int m = 0; m < M; m++)
+        for (int j = 0; j < QNR; j++) acc[m][j] = gacc[m][j] = _mm512_setzero_ps();
+    for (int kb = 0; kb < nblk; kb++) {
+        const __mmask32 mask = kb + 1 == nblk ? tail : (__mmask32)0xffffffffu;
+        __m512bh xv[QDIRECT];
+        for (int m = 0; m < M; m++) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + (size_t)m * x_stride + kb * 32);
+        for (int j = 0; j < QNR; j++) {
+            const __m512bh w = raw_block(qw + (rows[j] * nblk + kb) * bb, bits);
+            for (int m = 0; m < M; m++) gacc[m][j] = _mm512_dpbf16_ps(gacc[m][j], xv[m], w);
+        }
+        if ((kb + 1) % per == 0 || kb + 1 == nblk) {
+            const int g = kb / per;
+            for (int j = 0; j < QNR; j++) {
+                const __m512 d = _mm512_set1_ps(scale[rows[j] * ngroups + g]);
+                for (int m = 0; m < M; m++) {
+                    acc[m][j] = _mm512_fmadd_ps(gacc[m][j], d, acc[m][j]);
+                    gacc[m][j] = _mm512_setzero_ps();
+                }
+            }
+        }
+    }
+    for (int m = 0; m < M; m++)
+        for (int j = 0; j < QNR; j++) res[m * QNR + j] = _mm512_reduce_add_ps(acc[m][j]);
+}
+
+static void qlinear_direct(const uint16_t *x, int64_t x_stride, const uint8_t *qw, const float *scale,
+                           const float *minv, const uint16_t *residual, int64_t res_stride, uint16_t *out, int M,
+                           int N, int K, int bits, int group) {
+    const int Kp = (K + 31) / 32 * 32, nblk = Kp / 32, bb = bits * 4, ngroups = (Kp + group - 1) / group;
+    const int per = group / 32, ntiles = (N + QNR - 1) / QNR;
+    const __mmask32 tail = K % 32 ? (__mmask32)((1u << (K % 32)) - 1u) : (__mmask32)0xffffffffu;
+    float *sx = malloc((size_t)M * ngroups * sizeof(float)); /* sum of x over each group */
+    for (int m = 0; m < M; m++)
+        for (int g = 0; g < ngroups; g++) {
+            float t = 0.f;
+            for (int k = g * group; k < K && k < (g + 1) * group; k++) t += bf16_to_f32(x[(size_t)m * x_stride + k]);
+            sx[m * ngroups + g] = t;
+        }
+    const float bias = bits == 4 ? 128.f : 0.f;
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < ntiles; t++) {
+        const int n0 = t * QNR, nr = N - n0 < QNR ? N - n0 : QNR;
+        float res[QDIRECT * QNR];
+        if (M == 1)
+            direct_tile(x, x_stride, qw, scale, n0, N, nblk, bb, ngroups, per, tail, bits, 1, res);
+        else if (M == 2)
+            direct_tile(x, x_stride, qw, scale, n0, N, nblk, bb, ngroups, per, tail, bits, 2, res);
+        else
+            direct_tile(x, x_stride, qw, scale, n0, N, nblk, bb, ngroups, per, tail, bits, 3, res);
+        for (int j = 0; j < nr; j++) {
+            const size_t n = (size_t)(n0 + j);
+            for (int m = 0; m < M; m++) {
+                float v = res[m * QNR + j];
+                for (int g = 0; g < ngroups; g++)
+                    v += (minv[n * ngroups + g] - bias * scale[n * ngroups + g]) * sx[m * ngroups + g];
+                if (residual) v += bf16_to_f32(residual[(size_t)m * res_stride + n]);
+                out[(size_t)m * N + n] = f32_to_bf16(v);
+            }
+        }
+    }
+    free(sx);
+}
+
+/* x: [M, K] bf16, row stride x_stride; residual: NULL or [M, N] bf16 with row stride res_stride; out: [M, N]
+ * contiguous. qw: [N, ceil(K / 32) * bits * 4] bytes; scale, minv: [N, ceil(Kp / group)] float32.
+ * Returns 0, or -1 for an unsupported layout (nothing written). */
+int qlinear_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *qw, const float *scale, const float *minv,
+                 const uint16_t *residual, int64_t res_stride, uint16_t *out, int M, int N, int K, int bits, int group) {
+    if ((bits != 4 && bits != 8) || group < 32 || group % 32 || M < 0 || N < 1 || K < 1) return -1;
+    if (M <= QDIRECT) {
+        qlinear_direct(x, x_stride, qw, scale, minv, residual, res_stride, out, M, N, K, bits, group);
+        return 0;
+    }
+    const int Kp = (K + 31) / 32 * 32, ntiles = (N + QNR - 1) / QNR;
+    const __mmask32 tail = K % 32 ? (__mmask32)((1u << (K % 32)) - 1u) : (__mmask32)0xffffffffu;
+#pragma omp parallel
+    {
+        uint16_t *tile = aligned_alloc(64, (size_t)QNR * Kp * sizeof(uint16_t));
+#pragma omp for schedule(static)
+        for (int t = 0; t < ntiles; t++) {
+            const int n0 = t * QNR, nr = N - n0 < QNR ? N - n0 : QNR;
+            dequant_rows(qw, scale, minv, n0, nr, Kp, bits, group, tile);
+            for (int r = nr; r < QNR; r++) memset(tile + (size_t)r * Kp, 0, (size_t)Kp * sizeof(uint16_t));
+            for (int m0 = 0; m0 < M; m0 += QMR) {
+                const int mr = M - m0 < QMR ? M - m0 : QMR;
+                __m512 acc[QMR * QNR];
+                for (int i = 0; i < QMR * QNR; i++) acc[i] = _mm512_setzero_ps();
+                for (int k = 0; k < Kp; k += 32) {
+                    const __mmask32 mask = k + 32 > K ? tail : (__mmask32)0xffffffffu;
+                    __m512bh w[QNR];
+                    for (int j = 0; j < QNR; j++) w[j] = (__m512bh)_mm512_loadu_si512(tile + (size_t)j * Kp + k);
+                    for (int i = 0; i < QMR; i++) {
+                        if (i >= mr) break;
+                        const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + (size_t)(m0 + i) * x_stride + k);
+                        for (int j = 0; j < QNR; j++) acc[i * QNR + j] = _mm512_dpbf16_ps(acc[i * QNR + j], xv, w[j]);
+                    }
+                }
+                float res[QMR * QNR];
+                _mm512_storeu_ps(res, sum16(acc)); /* lane i * QNR + j = out[m0 + i, n0 + j] */
+                for (int i = 0; i < mr; i++)
+                    for (int j = 0; j < nr; j++) {
+                        float v = res[i * QNR + j];
+                        if (residual) v += bf16_to_f32(residual[(size_t)(m0 + i) * res_stride + n0 + j]);
+                        out[(size_t)(m0 + i) * N + n0 + j] = f32_to_bf16(v);
+                    }
+            }
+        }
+        free(tile);
+    }
+    return 0;
+}
+
+/* The bf16 weight [N, K] contiguous that qlinear_bf16 computes with (for many rows: a bf16 matmul on it). */
+int qdequant_bf16(const uint8_t *qw, const float *scale, const float *minv, uint16_t *out, int N, int K, int bits,
+                  int group) {
+    if ((bits != 4 && bits != 8) || group < 32 || group % 32 || N < 1 || K < 1) return -1;
+    const int Kp = (K + 31) / 32 * 32;
+#pragma omp parallel
+    {
+        uint16_t *row = aligned_alloc(64, (size_t)Kp * sizeof(uint16_t));
+#pragma omp for schedule(static)
+        for (int n = 0; n < N; n++) {
+            dequant_rows(qw, scale, minv, n, 1, Kp, bits, group, row);
+            memcpy(out + (size_t)n * K, row, (size_t)K * sizeof(uint16_t));
+        }
+        free(row);
+    }
+    return 0;
 }
