@@ -14,7 +14,7 @@ import ctypes
 import os
 
 ONEDNN_CACHE_CAPACITY = 256
-"""Primitives each cache keeps: ~115 MB at most here instead of ~470 MB. A decode step of ``b`` requests
+"""Primitives each cache keeps (both at 64 held 29 MB here, at 1024 470 MB). A decode step of ``b`` requests
 uses 5 linear primitives (QKV, output, gate/up, down, head), so 256 holds the decode shapes of every
 batch up to ~50 requests; a miss costs one JIT compile (~1-5 ms measured here)."""
 
