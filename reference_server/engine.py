@@ -25,6 +25,7 @@ from reference_server import cpu_memory
 from reference_server.batching import BatchGate
 from reference_server.block_manager import BlockManager
 from reference_server.config import EngineConfig
+from reference_server.gguf_loader import gguf_reader
 from reference_server.model_runner import ModelRunner
 from reference_server.policies import make_policy
 from reference_server.scheduler import Policy, ScheduledBatch, Scheduler
@@ -118,6 +119,7 @@ class Engine:
         self._go: threading.Event | None = None  # set by on_own_thread
         self._running = False
         self._sink: OutputSink | None = None
+        gguf_reader.cache_clear()  # the GGUF file's reader is for loading: ~500k objects and its memory map
         cpu_memory.release_free_heap()  # the loader's freed temporaries
 
     # -- requests (thread-safe) ---------------------------------------------------------------------------
