@@ -62,7 +62,7 @@ print(json.dumps({"released_by_trim_mb": released_by_trim, "readers_kept": reade
 
 
 def test_heap_flat_under_new_step_sizes_and_loader_heap_released() -> None:
-    # 80 prompt lengths fill the caches (4+ primitives each, > 256); 80 more added ~130 MB unbounded
+    # 80 prompt lengths fill the caches (4+ primitives each, > 256); 80 more added 157 MB with the old caps
     done = subprocess.run([sys.executable, "-c", PROBE, "81", "161"], capture_output=True, text=True, timeout=600,
                           env={k: v for k, v in os.environ.items() if k not in CACHE_ENV})
     assert done.returncode == 0, done.stderr[-3000:]
