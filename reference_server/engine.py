@@ -25,9 +25,11 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from reference_server import cpu_memory
 from reference_server.batching import BatchGate
 from reference_server.block_manager import BlockManager
 from reference_server.config import EngineConfig
+from reference_server.gguf_loader import gguf_reader
 from reference_server.model_runner import ModelRunner
 from reference_server.policies import make_policy
 from reference_server.scheduler import Policy, ScheduledBatch, Scheduler
@@ -90,6 +92,7 @@ def _describe(exc: BaseException) -> str:
 class Engine:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None, codec: TextCodec | None = None,
                  policy: Policy | None = None) -> None:
+        cpu_memory.bound_onednn_caches()  # before the model's first matmul: read once per process
         self.config = config
         self.runner = runner or ModelRunner(config)
         self.codec = codec or TextCodec(config.model)
@@ -120,6 +123,8 @@ class Engine:
         self._go: threading.Event | None = None  # set by on_own_thread
         self._running = False
         self._sink: OutputSink | None = None
+        gguf_reader.cache_clear()  # the GGUF file's reader is for loading: ~500k objects and its memory map
+        cpu_memory.release_free_heap()  # the loader's freed temporaries
 
     # -- requests (thread-safe) ---------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, seq_id: str | None = None,

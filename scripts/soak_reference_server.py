@@ -5,8 +5,10 @@ clients busy for ``--duration`` seconds with completions and chat requests, stre
 lengths, some sharing a prefix. About ``--drop`` of the streams are dropped by the client at a random
 point, a few non-streaming requests are abandoned by a short client timeout, and ``--malformed`` of the
 requests are malformed (bad JSON, wrong types, out-of-range numbers, unsupported fields, oversized
-bodies). At the end: every KV block free, the engine alive, the server's resident memory over the run,
-and every error that was not injected. Writes a JSON summary; exits 1 on a leak or an unexpected error.
+bodies). At the end: every KV block free, the engine alive, the server's resident memory over the run
+(start, 1 and 5 minutes, end, the slope over the second half), and every error that was not injected.
+Writes a JSON summary; exits 1 on a leaked block, an unexpected error, or resident memory still
+climbing over the second half of the run (``--max-rss-slope``).
 
     .venv/bin/python scripts/soak_reference_server.py --duration 600
 """
@@ -50,6 +52,21 @@ MALFORMED: list[tuple[str, bytes | dict[str, Any]]] = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}),
 ]
+
+
+def at(series: list[tuple[float, float]], t: float) -> float:
+    """The first sample at or after ``t`` seconds (the last one if the run was shorter)."""
+    return next((mb for ts, mb in series if ts >= t), series[-1][1])
+
+
+def slope(series: list[tuple[float, float]]) -> float:
+    """Least-squares slope of ``(t, value)`` samples, per second (0 for fewer than two)."""
+    n = len(series)
+    if n < 2:
+        return 0.0
+    mt, mv = sum(t for t, _ in series) / n, sum(v for _, v in series) / n
+    var = sum((t - mt) ** 2 for t, _ in series)
+    return sum((t - mt) * (v - mv) for t, v in series) / var if var else 0.0
 
 
 def metric(text: str, name: str) -> float:
@@ -188,7 +205,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         proc.terminate()
         proc.wait(30)
-    warm = next((mb for t, mb in rss if t >= 60), rss[0][1])  # after a minute: warm-up allocations done
+    warm = at(rss, 60)
+    half = [(t, mb) for t, mb in rss if t >= rss[-1][0] / 2]
     reasons = {r: metric(m, f'servelab_requests_finished_total{{finish_reason="{r}"}}')
                for r in ("stop", "length", "abort", "error") if f'finish_reason="{r}"' in m}
     return {
@@ -199,8 +217,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "kv_blocks_total": metric(m, "servelab_kv_blocks_total"),
         "requests_open_at_end": metric(m, "servelab_requests_open"),
         "engine_alive": metric(m, "servelab_engine_alive"), "health": health,
-        "rss_mb": {"start": round(rss[0][1], 1), "after_1_min": round(warm, 1), "end": round(rss[-1][1], 1),
-                   "max": round(max(mb for _, mb in rss), 1), "growth_after_1_min": round(rss[-1][1] - warm, 1)},
+        "rss_mb": {"start": round(rss[0][1], 1), "after_1_min": round(warm, 1), "after_5_min": round(at(rss, 300), 1),
+                   "end": round(rss[-1][1], 1), "max": round(max(mb for _, mb in rss), 1),
+                   "growth_after_1_min": round(rss[-1][1] - warm, 1),
+                   "slope_second_half_mb_per_min": round(60 * slope(half), 2)},
+        "max_rss_slope_mb_per_min": args.max_rss_slope,
         "rss_series_mb": [(t, round(mb, 1)) for t, mb in rss],
         "unexpected_errors": len(soak.errors), "first_errors": soak.errors[:20],
         "server_log_tracebacks": log_path.read_text().count("Traceback"), "server_log": str(log_path),
@@ -214,6 +235,9 @@ def main() -> None:
     p.add_argument("--drop", type=float, default=0.3, help="fraction of streams the client drops mid-way")
     p.add_argument("--malformed", type=float, default=0.1, help="fraction of requests that are malformed")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-rss-slope", type=float, default=6.0,
+                   help="fail when resident memory still climbs faster than this over the second half of the "
+                        "run, MB per minute (default 6: a leak of 0.1 MB/s fails; the first half is warm-up)")
     p.add_argument("--out", type=Path, default=None, help="write the JSON summary here too")
     p.add_argument("--server-arg", action="append", default=[], help="extra server flag (repeatable)")
     p.add_argument("--server-log", type=Path, default=Path("results/soak-server.log"), help="the server's output")
@@ -224,7 +248,8 @@ def main() -> None:
     if args.out:
         args.out.write_text(text + "\n")
     ok = (summary["unexpected_errors"] == 0 and summary["kv_blocks_used_at_end"] == 0 and summary["health"] == 200
-          and summary["engine_alive"] == 1 and summary["requests_open_at_end"] == 0)
+          and summary["engine_alive"] == 1 and summary["requests_open_at_end"] == 0
+          and summary["rss_mb"]["slope_second_half_mb_per_min"] <= args.max_rss_slope)
     sys.exit(0 if ok else 1)
 
 
