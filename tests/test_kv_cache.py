@@ -178,3 +178,14 @@ def test_kv_dtype_choice_capacity_and_refusals():
         pick_kv_dtype("bf16", torch.float32, CPU)
     with pytest.raises(ValueError, match="unknown kv cache dtype"):
         EngineConfig(model=default_model_path(), kv_cache_dtype="int4")
+
+
+def test_triton_kernel_refuses_an_int8_cache(monkeypatch):
+    """The Triton paged-attention kernel reads bf16/fp16 caches: insisting on it with int8 is refused
+    (under the interpreter, as on CUDA); auto on CUDA falls back to PyTorch ops (the same branch)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    spec, w = _weights()
+    cfg = EngineConfig(model=default_model_path(), device="cpu", dtype="bf16", threads=1, kernels="triton",
+                       kv_cache_dtype="int8", num_kv_blocks=16)
+    with pytest.raises(ValueError, match="--kernels triton with --kv-cache-dtype int8: the Triton kernel reads"):
+        ModelRunner(cfg, spec, w)
