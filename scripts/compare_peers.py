@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 from backends.launcher import ServerProcess, bundled_model, free_port, llama_server_binary  # noqa: E402
 
 PROMPT, OUTPUT = 32, 128
-REQUESTS = {1: 3, 4: 8, 16: 32}  # per concurrency: 2-3 waves, short enough for several rounds on 2 busy cores
+REQUESTS = {1: 10, 4: 32, 16: 128}  # per concurrency: 8-10 waves; fewer let one wave's TTFT swing the median
 FIGURES = ("ttft_ms", "tpot_ms", "itl_ms", "output_tok_s")
 NULL_PACE = {"ttft": 0.05, "itl": 0.01}  # the null server's stream: TTFT 50 ms, then a token every 10 ms
 WORKLOAD = f"""description = "Peer agreement: {PROMPT}-token prompts, exactly {OUTPUT} output tokens."
@@ -59,8 +59,16 @@ ignore_eos = true
 temperature = 0.0
 """
 VLLM_DRIVER = """
+import os
 import sys
+import aiohttp
 from vllm.benchmarks import serve
+if os.environ.get("PEERS_FORCE_CLOSE") == "1":
+    class Closing(aiohttp.TCPConnector):  # a new connection per request (serve.py builds its connector by name)
+        def __init__(self, *args, **kwargs):
+            kwargs.pop("keepalive_timeout", None)  # aiohttp refuses it together with force_close
+            super().__init__(*args, **{**kwargs, "force_close": True})
+    aiohttp.TCPConnector = Closing
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 p = FlexibleArgumentParser()
 serve.add_cli_args(p)
@@ -88,14 +96,19 @@ def vllm_setup() -> tuple[str, str]:
     return python, hf_dir
 
 
-def run_vllm(python: str, hf_dir: str, url: str, model: str, c: int, n: int, out: Path) -> dict[str, float]:
+def run_vllm(python: str, hf_dir: str, url: str, model: str, c: int, n: int, out: Path,
+             force_close: bool = False) -> dict[str, float]:
     argv = [python, "-c", VLLM_DRIVER, "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
             "--model", hf_dir, "--served-model-name", model, "--tokenizer", hf_dir, "--dataset-name", "random",
             "--random-input-len", str(PROMPT), "--random-output-len", str(OUTPUT), "--random-range-ratio", "0",
             "--ignore-eos", "--max-concurrency", str(c), "--num-prompts", str(n), "--request-rate", "inf",
             "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el", "--save-result",
-            "--result-dir", str(out.parent), "--result-filename", out.name, "--disable-tqdm"]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+            "--save-detailed", "--result-dir", str(out.parent), "--result-filename", out.name,
+            "--disable-tqdm"]  # fmt: skip
+    # llama-server closes a kept-alive connection after a stream while aiohttp may already reuse it: vLLM's
+    # client then loses the request (no retry), so against it vLLM opens a connection per request.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "PEERS_FORCE_CLOSE": "1" if force_close else "0"}
     res = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
     if res.returncode != 0:
         raise SystemExit(f"vLLM bench serve failed:\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
@@ -158,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                     tag = f"{server}-c{c}-r{rnd}"
                     for tool in ("vllm", "bench") if rnd % 2 == 0 else ("bench", "vllm"):
                         if tool == "vllm":
-                            got = run_vllm(python, hf_dir, srv.base_url, model, c, n, args.out / f"{tag}-vllm.json")
+                            got = run_vllm(python, hf_dir, srv.base_url, model, c, n, args.out / f"{tag}-vllm.json",
+                                           force_close=server == "llama-server")
                         else:
                             got = run_bench(srv.base_url, c, n, workload, args.out / f"{tag}-bench")
                         row = {"server": server, "c": c, "round": rnd, "tool": tool, **got}

@@ -1,4 +1,4 @@
-"""Peer agreement with vLLM's `bench serve` (``-m vllm``; excluded from the default run: ~15 minutes).
+"""Peer agreement with vLLM's `bench serve` (``-m vllm``; excluded from the default run: ~25 minutes).
 
 Runs scripts/compare_peers.py: vLLM's `bench serve` and `bench run`, interleaved over three rounds on the
 same server and traffic (random 32-token prompts, exactly 128 output tokens, c = 1/4/16) against the
