@@ -168,17 +168,14 @@ class ModelRunner:
         self.max_model_len = min(config.max_model_len or spec.context_length, spec.context_length)
         self.use_graphs = config.cuda_graphs and self.device.type == "cuda" and self.paged is not None
         self.graphs: DecodeGraphs | None = None
-        if config.num_kv_blocks is not None:
-            self.num_blocks = config.num_kv_blocks
-        elif self.device.type == "cuda":
-            self.num_blocks = self._blocks_from_memory(config)
-        else:  # the memory of the default pool in the model's dtype
-            self.num_blocks = (DEFAULT_CPU_KV_BLOCKS * block_bytes(spec, self.block_size, self.dtype)
-                               // block_bytes(spec, self.block_size, self.kv_dtype))
-        # the memory the pool stands for (the CPU default's whole budget: a block's remainder included)
-        self.kv_pool_bytes = max(self.num_blocks * block_bytes(spec, self.block_size, self.kv_dtype),
-                                 0 if config.num_kv_blocks or self.device.type == "cuda"
-                                 else DEFAULT_CPU_KV_BLOCKS * block_bytes(spec, self.block_size, self.dtype))
+        # the pool's blocks, and the memory it stands for (kv_capacity compares the dtypes in it)
+        kv_block = block_bytes(spec, self.block_size, self.kv_dtype)
+        if config.num_kv_blocks is not None or self.device.type == "cuda":
+            self.num_blocks = config.num_kv_blocks or self._blocks_from_memory(config)
+            self.kv_pool_bytes = self.num_blocks * kv_block
+        else:  # a memory budget: that of the default pool in the model's dtype
+            self.kv_pool_bytes = DEFAULT_CPU_KV_BLOCKS * block_bytes(spec, self.block_size, self.dtype)
+            self.num_blocks = self.kv_pool_bytes // kv_block
         self.kv_caches = self._allocate_kv(self.num_blocks + self.use_graphs)  # + the graphs' scratch block
         if self.use_graphs:
             with torch.inference_mode():
