@@ -649,8 +649,11 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
             break
         c = min(cfg.max_concurrency, c * 2)
     hi: float | None = None
-    if first_bad is not None and any(c.state == "violated" for c in first_bad.checks):
-        first_bad.confident = True  # clear enough already (Wilson at 97.5 %, one look)
+    # a pilot that finished its waves and violates an SLO is clear enough already (Wilson at 97.5 %, one look);
+    # one cut short by the probe time is not: one slow request of one is no evidence of a p90
+    if (first_bad is not None and first_bad.requests >= _pilot_requests(int(first_bad.load))
+            and any(c.state == "violated" for c in first_bad.checks)):  # fmt: skip
+        first_bad.confident = True
     if cfg.mode == "concurrency":
         x = last_ok.load if last_ok else 1.0
         lo_bound, hi_bound = 1.0, float(cfg.max_concurrency)

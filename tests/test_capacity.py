@@ -29,6 +29,7 @@ from loadgen.capacity import (
 )  # fmt: skip
 from loadgen.engine import run_async
 from loadgen.exitcodes import ExitCode
+from loadgen.report.capacity import write_report
 from loadgen.servicemodel import ServiceModel, ServiceModelProcess, simulate, true_capacity
 
 SIM = ServiceModel()  # 8 slots, prefill 4 ms + 0.1 ms/token, decode step 4 ms + 1 ms per occupied slot
@@ -58,19 +59,28 @@ def test_simulator_matches_the_closed_form_below_the_slots():
 
 
 def test_sequential_decisions_are_calibrated():
-    """At a miss share on the allowed line, a verdict said with confidence is wrong in <~5 % of probes."""
+    """Near the allowed miss share (10 % for p90), a verdict said with confidence is wrong in <~5 % of probes:
+    at 12 % over the limit (truly violated) a confident pass, at 9 % (truly holds) a confident fail; and with
+    misses in bursts of 10 requests (4 % of them: holds), where counting each request as independent
+    evidence (no correlation time) fails ~16 % of the probes."""
     slo = parse_slos("ttft_p90=100ms")
-    wrong = 0
-    for seed in range(200):
-        rng = np.random.default_rng(seed)
-        seq, samples = Sequential(slo, 0.95, 30, 600), Samples()
-        d = None
-        for v in rng.uniform(0, 0.1 / 0.88, 600):  # 12 % above the limit: truly violated
-            samples.add(v, None, v, False)
-            if seq.due(len(samples)) and (d := seq.decide(samples)) is not None:
-                break
-        wrong += d is not None and d.confident and d.verdict == "pass"
-    assert wrong <= 10
+    cases = [
+        (lambda rng: rng.uniform(0, 0.1 / 0.88, 600), "pass"),
+        (lambda rng: rng.uniform(0, 0.1 / 0.91, 600), "fail"),
+        (lambda rng: np.where(np.repeat(rng.random(60) < 0.04, 10), 0.2, rng.uniform(0, 0.1, 600)), "fail"),
+    ]
+    for i, (values, wrong_verdict) in enumerate(cases):
+        wrong = 0
+        for seed in range(200):
+            rng = np.random.default_rng(seed)
+            seq, samples = Sequential(slo, 0.95, 30, 600), Samples()
+            d = None
+            for v in values(rng):
+                samples.add(v, None, v, False)
+                if seq.due(len(samples)) and (d := seq.decide(samples)) is not None:
+                    break
+            wrong += d is not None and d.confident and d.verdict == wrong_verdict
+        assert wrong <= 10, (i, wrong)
     s = Samples()
     for _ in range(50):
         s.add(0.2, None, 0.2, False)
@@ -105,31 +115,31 @@ def test_search_interval_contains_the_true_capacity_in_virtual_time(mode, proces
     assert float(np.median(cost)) <= 0.5 * lin[0], (cost, lin[0])
 
 
-# The live known-answer server: 8 slots, prefill 2 ms + 0.05 ms/token, decode step 2 ms + 4 ms per occupied slot.
-LIVE = ServiceModel(slots=8, prefill_base=0.002, prefill_per_token=0.00005, decode_base=0.002, decode_per_seq=0.004)
+# The live known-answer server: 8 slots, prefill 3 ms + 0.075 ms/token, decode step 3 ms + 6 ms per occupied slot.
+# Its latencies sit tens of ms from the SLOs below, so a loaded machine's scheduling delay does not move the
+# answer; the statistics at p90/p99 and the seed counts are the virtual-time tests' job above.
+LIVE = ServiceModel(slots=8, prefill_base=0.003, prefill_per_token=0.000075, decode_base=0.003, decode_per_seq=0.006)
 LIVE_WL = FixedWorkload(max_tokens=8, prompt="w " * 60)
 LIVE_CASES = [
-    ("concurrency", "constant", "tpot_p90=20ms"),  # TPOT = 2 + 4c ms: capacity 4
-    ("rate", "constant", "ttft_p90=20ms"),  # the slots saturate: the queue grows without bound
+    ("concurrency", "constant", "tpot_p50=30ms"),  # TPOT = 3 + 6c ms: capacity 4 (27 ms; 5 sessions: 33 ms)
+    ("rate", "constant", "ttft_p90=60ms"),  # TTFT 7.5 ms until the slots saturate (~22 req/s), then the queue grows
 ]
 
 
 @pytest.mark.parametrize(("mode", "process", "slo"), LIVE_CASES)
 def test_live_search_finds_the_known_capacity(tmp_path, mode, process, slo):
+    """One search per mode against the live server on loopback: its interval contains the model's capacity,
+    at the stated resolution, with no failed request."""
     slos = parse_slos(slo)
     truth = true_capacity(LIVE, (60, 8), slos, mode, process, requests=3000)
-    cfg = SearchConfig(mode, budget_s=60, max_probe_s=10, max_samples=400)
-    hits, runs = 0, []
     with ServiceModelProcess(LIVE) as url:
-        for seed in range(5):
-            prober = LiveProber(OpenAIBackend(url, model="null"), LIVE_WL, slos, tmp_path / f"s{seed}",
-                                process=process, seed=seed, timeout=30)  # fmt: skip
-            res = run_async(search(prober, slos, cfg))
-            runs.append((res.status, res.interval))
-            assert all(p.errors == 0 for p in res.probes)
-            lo, hi = res.interval
-            hits += res.status == "ok" and lo <= truth and (truth < hi if mode == "concurrency" else truth <= hi)
-    assert hits >= 4, (truth, runs)
+        prober = LiveProber(OpenAIBackend(url, model="null"), LIVE_WL, slos, tmp_path, process=process, timeout=30)
+        res = run_async(search(prober, slos, SearchConfig(mode, budget_s=50, max_probe_s=10, max_samples=400)))
+    table = [(p.load, p.verdict, p.confident, p.requests, p.reason) for p in res.probes]
+    assert all(p.errors == 0 for p in res.probes), table
+    lo, hi = res.interval
+    assert res.status == "ok" and res.resolution_met, (res.message, table)
+    assert lo <= truth and (truth < hi if mode == "concurrency" else truth <= hi), (truth, res.interval, table)
 
 
 def _bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -149,10 +159,13 @@ def test_cli_exit_codes(tmp_path):
         never = _bench("capacity", "--url", url, "--slo", "ttft_p90=1ms", "--run-id", "never", *common)
         assert never.returncode == ExitCode.SLO_UNREACHABLE, never.stdout + never.stderr
         assert "unreachable" in never.stdout
-        easy = _bench("capacity", "--url", url, "--slo", "e2e_p90=60s", "--run-id", "easy", "--max-concurrency", "8",
+        easy = _bench("capacity", "--url", url, "--slo", "e2e_p90=60s", "--run-id", "easy", "--max-concurrency", "4",
                       *common)  # fmt: skip
         assert easy.returncode == ExitCode.NOT_SATURATED, easy.stdout + easy.stderr
         assert "still hold" in easy.stdout
+    for run in ("never", "easy"):
+        doc = json.loads((tmp_path / run / "capacity.json").read_text())["result"]
+        assert doc["probes"] and all(p["errors"] == 0 for p in doc["probes"]), (run, doc["probes"])
 
 
 def test_cli_capacity_per_server_configuration_and_gate(tmp_path):
@@ -160,11 +173,11 @@ def test_cli_capacity_per_server_configuration_and_gate(tmp_path):
     and bench gate on capacity passes a result against itself and fails a capacity drop."""
     wl = tmp_path / "fixed.toml"
     wl.write_text('description = "fixed"\n[[classes]]\nname = "fixed"\nprompt = 60\noutput = 8\n')
-    slo = "ttft_p90=25ms"
+    slo = "ttft_p90=40ms"
     model = json.dumps({k: v for k, v in vars(LIVE).items() if k != "slots"}).replace("{", "{{").replace("}", "}}")
     server = f"python -m loadgen.servicemodel --host 127.0.0.1 --port {{port}} --slots {{np}} --model '{model}'"
     r = _bench("capacity", "--server", server, "--grid", "np=2,4", "--slo", slo, "--mode", "concurrency",
-               "--workload", str(wl), "--budget", "40", "--output-dir", str(tmp_path), "--run-id", "grid")  # fmt: skip
+               "--workload", str(wl), "--budget", "60", "--output-dir", str(tmp_path), "--run-id", "grid")  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     doc = json.loads((tmp_path / "grid" / "capacity.json").read_text())
     got = {e["labels"]["np"]: e for e in doc["configs"]}
@@ -197,7 +210,7 @@ def test_cli_sigint_stops_the_search_and_keeps_the_probes(tmp_path):
     wl.write_text('description = "fixed"\n[[classes]]\nname = "fixed"\nprompt = 60\noutput = 8\n')
     with ServiceModelProcess(LIVE) as url:
         cmd = [sys.executable, "-c", "from loadgen.cli import main; main()", "capacity", "--url", url, "--slo",
-               "tpot_p90=20ms", "--mode", "concurrency", "--workload", str(wl), "--output-dir", str(tmp_path),
+               "tpot_p50=30ms", "--mode", "concurrency", "--workload", str(wl), "--output-dir", str(tmp_path),
                "--run-id", "int"]  # fmt: skip
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
@@ -220,3 +233,26 @@ def test_no_finished_request_is_no_verdict():
     for mode in ("concurrency", "rate"):
         res = run_async(search(SimProber(slow, SIM_JOB, slos), slos, SearchConfig(mode, budget_s=6, max_probe_s=2)))
         assert res.status == "budget" and "raise --max-probe-s" in res.message, res.message
+
+
+def test_report_of_a_search_stopped_in_its_pilot_has_no_empty_chart(tmp_path):
+    """A budget spent in the pilot leaves no search probe: the report draws the search path and says why
+    there is no SLO chart, rather than empty ones (the browser check is tests/test_capacity_report.py)."""
+    slos = parse_slos("ttft_p90=25ms,tpot_p90=9.5ms")
+    res = run_async(search(SimProber(SIM, SIM_JOB, slos), slos, SearchConfig("concurrency", budget_s=0.5)))
+    assert res.status == "budget" and res.probes and {p.phase for p in res.probes} == {"pilot"}
+    (tmp_path / "capacity.json").write_text(json.dumps({"config": {}, "configs": [{"point_id": "server", **res.to_json()}]}))
+    text = write_report(tmp_path).read_text()
+    assert text.count('class="chart"') == 1 and 'data-fig="c0-path"' in text and "so no SLO chart" in text
+
+
+def test_unreachable_needs_more_than_a_pilot_cut_short():
+    """A pilot that finished one request before its time cap is no verdict on a p90: the SLOs are called
+    unreachable only on a pilot that finished its waves (here 8 of 8 over) or a confident sequential probe."""
+    slow = ServiceModel(prefill_base=1.5)  # every first token after 1.5 s: ttft_p90=1s is truly unreachable
+    slos = parse_slos("ttft_p90=1s")
+    short = run_async(search(SimProber(slow, SIM_JOB, slos), slos, SearchConfig("concurrency", budget_s=6, max_probe_s=2)))
+    assert short.status == "budget" and short.probes[0].requests <= 2, short.message
+    res = run_async(search(SimProber(slow, SIM_JOB, slos), slos, SearchConfig("concurrency", budget_s=200)))
+    assert res.status == "unreachable" and "fail already at the lowest load" in res.message, res.message
+    assert res.probes[-1].load == 1 and res.probes[-1].confident and res.probes[-1].requests >= 8  # waves done

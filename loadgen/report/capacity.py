@@ -120,10 +120,14 @@ def write_report(out: Path) -> Path:
     figs: dict[str, Any] = {}
     parts = []
     for i, e in enumerate(c for c in doc["configs"] if "status" in c):
-        keys = [c["key"] for c in e["probes"][0]["checks"]] if e["probes"] else []
+        # the SLO charts plot the search probes against load; a search stopped before its first one (budget,
+        # interruption) has only the pilot's, which the search path shows
+        searched = any(p["phase"] == "search" for p in e["probes"])
+        keys = [c["key"] for c in e["probes"][0]["checks"]] if searched else []
         for key in keys:
             figs[f"c{i}-{key}"] = slo_figure(e, key)
-        figs[f"c{i}-path"] = path_figure(e)
+        if e["probes"]:
+            figs[f"c{i}-path"] = path_figure(e)
         charts = "".join(f'<div class="chart" data-fig="{html.escape(k)}"></div>' for k in figs if k.startswith(f"c{i}-"))
         lo, hi = e["interval"]
         parts.append(
@@ -131,7 +135,8 @@ def write_report(out: Path) -> Path:
             f"<p><b>{html.escape(e['message'])}</b><br>interval [{lo}, {hi}] ({e['mode']}), SLOs "
             f"{html.escape(', '.join(e['slos']))}; each verdict at {e['confidence']:.0%} confidence (? = undecided at "
             f"its cap, judged on the point estimate); goodput at capacity {_num(e['goodput'])} req/s; "
-            f"{e['probe_seconds']:.0f} of {e['budget_s']:.0f} probe-seconds</p>{charts}{_probe_rows(e)}"
+            f"{e['probe_seconds']:.0f} of {e['budget_s']:.0f} probe-seconds"
+            f"{'' if searched else '; no search probe ran, so no SLO chart'}</p>{charts}{_probe_rows(e)}"
         )  # fmt: skip
     failed = [c for c in doc["configs"] if "failed" in c]
     for c in failed:
