@@ -495,7 +495,9 @@ def speculative() -> Experiment:
 
 
 def quantization() -> Experiment:
-    """Weight-only quantisation: bf16 vs int8 vs int4 linears, decode speed at c = 1 and 16 and the accuracy cost.
+    """Quantisation: bf16 vs int8 vs int4 linears, and an int8 KV cache; decode speed at c = 1 and 16, the
+    KV pool's capacity in tokens (``/metrics`` blocks x 16, the default block size; the CPU's default pool
+    is a fixed memory, so a smaller cache dtype holds more tokens) and the accuracy cost.
 
     The accuracy columns come from ``python -m reference_server.accuracy`` (teacher-forced top-1 agreement
     and mean logit error against the float32 model on a fixed text, greedy-output identity on four prompts),
@@ -506,38 +508,42 @@ def quantization() -> Experiment:
         return [plan for c in (1, 16) for plan in _plans(
             decode, LoadSpec(process="closed", concurrency=c, num_requests=(2 if quick else 6) * c, seed=3))]
 
-    def probe(_base_url: str, args: list[str]) -> dict[str, Any]:
-        model = args[args.index("--model") + 1]
-        quant = args[args.index("--quantization") + 1]
-        res = subprocess.run([sys.executable, "-m", "reference_server.accuracy", "--model", model,
-                              "--quantization", quant], capture_output=True, text=True, timeout=1800)  # fmt: skip
+    def probe(base_url: str, args: list[str]) -> dict[str, Any]:
+        kv_tokens = scrape_metrics(base_url).get("servelab_kv_blocks_total", 0) * 16
+        flags = [a for flag in ("--model", "--quantization", "--kv-cache-dtype") if flag in args
+                 for a in (flag, args[args.index(flag) + 1])]  # fmt: skip
+        res = subprocess.run([sys.executable, "-m", "reference_server.accuracy", *flags], capture_output=True,
+                             text=True, timeout=1800)  # fmt: skip
         if res.returncode != 0:
-            return {"accuracy_error": res.stderr.strip()[-300:]}
-        return json.loads(res.stdout.strip().splitlines()[-1])
+            return {"accuracy_error": res.stderr.strip()[-300:], "kv_tokens": kv_tokens}
+        return {**json.loads(res.stdout.strip().splitlines()[-1]), "kv_tokens": kv_tokens}
 
     def tps(pc: dict[str, list[Summary]], label: str, c: int) -> float | None:
         return next((_get(s, OUT_TPS) for s in pc[label] if s["point_id"] == f"c{c:03d}"), None)
 
     def verdict(pc: dict[str, list[Summary]], extras: dict[str, dict[str, Any]]) -> str:
         parts = []
-        for label in ("int8", "int4"):
+        for label in ("int8", "int4", "kv-int8"):
             c1, c16 = _ratio(tps(pc, label, 1), tps(pc, "none", 1)), _ratio(tps(pc, label, 16), tps(pc, "none", 16))
             lost = _ratio(extras["none"].get("top1_agreement", 0) - extras[label].get("top1_agreement", 0), 0.01)
-            parts.append(f"{label}: c=1 {c1 or 0:.2f}x, c=16 {c16 or 0:.2f}x bf16, top-1 agreement "
-                         f"{-(lost or 0):+.1f} points")  # fmt: skip
+            kv = _ratio(extras[label].get("kv_tokens"), extras["none"].get("kv_tokens"))
+            parts.append(f"{label}: c=1 {c1 or 0:.2f}x, c=16 {c16 or 0:.2f}x bf16, KV tokens {kv or 0:.2f}x, "
+                         f"top-1 agreement {-(lost or 0):+.1f} points")  # fmt: skip
         return "; ".join(parts)
 
     def acc(key: str) -> Callable[[Summary, dict[str, Any]], Any]:
         return lambda _s, e: e.get(key)
 
     return Experiment(
-        "quantization", "int4 / int8 weights: faster single-stream decode (fewer bytes per step) at a small accuracy cost",
+        "quantization", "int4 / int8 weights: faster single-stream decode (fewer bytes per step); an int8 KV cache: "
+        "twice the tokens in the same memory; each at a small accuracy cost",
         [Config("none", ["--quantization", "none"]), Config("int8", ["--quantization", "int8"]),
-         Config("int4", ["--quantization", "int4"])],  # fmt: skip
+         Config("int4", ["--quantization", "int4"]),
+         Config("kv-int8", ["--quantization", "none", "--kv-cache-dtype", "int8"])],  # fmt: skip
         traffic,
         [Column("out tok/s", metric(OUT_TPS)), Column("ttft p50 ms", lambda s, _e: _ms(_get(s, "latency.ttft.p50"))),
          Column("tpot p50 ms", lambda s, _e: _ms(_get(s, "latency.tpot.p50"))),
-         Column("top-1 vs fp32", acc("top1_agreement"), "{:.1%}"),
+         Column("KV tokens", acc("kv_tokens"), "{:,.0f}"), Column("top-1 vs fp32", acc("top1_agreement"), "{:.1%}"),
          Column("mean |logit err|", acc("mean_logit_error"), "{:.3f}"),
          Column("greedy identical", acc("greedy_identical"), "{:.0%}")],  # fmt: skip
         verdict,

@@ -7,7 +7,9 @@ and one value vector per layer and per KV head, so
     max_tokens      = (memory * utilization - weights) // bytes_per_token
 
 A paged cache allocates whole blocks, so a request of ``L`` tokens holds ``ceil(L / block) * block``
-slots. Without GQA every query head has its own KV head (``kv_heads = heads``). With prefix sharing the
+slots. A quantised cache may also keep scales: int8 here is the bundled reference server's layout
+(``--kv-cache-dtype int8``), one float32 scale per KV head and block for K and for V, i.e.
+``4 / (block * head_dim)`` more bytes per element; fp8 is counted with per-tensor scales (vLLM's), none. Without GQA every query head has its own KV head (``kv_heads = heads``). With prefix sharing the
 full blocks of a common prefix are stored once and referenced by every request.
 """
 
@@ -27,6 +29,8 @@ from rich.table import Table
 from contracts.model import attention_shape
 
 DTYPE_BYTES: dict[str, float] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
+SCALE_BYTES: dict[str, int] = {"int8": 4}  # per KV head and block, for K and for V (see the module docstring)
+KV_CHOICES = ("bf16", "fp8", "int8")  # the KV cache dtypes compared side by side (--kv-cache-dtype's)
 DEFAULT_CONTEXTS = (512, 2048, 4096, 8192, 32768, 131072)
 
 _UNITS = {
@@ -113,6 +117,16 @@ class BudgetRow:
 
 
 @dataclass
+class DtypeRow:
+    """One KV cache dtype in the same memory: its footprint and what fits (with GQA)."""
+
+    dtype: str
+    bytes_per_token: float
+    max_tokens: int
+    concurrent: list[int]  # max concurrent requests per context length, in ``KVBudget.rows`` order
+
+
+@dataclass
 class KVBudget:
     model: str
     memory_bytes: int
@@ -126,10 +140,16 @@ class KVBudget:
     max_tokens: int
     max_tokens_no_gqa: int
     rows: list[BudgetRow]
+    dtypes: list[DtypeRow]  # the chosen dtype and KV_CHOICES, the same memory each
 
 
 def _blocks(tokens: int, block: int) -> int:
     return math.ceil(tokens / block)
+
+
+def element_bytes(dtype: str, shape: ModelShape, block_size: int) -> float:
+    """Bytes per cached element, the dtype's scales included."""
+    return DTYPE_BYTES[dtype] + SCALE_BYTES.get(dtype, 0) / (block_size * shape.head_dim)
 
 
 def kv_budget(
@@ -155,10 +175,15 @@ def kv_budget(
             f"the weights ({weight_bytes / 1e9:.2f} GB) leave no memory for the KV cache out of "
             f"{memory_bytes * utilization / 1e9:.2f} GB: give more memory or a smaller model"
         )
-    db = DTYPE_BYTES[dtype]
+    db = element_bytes(dtype, shape, block_size)
     bpt, bpt_mha = bytes_per_token(shape, db, True), bytes_per_token(shape, db, False)
     blocks = int(kv_bytes // (bpt * block_size))
     blocks_mha = int(kv_bytes // (bpt_mha * block_size))
+    dtypes = []
+    for name in dict.fromkeys((dtype, *KV_CHOICES)):
+        per_token = bytes_per_token(shape, element_bytes(name, shape, block_size), True)
+        nblk = int(kv_bytes // (per_token * block_size))
+        dtypes.append(DtypeRow(name, per_token, nblk * block_size, [nblk // _blocks(c, block_size) for c in contexts]))
     rows = []
     for ctx in contexts:
         per_req = _blocks(ctx, block_size)
@@ -179,6 +204,7 @@ def kv_budget(
         max_tokens=blocks * block_size,
         max_tokens_no_gqa=blocks_mha * block_size,
         rows=rows,
+        dtypes=dtypes,
     )
 
 
@@ -201,6 +227,12 @@ def render(budget: KVBudget, console: Console) -> None:
     for r in budget.rows:
         table.add_row(f"{r.context:,}", f"{r.concurrent:,}", f"{r.concurrent_no_gqa:,}", f"{r.concurrent_shared_prefix:,}")
     console.print(table)
+    choices = Table(title="each KV cache dtype in the same memory (with GQA): max concurrent requests per context")
+    for col in ("KV dtype", "bytes/token", "max tokens", *(f"{r.context:,}" for r in budget.rows)):
+        choices.add_column(col, justify="right")
+    for d in budget.dtypes:
+        choices.add_row(d.dtype, f"{d.bytes_per_token:,.0f}", f"{d.max_tokens:,}", *(f"{c:,}" for c in d.concurrent))
+    console.print(choices)
 
 
 def kv_budget_command(

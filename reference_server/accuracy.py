@@ -1,6 +1,7 @@
 """The accuracy cost of a configuration against the float32 model, on a fixed text.
 
-``python -m reference_server.accuracy --quantization int4`` prints one JSON object:
+``python -m reference_server.accuracy --quantization int4`` (or ``--kv-cache-dtype int8``, or both) prints
+one JSON object:
 
 * ``top1_agreement``: teacher-forced, the share of positions of the text where the configuration's most
   likely next token is the float32 model's;
@@ -8,7 +9,8 @@
 * ``greedy_identical``: the share of prompts whose greedy continuation is token for token the float32 one.
 
 Each position is scored by a request for the text up to it: with prefix caching only its last block is
-computed, so the rows go through the decode-size kernels as in serving."""
+computed, so the rows go through the decode-size kernels as in serving, and they attend to a cache that
+earlier requests wrote (quantised, with an int8 KV cache, block by block as in serving)."""
 
 from __future__ import annotations
 
@@ -20,8 +22,9 @@ from pathlib import Path
 import torch
 
 from contracts.model import default_model_path
-from reference_server.config import EngineConfig
+from reference_server.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from reference_server.engine import Engine
+from reference_server.kv_cache import kv_dtype_name
 from reference_server.scheduler import ScheduledBatch
 from reference_server.sequence import SamplingParams
 
@@ -65,14 +68,16 @@ def _greedy(engine: Engine, max_tokens: int) -> list[list[int]]:
 
 
 def measure(config: EngineConfig, max_tokens: int = 32) -> dict[str, float | str]:
-    """Score ``config`` against the float32 model (PyTorch ops, unquantised) of the same GGUF."""
-    ref = Engine(replace(config, dtype="fp32", kernels="torch", quantization="none"))
+    """Score ``config`` against the float32 model (PyTorch ops, unquantised weights and KV cache) of the same
+    GGUF."""
+    ref = Engine(replace(config, dtype="fp32", kernels="torch", quantization="none", kv_cache_dtype="auto"))
     engine = Engine(config)
     tokens = engine.codec.encode(TEXT)
     want, got = _position_logits(ref, tokens), _position_logits(engine, tokens)
     greedy_ref, greedy = _greedy(ref, max_tokens), _greedy(engine, max_tokens)
     return {
         "weights": engine.runner.quantization_note,
+        "kv_cache": kv_dtype_name(engine.runner.kv_dtype),
         "positions": len(tokens) - 1,
         "top1_agreement": (want.argmax(-1) == got.argmax(-1)).float().mean().item(),
         "mean_logit_error": (want - got).abs().mean().item(),
@@ -84,13 +89,15 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m reference_server.accuracy", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=None, help="Llama GGUF (default: the bundled SmolLM2-135M)")
-    p.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "auto"],
+    p.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
                    help="weight quantisation to score (default: none)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="KV cache storage to score (default: auto, the model's dtype)")
     p.add_argument("--dtype", default="auto", help="model dtype to score (default: auto)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: as the server)")
     args = p.parse_args(argv)
     config = EngineConfig(model=args.model or default_model_path(), dtype=args.dtype, threads=args.threads,
-                          quantization=args.quantization, num_kv_blocks=256)
+                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, num_kv_blocks=256)
     print(json.dumps(measure(config)))
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from contracts.model import default_model_path
-from reference_server.config import QUANTIZATIONS, EngineConfig
+from reference_server.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from reference_server.engine import Engine
 from reference_server.sequence import SamplingParams
 
@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help="weights (default: none)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV cache (default: auto)")
     p.add_argument("--threads", type=int, default=None, help="default: as the server (all cores if idle, else 1)")
     p.add_argument("--profile", action="store_true", help="print the torch profiler's top ops")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto, as the server)")
@@ -34,10 +35,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: the largest --concurrency (at least 64)")
     args = p.parse_args(argv)
     engine = Engine(EngineConfig(model=args.model or default_model_path(), dtype=args.dtype, threads=args.threads,
-                                 quantization=args.quantization, enable_prefix_caching=False, device=args.device,
+                                 quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                                 enable_prefix_caching=False, device=args.device,
                                  cuda_graphs=args.cuda_graphs,
                                  max_num_seqs=args.max_num_seqs or max(64, *args.concurrency)))
     print(f"device {engine.runner.device} dtype {engine.runner.dtype} weights {engine.runner.quantization_note} "
+          f"KV {engine.runner.kv_capacity()} "
           f"threads {torch.get_num_threads()}, "
           f"load {os.getloadavg()}")
     params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)

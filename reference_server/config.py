@@ -8,7 +8,9 @@ from pathlib import Path
 
 KERNELS = ("auto", "native", "triton", "torch")
 QUANTIZATIONS = ("none", "int8", "int4", "auto")
-DEFAULT_CPU_KV_BLOCKS = 2048  # the CPU's KV pool when --num-kv-blocks is not given (2048 x 16 = 32k tokens)
+KV_CACHE_DTYPES = ("auto", "bf16", "int8", "fp8")
+DEFAULT_CPU_KV_BLOCKS = 2048  # the CPU's KV pool without --num-kv-blocks: the memory of 2048 x 16 tokens
+# in the model's dtype (32k tokens; a quantised KV cache fits more blocks into it)
 
 
 @dataclass
@@ -21,6 +23,7 @@ class EngineConfig:
     threads: int | None = None  # torch intra-op threads on CPU (None: all cores if idle at start, else 1)
     kernels: str = "auto"  # auto | native (CPU bf16, native.py) | triton (CUDA, triton_attention.py) | torch
     quantization: str = "none"  # weight-only: none | int8 (per channel) | int4 (groups of 32) | auto (from the GGUF); quant.py
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | bf16 | int8 (per-block scales) | fp8 (refused); kv_cache.py
     block_size: int = 16
     num_kv_blocks: int | None = None  # KV pool size in blocks; None: from GPU memory on CUDA, DEFAULT_CPU_KV_BLOCKS on CPU
     gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU's memory for weights + activations + KV pool
@@ -54,6 +57,8 @@ class EngineConfig:
             raise ValueError(f"unknown kernels {self.kernels!r}: choose one of {', '.join(KERNELS)}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"unknown quantization {self.quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv cache dtype {self.kv_cache_dtype!r}: choose one of {', '.join(KV_CACHE_DTYPES)}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_waiting < 0 or (self.threads is not None and self.threads < 1):

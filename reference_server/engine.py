@@ -110,6 +110,8 @@ class Engine:
         self.iterations: deque[IterationRecord] = deque(maxlen=config.iteration_log_size)
         self.num_iterations = 0
         self.on_iteration: list[Callable[[IterationRecord], None]] = []
+        if self.spec is not None and self.spec.governor is not None:  # drafting on or off by measured speed
+            self.on_iteration.append(self.spec.governor.observe)
         self.on_finish: list[Callable[[str], None]] = []  # called with the finish reason of every request
         self.num_finished: Counter[str] = Counter()  # requests ended, by reason (stop/length/abort/error)
         self.fatal: str | None = None  # why the loop died, once it has

@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from reference_server import kv_cache
 from reference_server.gguf_loader import ModelSpec
+from reference_server.kv_cache import LayerKV
 from reference_server.native import CpuKernels
 
 if TYPE_CHECKING:
@@ -151,28 +153,33 @@ class Layer(torch.nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv: LayerKV,
         batch: AttnBatch,
     ) -> torch.Tensor:
         s = self.spec
         t = x.shape[0]
         qkv = self.qkv(self.attn_norm(x))
-        if self.native is not None:  # Q rotated in place, K rotated and V copied into the cache: one call
-            self.native.rope_write_kv(qkv, cos, sin, batch.slot_mapping, k_cache, v_cache, s.n_heads)
+        if self.native is not None and kv.k_scale is None:  # Q rotated in place, K rotated and V into the cache
+            self.native.rope_write_kv(qkv, cos, sin, batch.slot_mapping, kv.k, kv.v, s.n_heads)
+            q = qkv[:, : self.q_size].view(t, s.n_heads, s.head_dim)
+        elif self.native is not None:  # int8 cache: Q and K rotated in place, then K and V quantised into it
+            assert kv.k_scale is not None and kv.v_scale is not None
+            self.native.rope_write_kv(qkv, cos, sin, batch.slot_mapping, None, None, s.n_heads)
+            kv_end = self.q_size + self.kv_size
+            self.native.kv_write_int8(qkv[:, self.q_size : kv_end], batch.slot_mapping, kv.k, kv.k_scale)
+            self.native.kv_write_int8(qkv[:, kv_end:], batch.slot_mapping, kv.v, kv.v_scale)
             q = qkv[:, : self.q_size].view(t, s.n_heads, s.head_dim)
         else:  # one RoPE over the Q and K heads together (fewer kernels: dispatch dominates at this size)
             qk = _rope(qkv[:, : self.q_size + self.kv_size].view(t, s.n_heads + s.n_kv_heads, s.head_dim), cos, sin)
             q, k = qk.split([s.n_heads, s.n_kv_heads], dim=1)
             v = qkv[:, self.q_size + self.kv_size :].view(t, s.n_kv_heads, s.head_dim)
-            k_cache.view(s.n_kv_heads, -1, s.head_dim).index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
-            v_cache.view(s.n_kv_heads, -1, s.head_dim).index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
+            kv_cache.write(kv, k, v, batch.slot_mapping)
         if batch.paged is not None:
             assert self.paged is not None, "paged metadata for a model built without the paged kernel"
             pb = batch.paged
-            attn = self.paged(q, k_cache, v_cache, pb.tables, pb.q_start, pb.n_new, pb.ctx_len, pb.max_new)
+            attn = self.paged(q, kv.k, kv.v, pb.tables, pb.q_start, pb.n_new, pb.ctx_len, pb.max_new)
         else:
-            attn = _attention(q, k_cache, v_cache, batch, self.native)
+            attn = _attention(q, kv, batch, self.native)
         x = self.o(attn.reshape(t, self.q_size), residual=x)
         gate_up = self.gate_up(self.ffn_norm(x))
         if self.native is not None:
@@ -187,10 +194,9 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
-def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttnBatch,
-               native: CpuKernels | None = None) -> torch.Tensor:
-    """Attention over the paged cache ``[KVH, blocks, block_size, D]`` (GQA); ``q`` comes pre-scaled by
-    1/sqrt(D) (folded into the weights).
+def _attention(q: torch.Tensor, kv: LayerKV, batch: AttnBatch, native: CpuKernels | None = None) -> torch.Tensor:
+    """Attention over the paged cache ``[KVH, blocks, block_size, D]`` (GQA; bf16, or int8 with per-block
+    scales: kv_cache.py); ``q`` comes pre-scaled by 1/sqrt(D) (folded into the weights).
 
     All single-token (decode) rows go in one call: the native kernel when given (it reads the blocks in
     place, see native.py), else two batched matmuls over (sequence, KV head) on gathered
@@ -200,18 +206,17 @@ def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ba
     full view of its cached prefix)."""
     decode_only = not batch.prefills
     out = q if decode_only else torch.empty_like(q)
-    kvh, nb, bs, d = k_cache.shape
-    k_rows, v_rows = k_cache.view(kvh * nb, bs * d), v_cache.view(kvh * nb, bs * d)
+    kvh, _, _, d = kv.k.shape
     if batch.decode_rows is not None:
         qd = q if decode_only else q.index_select(0, batch.decode_rows)  # [B, H, D]
         if native is not None:
             assert batch.decode_tables is not None and batch.decode_lens is not None
-            o = native.paged_attention(qd, k_cache, v_cache, batch.decode_tables, batch.decode_lens)
+            o = native.paged_attention(qd, kv.k, kv.v, batch.decode_tables, batch.decode_lens, kv.k_scale, kv.v_scale)
         else:
             assert batch.decode_cache_rows is not None and batch.decode_bias is not None
             b, h, _ = qd.shape
-            kd = k_rows.index_select(0, batch.decode_cache_rows).view(b * kvh, -1, d)  # [B * KVH, ctx, D]
-            vd = v_rows.index_select(0, batch.decode_cache_rows).view(b * kvh, -1, d)
+            kd = kv_cache.gather_blocks(kv.k, kv.k_scale, batch.decode_cache_rows, q.dtype).view(b * kvh, -1, d)
+            vd = kv_cache.gather_blocks(kv.v, kv.v_scale, batch.decode_cache_rows, q.dtype).view(b * kvh, -1, d)
             # one query per sequence and head: two batched matmuls beat SDPA's flash kernel (built for long
             # queries); the padding bias (0 or -inf) is added by the matmul
             scores = torch.baddbmm(batch.decode_bias, qd.reshape(b * kvh, h // kvh, d), kd.transpose(1, 2))
@@ -222,8 +227,9 @@ def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ba
         out.index_copy_(0, batch.decode_rows, o)
     for grp in batch.prefills:
         qp = q[grp.rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        kp = k_rows.index_select(0, grp.cache_rows).view(kvh, -1, d)[:, : grp.ctx].unsqueeze(0)  # [1, KVH, ctx, D]
-        vp = v_rows.index_select(0, grp.cache_rows).view(kvh, -1, d)[:, : grp.ctx].unsqueeze(0)
+        kp = kv_cache.gather_blocks(kv.k, kv.k_scale, grp.cache_rows, q.dtype).view(kvh, -1, d)[:, : grp.ctx]
+        vp = kv_cache.gather_blocks(kv.v, kv.v_scale, grp.cache_rows, q.dtype).view(kvh, -1, d)[:, : grp.ctx]
+        kp, vp = kp.unsqueeze(0), vp.unsqueeze(0)  # [1, KVH, ctx, D]
         if grp.mask is None:
             o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True, scale=1.0)
         else:
@@ -265,7 +271,7 @@ class LlamaModel(torch.nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[LayerKV],
         batch: AttnBatch,
         logits_rows: torch.Tensor,
         num_layers: int | None = None,
@@ -275,7 +281,7 @@ class LlamaModel(torch.nn.Module):
         ``num_layers`` runs only the first layers (then norm + head): a self-draft for speculation."""
         cos, sin = self.rope_tables(positions)
         x = F.embedding(input_ids, self.embed)
-        for layer, (kc, vc) in zip(self.layers[:num_layers], kv_caches, strict=False):
-            x = layer(x, cos, sin, kc, vc, batch)
+        for layer, kv in zip(self.layers[:num_layers], kv_caches, strict=False):
+            x = layer(x, cos, sin, kv, batch)
         x = self.norm(x.index_select(0, logits_rows))
         return self.lm_head(x).float()

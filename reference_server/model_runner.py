@@ -16,6 +16,7 @@ import torch
 from reference_server.config import DEFAULT_CPU_KV_BLOCKS, EngineConfig
 from reference_server.cuda_graphs import DecodeGraphs, graph_buckets
 from reference_server.gguf_loader import ModelSpec, load_gguf
+from reference_server.kv_cache import LayerKV, allocate, block_bytes, capacity_line, pick_kv_dtype
 from reference_server.model import AttnBatch, LlamaModel, PagedAttention, PagedBatch, PrefillGroup
 from reference_server.native import CpuKernels, cpu_kernels, supports
 from reference_server.quant import Quantizer, auto_quantization
@@ -110,11 +111,6 @@ def pick_kernels(choice: str, device: torch.device, dtype: torch.dtype, spec: Mo
     return None, None, f"torch ({why})"
 
 
-def kv_block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block across all layers: K and V, ``kv_heads x block_size x head_dim`` each."""
-    return 2 * spec.n_layers * spec.n_kv_heads * block_size * spec.head_dim * torch.empty((), dtype=dtype).element_size()
-
-
 def kv_blocks_for_memory(total: int, used: int, peak_activations: int, utilization: float, block_bytes: int) -> int:
     """KV blocks that fit when this process may use ``utilization`` of the device's ``total`` bytes:
     what is ``used`` already (weights, CUDA context, other processes) and the step's ``peak_activations``
@@ -155,8 +151,14 @@ class ModelRunner:
             self.threads = config.threads or cpu_threads()
             torch.set_num_threads(self.threads)
         self.block_size = config.block_size
+        self.kv_dtype = pick_kv_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.native, self.paged, self.kernels = pick_kernels(config.kernels, self.device, self.dtype, spec,
                                                              config.block_size)
+        if self.paged is not None and self.kv_dtype == torch.int8:
+            why = "the Triton kernel reads bf16/fp16 caches, not int8"
+            if config.kernels == "triton":
+                raise ValueError(f"--kernels triton with --kv-cache-dtype int8: {why}; use --kernels auto")
+            self.paged, self.kernels = None, f"torch ({why})"
         self.quantization, self.quantization_note = pick_quantization(config.quantization, config.model, self.device,
                                                                       self.native, self.kernels)
         quant = None
@@ -170,12 +172,14 @@ class ModelRunner:
         self.max_model_len = min(config.max_model_len or spec.context_length, spec.context_length)
         self.use_graphs = config.cuda_graphs and self.device.type == "cuda" and self.paged is not None
         self.graphs: DecodeGraphs | None = None
-        if config.num_kv_blocks is not None:
-            self.num_blocks = config.num_kv_blocks
-        elif self.device.type == "cuda":
-            self.num_blocks = self._blocks_from_memory(config)
-        else:
-            self.num_blocks = DEFAULT_CPU_KV_BLOCKS
+        # the pool's blocks, and the memory it stands for (kv_capacity compares the dtypes in it)
+        kv_block = block_bytes(spec, self.block_size, self.kv_dtype)
+        if config.num_kv_blocks is not None or self.device.type == "cuda":
+            self.num_blocks = config.num_kv_blocks or self._blocks_from_memory(config)
+            self.kv_pool_bytes = self.num_blocks * kv_block
+        else:  # a memory budget: that of the default pool in the model's dtype
+            self.kv_pool_bytes = DEFAULT_CPU_KV_BLOCKS * block_bytes(spec, self.block_size, self.dtype)
+            self.num_blocks = self.kv_pool_bytes // kv_block
         self.kv_caches = self._allocate_kv(self.num_blocks + self.use_graphs)  # + the graphs' scratch block
         if self.use_graphs:
             with torch.inference_mode():
@@ -184,10 +188,14 @@ class ModelRunner:
                     graph_buckets(config.max_num_seqs), -(-self.max_model_len // self.block_size),
                     self.num_blocks, self.block_size, self.device)
 
-    def _allocate_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        shape = (self.spec.n_kv_heads, num_blocks, self.block_size, self.spec.head_dim)
-        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.spec.n_layers)]
+    def _allocate_kv(self, num_blocks: int) -> list[LayerKV]:
+        return allocate(self.spec, num_blocks, self.block_size, self.kv_dtype, self.device)
+
+    def kv_capacity(self) -> str:
+        """The start-up line's KV part: the pool's bytes per token, tokens and longest sequences, for the
+        chosen cache dtype and, in the same memory, the others (kv_cache.capacity_line)."""
+        return capacity_line(self.spec, self.block_size, self.kv_pool_bytes, self.kv_dtype, self.dtype,
+                             self.max_model_len)
 
     def _blocks_from_memory(self, config: EngineConfig) -> int:
         """KV pool size from free device memory: one prefill of a full token budget runs on a temporary
@@ -207,8 +215,8 @@ class ModelRunner:
         del self.kv_caches
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        block_bytes = kv_block_bytes(self.spec, self.block_size, self.dtype)
-        blocks = kv_blocks_for_memory(total, total - free, peak, config.gpu_memory_utilization, block_bytes)
+        blocks = kv_blocks_for_memory(total, total - free, peak, config.gpu_memory_utilization,
+                                      block_bytes(self.spec, self.block_size, self.kv_dtype))
         if blocks < -(-self.max_model_len // self.block_size):
             raise ValueError(f"{blocks} KV blocks fit in {config.gpu_memory_utilization:.0%} of the GPU's "
                              f"{total / 2**30:.1f} GiB ({(total - free) / 2**30:.1f} GiB in use): too few for one "

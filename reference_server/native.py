@@ -46,6 +46,12 @@ class CpuKernels:
         self._attn = lib.paged_decode_attention_bf16
         self._attn.restype = ctypes.c_int
         self._attn.argtypes = [ptr, ctypes.c_int64, ptr, ptr, ptr, ptr, ptr] + [ctypes.c_int] * 7
+        self._attn_i8 = lib.paged_decode_attention_i8
+        self._attn_i8.restype = ctypes.c_int
+        self._attn_i8.argtypes = [ptr, ctypes.c_int64] + [ptr] * 7 + [ctypes.c_int] * 7
+        self._kv_write_i8 = lib.kv_write_int8
+        self._kv_write_i8.restype = ctypes.c_int
+        self._kv_write_i8.argtypes = [ptr, ctypes.c_int64, ptr, ptr, ptr] + [ctypes.c_int] * 5
         self._norm = lib.rms_norm_bf16
         self._norm.restype = None
         self._norm.argtypes = [ptr, ctypes.c_int64, ptr, ptr, ctypes.c_int, ctypes.c_int, ctypes.c_float]
@@ -76,21 +82,42 @@ class CpuKernels:
         return out
 
     def rope_write_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                      k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int) -> None:
+                      k_cache: torch.Tensor | None, v_cache: torch.Tensor | None, n_heads: int) -> None:
         """RoPE on the Q heads of ``qkv`` [T, (H + 2 KVH) * D] in place; the rotated K and the V heads into
-        the caches [KVH, blocks, block_size, D] at ``slots`` [T] (int64). ``cos``/``sin``: [T, 1, D], the
-        model's rotate-half tables (sign folded into ``sin``)."""
-        kvh, nb, bs, d = k_cache.shape
+        the bf16 caches [KVH, blocks, block_size, D] at ``slots`` [T] (int64), or, without caches, the K
+        heads rotated in place too (for :meth:`kv_write_int8`). ``cos``/``sin``: [T, 1, D], the model's
+        rotate-half tables (sign folded into ``sin``)."""
         t = qkv.shape[0]
-        if not (qkv.dtype == cos.dtype == sin.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16
-                and qkv.is_contiguous() and qkv.shape[1] == (n_heads + 2 * kvh) * d and cos.is_contiguous()
-                and sin.is_contiguous() and cos.numel() == sin.numel() == t * d and slots.dtype == torch.int64
-                and slots.is_contiguous() and slots.shape == (t,) and k_cache.is_contiguous()
-                and v_cache.is_contiguous() and v_cache.shape == k_cache.shape):
+        d = cos.shape[-1]
+        kvh = (qkv.shape[1] // d - n_heads) // 2
+        nb, bs = (0, 0) if k_cache is None else k_cache.shape[1:3]
+        caches_ok = (k_cache is None and v_cache is None) or (
+            k_cache is not None and v_cache is not None and k_cache.dtype == v_cache.dtype == torch.bfloat16
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
+            and k_cache.shape[0] == kvh and k_cache.shape[3] == d)
+        if not (caches_ok and qkv.dtype == cos.dtype == sin.dtype == torch.bfloat16 and qkv.is_contiguous()
+                and qkv.shape[1] == (n_heads + 2 * kvh) * d and cos.is_contiguous() and sin.is_contiguous()
+                and cos.numel() == sin.numel() == t * d and slots.dtype == torch.int64 and slots.is_contiguous()
+                and slots.shape == (t,)):
             raise ValueError("rope_write_kv: unexpected tensor layout or dtype")
-        if self._rope(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
-                      v_cache.data_ptr(), t, n_heads, kvh, d, nb * bs) != 0:
+        if self._rope(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                      None if k_cache is None else k_cache.data_ptr(), None if v_cache is None else v_cache.data_ptr(),
+                      t, n_heads, kvh, d, nb * bs) != 0:
             raise ValueError(f"rope_write_kv: a slot outside the cache ({nb * bs} slots) or head_dim {d} unsupported")
+
+    def kv_write_int8(self, rows: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor) -> None:
+        """bf16 ``rows`` [T, KVH * D] (rows may be strided) into the int8 ``cache`` [KVH, blocks,
+        block_size, D] at ``slots`` [T], updating its ``scales`` [KVH, blocks] (kv_cache.quantize_into's rule)."""
+        kvh, nb, bs, d = cache.shape
+        t = rows.shape[0]
+        if not (rows.dtype == torch.bfloat16 and rows.shape[1] == kvh * d and rows.stride(1) == 1
+                and cache.dtype == torch.int8 and cache.is_contiguous() and scales.dtype == torch.float32
+                and scales.shape == (kvh, nb) and scales.is_contiguous() and slots.dtype == torch.int64
+                and slots.is_contiguous() and slots.shape == (t,)):
+            raise ValueError("kv_write_int8: unexpected tensor layout or dtype")
+        if self._kv_write_i8(rows.data_ptr(), rows.stride(0), slots.data_ptr(), cache.data_ptr(), scales.data_ptr(),
+                             t, kvh, d, nb, bs) != 0:
+            raise ValueError(f"kv_write_int8: a slot outside the cache ({nb * bs} slots)")
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` for ``gate_up`` [T, 2 I] = [gate | up]."""
@@ -136,20 +163,30 @@ class CpuKernels:
         return out
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                 lens: torch.Tensor) -> torch.Tensor:
-        """Decode attention, one new token per sequence: ``q`` [B, H, D] (rows may be strided, heads
-        contiguous), caches [KVH, blocks, block_size, D] contiguous, ``tables`` [B, n] int64 block ids,
-        ``lens`` [B] int64 context lengths (the new token included, its K/V already in the cache)."""
+                        lens: torch.Tensor, k_scale: torch.Tensor | None = None,
+                        v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode attention, one new token per sequence: ``q`` [B, H, D] bf16 (rows may be strided, heads
+        contiguous), caches [KVH, blocks, block_size, D] contiguous, bf16, or int8 with their float32
+        ``k_scale``/``v_scale`` [KVH, blocks] (kv_cache.py), ``tables`` [B, n] int64 block ids, ``lens`` [B]
+        int64 context lengths (the new token included, its K/V already in the cache)."""
         b, h, d = q.shape
         kvh, nb, bs, _ = k_cache.shape
-        if not (q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16 and q.stride()[1:] == (d, 1)
+        scales = (k_scale, v_scale) if k_scale is not None and v_scale is not None else None
+        kv_ok = k_cache.dtype == v_cache.dtype == (torch.int8 if scales else torch.bfloat16) and (
+            scales is None or all(x.dtype == torch.float32 and x.is_contiguous() and x.shape == (kvh, nb) for x in scales))
+        if not (kv_ok and q.dtype == torch.bfloat16 and q.stride()[1:] == (d, 1)
                 and k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
                 and tables.dtype == lens.dtype == torch.int64 and tables.is_contiguous() and lens.is_contiguous()
                 and tables.shape[0] == lens.shape[0] == b and k_cache.shape[3] == d):
             raise ValueError("paged attention: unexpected tensor layout or dtype")
         out = torch.empty((b, h, d), dtype=q.dtype)
-        rc = self._attn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-                      lens.data_ptr(), out.data_ptr(), b, h, kvh, d, nb, bs, tables.shape[1])
+        shapes = (out.data_ptr(), b, h, kvh, d, nb, bs, tables.shape[1])
+        if scales:
+            rc = self._attn_i8(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), scales[0].data_ptr(),
+                               scales[1].data_ptr(), tables.data_ptr(), lens.data_ptr(), *shapes)
+        else:
+            rc = self._attn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                            lens.data_ptr(), *shapes)
         if rc != 0:
             raise ValueError(f"paged attention: shapes not supported (heads {h}/{kvh}, head_dim {d}, block {bs}) "
                              "or a context length outside its block table")

@@ -624,8 +624,12 @@ FLAG_HELP: dict[str, tuple[str, str]] = {
                               "output channel; Q8_0 blocks as they are), int4 (groups of 32; Q4_0/Q4_1 blocks "
                               "as they are) or auto (from the GGUF's block types)"),
     "block_size": ("engine", "tokens per KV-cache block (paged KV)"),
+    "kv_cache_dtype": ("engine", "KV cache storage: auto (the model's dtype), bf16, int8 (a float32 scale per "
+                                 "KV head and block: ~2x the tokens in the same memory) or fp8 (e4m3; refused "
+                                 "with the reason: no kernel here reads it)"),
     "num_kv_blocks": ("engine", "KV pool size in blocks; tokens held = blocks x block size (default: on CUDA "
-                                "sized from free GPU memory by --gpu-memory-utilization, on CPU 2048)"),
+                                "sized from free GPU memory by --gpu-memory-utilization, on CPU the memory of "
+                                "2048 blocks in the model's dtype)"),
     "gpu_memory_utilization": ("engine", "CUDA: fraction of the GPU's memory this server may use, weights, "
                                          "activations and KV pool together; the pool takes what is left "
                                          "(0 < f <= 1; ignored with --num-kv-blocks)"),
@@ -650,7 +654,9 @@ FLAG_HELP: dict[str, tuple[str, str]] = {
                             "--draft-model) or self (the model's first --self-draft-layers layers)"),
     "spec_k": ("speculation", "most draft tokens proposed per step"),
     "spec_adaptive": ("speculation", "adapt the draft length per request (grow after full acceptance, "
-                                     "shrink after a rejection)"),
+                                     "shrink after a rejection), and draft only while steps with drafts "
+                                     "measure more output tokens/s than steps without (per batch size; the "
+                                     "other choice re-tried one step in 16)"),
     "spec_max_batch": ("speculation", "speculate only while at most this many requests decode"),
     "draft_model": ("speculation", "GGUF of the draft model for --spec draft (same vocabulary as the model)"),
     "self_draft_layers": ("speculation", "--spec self: how many of the model's layers draft"),
@@ -660,11 +666,12 @@ _HIDDEN = ("model", "step_sleep_ms")  # --model is added by hand; step_sleep_ms 
 
 def _choices() -> dict[str, tuple[str, ...]]:
     from reference_server.batching import BATCHING
-    from reference_server.config import KERNELS, QUANTIZATIONS
+    from reference_server.config import KERNELS, KV_CACHE_DTYPES, QUANTIZATIONS
     from reference_server.policies import POLICIES
     from reference_server.spec_decode import SPEC_METHODS
 
-    return {"kernels": KERNELS, "quantization": QUANTIZATIONS, "batching": BATCHING, "policy": POLICIES, "spec": SPEC_METHODS}
+    return {"kernels": KERNELS, "quantization": QUANTIZATIONS, "kv_cache_dtype": KV_CACHE_DTYPES, "batching": BATCHING,
+            "policy": POLICIES, "spec": SPEC_METHODS}
 
 
 def build_parser(prog: str = "python -m reference_server") -> argparse.ArgumentParser:
@@ -717,7 +724,8 @@ def serve(argv: list[str] | None = None, prog: str = "python -m reference_server
     threads += (f", kernels {engine.runner.kernels}, weights {engine.runner.quantization_note}: linears "
                 f"{linear_bytes(engine.runner.model) / 2**20:.0f} MiB")
     print(f"loaded {model.name} on {engine.runner.device} ({engine.runner.dtype}{threads}) in {time.perf_counter() - t0:.1f} s; "
-          f"KV pool {engine.runner.num_blocks} x {config.block_size} tokens; serving on http://{args.host}:{args.port}",
+          f"KV pool {engine.runner.num_blocks} x {config.block_size} tokens, {engine.runner.kv_capacity()}; "
+          f"serving on http://{args.host}:{args.port}",
           flush=True)
     uvicorn.run(create_app(engine, args.served_model_name or model.stem), host=args.host, port=args.port,
                 log_level=args.log_level, access_log=False)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal, Protocol, get_args
+from typing import TYPE_CHECKING, Literal, Protocol, get_args
 
 import numpy as np
 import torch
@@ -28,6 +28,9 @@ from reference_server.sampler import target_probs
 from reference_server.scheduler import ScheduledBatch
 from reference_server.sequence import Sequence
 
+if TYPE_CHECKING:
+    from reference_server.engine import IterationRecord
+
 SpecMethod = Literal["off", "ngram", "draft", "self"]
 SPEC_METHODS: tuple[str, ...] = get_args(SpecMethod)
 
@@ -38,7 +41,7 @@ class SpecConfig:
 
     method: SpecMethod = "off"
     num_draft: int = 4  # the most tokens proposed per step (k)
-    adaptive: bool = True  # grow k after full acceptance, shrink it after a rejection
+    adaptive: bool = True  # grow k after full acceptance, shrink it after a rejection; draft only where it pays
     max_batch: int = 4  # speculate only while at most this many requests decode in a step
     ngram_max: int = 4  # n-gram lookup tries the longest suffix first ...
     ngram_min: int = 1  # ... down to this length
@@ -176,6 +179,54 @@ class AdaptiveK:
         self.k = min(self.k_max, self.k + 1) if accepted == drafted else max(1, self.k - 1)
 
 
+class Governor:
+    """Whether drafting pays, per step: the measured output tokens per second of decode-only steps with
+    drafts and without, per number of decoding requests (its own arms for 1, 2, 3-4, 5-8, ...: the step
+    cost grows with the batch while the gain of a draft does not). Each arm keeps an exponential moving
+    average over its steps; once each arm has ``WARMUP`` steps (drafting's first), the better arm runs,
+    and the other one step in ``EXPLORE`` of that batch size, so that a change (the text turns
+    unpredictable, the machine gets busy) is noticed and a wrong choice costs at most that share of the
+    steps. A drafting step counts only when a draft was found (:meth:`SpecDecoder.propose`). What it
+    measures is the whole step: the proposer's time, the longer verification pass, the acceptance, all in
+    one number."""
+
+    EXPLORE = 16
+    WARMUP = 4  # steps of each arm before the averages are compared
+    WEIGHT = 0.2  # of the newest step in the moving average
+
+    def __init__(self) -> None:
+        self.rate: dict[tuple[int, bool], float] = {}
+        self.count: dict[tuple[int, bool], int] = {}
+        self.steps: dict[int, int] = {}
+        self.last: tuple[int, bool] | None = None  # the arm of the step under way
+
+    @staticmethod
+    def bucket(num_decoding: int) -> int:
+        return 1 << (num_decoding - 1).bit_length()  # 1, 2, 4, 8, ...
+
+    def choose(self, num_decoding: int) -> bool:
+        b = self.bucket(num_decoding)
+        n = self.steps[b] = self.steps.get(b, 0) + 1
+        warming = [arm for arm in (True, False) if self.count.get((b, arm), 0) < self.WARMUP]
+        if warming:
+            drafting = warming[0]
+        else:
+            drafting = (self.rate[(b, True)] >= self.rate[(b, False)]) != (n % self.EXPLORE == 0)
+        self.last = (b, drafting)
+        return drafting
+
+    def observe(self, rec: IterationRecord) -> None:
+        """The step's outcome (an engine ``on_iteration`` hook): decode-only steps count."""
+        arm, self.last = self.last, None
+        seconds = rec.t_end_unix - rec.t_unix
+        if arm is None or rec.prefill_tokens or rec.output_tokens == 0 or seconds <= 0:
+            return
+        rate = rec.output_tokens / seconds
+        old = self.rate.get(arm)
+        self.rate[arm] = rate if old is None else old + self.WEIGHT * (rate - old)
+        self.count[arm] = self.count.get(arm, 0) + 1
+
+
 class ModelProposer:
     """Drafts with a Llama model: the target's first layers (self-draft) or a separate small GGUF.
 
@@ -261,12 +312,15 @@ class SpecDecoder:
         self.num_drafted = 0
         self.num_accepted = 0
         self.num_steps = 0  # verification steps that carried a draft
+        self.governor = Governor() if cfg.adaptive else None
 
     def propose(self, decoding: list[Sequence]) -> None:
         """Attach drafts to the requests about to decode (none when the batch is too big to pay)."""
         for seq in decoding:  # a draft left from a step that did not schedule the request is dropped
             seq.spec_token_ids = []
-        if not self.cfg.active(len(decoding)):
+        if self.governor is not None:
+            self.governor.last = None
+        if not decoding or not self.cfg.active(len(decoding)) or (self.governor and not self.governor.choose(len(decoding))):
             return
         ks = [self.ks.setdefault(s.seq_id, AdaptiveK(self.cfg.num_draft, self.cfg.adaptive)).k for s in decoding]
         ks = [max(0, min(k, s.params.max_tokens - s.num_output_tokens - 1)) for k, s in zip(ks, decoding, strict=True)]
@@ -278,6 +332,8 @@ class SpecDecoder:
             if draft.tokens:
                 self.drafts[seq.seq_id] = draft
                 seq.spec_token_ids = list(draft.tokens)
+        if self.governor is not None and not any(d.tokens for d in drafts):
+            self.governor.last = None  # nothing to verify: the step says nothing about drafting
 
     def draws(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
         """What verifying ``seq`` needs from its ``1 + k`` logit rows (k = draft tokens actually scheduled),

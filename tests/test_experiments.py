@@ -46,10 +46,13 @@ def test_quantization_verdict_and_accuracy_columns():
     def pts(c1: float, c16: float) -> list[dict]:
         return [dict(_summary(c1, 1.0), point_id="c001"), dict(_summary(c16, 1.0), point_id="c016")]
 
-    per = {"none": pts(30, 240), "int8": pts(36, 230), "int4": pts(45, 220)}
+    per = {"none": pts(30, 240), "int8": pts(36, 230), "int4": pts(45, 220), "kv-int8": pts(29, 250)}
     extras = {k: {"seconds": 1.0, "metrics": {}, "top1_agreement": a, "mean_logit_error": 0.1,
-                  "greedy_identical": 0.5} for k, a in (("none", 0.98), ("int8", 0.96), ("int4", 0.975))}
+                  "greedy_identical": 0.5, "kv_tokens": kv}
+              for k, a, kv in (("none", 0.98, 32768), ("int8", 0.96, 32768), ("int4", 0.975, 32768),
+                               ("kv-int8", 0.975, 65280))}  # fmt: skip
     c = _comparison(exp, per, extras, True)
-    assert "int4: c=1 1.50x, c=16 0.92x bf16, top-1 agreement -0.5 points" in c["verdict"]
+    assert "int4: c=1 1.50x, c=16 0.92x bf16, KV tokens 1.00x, top-1 agreement -0.5 points" in c["verdict"]
     assert "int8: c=1 1.20x" in c["verdict"] and "-2.0 points" in c["verdict"]
-    assert "| int4 | c001 | 45.0 |" in _markdown(c) and "97.5%" in _markdown(c)
+    assert "kv-int8: c=1 0.97x, c=16 1.04x bf16, KV tokens 1.99x, top-1 agreement -0.5 points" in c["verdict"]
+    assert "| int4 | c001 | 45.0 |" in _markdown(c) and "97.5%" in _markdown(c) and "65,280" in _markdown(c)

@@ -57,6 +57,36 @@ def test_smollm2_gguf_shape():
     assert b.bytes_per_token_no_gqa == 3 * b.bytes_per_token
 
 
+def test_each_kv_dtype_in_the_same_memory():
+    """The choices table: int8 with the reference server's per-(head, block) float32 scales, fp8 without;
+    the footprint is the reference server's own (reference_server/kv_cache.py) to the byte."""
+    import torch
+
+    from reference_server.kv_cache import block_bytes
+
+    shape = ModelShape(layers=30, heads=9, kv_heads=3, head_dim=64)
+    b = kv_budget(shape, 1_000_000_000, 0, dtype="fp32", contexts=(2048, 8192), block_size=16)
+    rows = {d.dtype: d for d in b.dtypes}
+    assert list(rows) == ["fp32", "bf16", "fp8", "int8"]  # the chosen one first, then KV_CHOICES
+    assert rows["bf16"].bytes_per_token == 23_040 and rows["fp8"].bytes_per_token == 11_520
+    assert rows["int8"].bytes_per_token == 2 * 30 * 3 * (64 + 4 / 16) == 11_565
+    assert rows["bf16"].max_tokens == 1_000_000_000 // (23_040 * 16) * 16 == 43_392
+    assert rows["int8"].max_tokens == 1_000_000_000 // (11_565 * 16) * 16 == 86_464
+    assert rows["int8"].max_tokens >= 1.9 * rows["bf16"].max_tokens
+    assert rows["int8"].concurrent == [86_464 // 2048, 86_464 // 8192] == [42, 10]
+    assert rows["fp32"].max_tokens == b.max_tokens
+    spec = _smollm2_spec()
+    for name, dtype in (("bf16", torch.bfloat16), ("int8", torch.int8), ("fp32", torch.float32)):
+        assert rows[name].bytes_per_token * 16 == block_bytes(spec, 16, dtype)
+
+
+def _smollm2_spec():  # noqa: ANN202
+    from contracts.model import default_model_path
+    from reference_server.gguf_loader import gguf_reader, read_spec
+
+    return read_spec(gguf_reader(default_model_path()))
+
+
 @pytest.mark.parametrize(("text", "value"), [("80GB", 80e9), ("40 GiB", 40 * 2**30), ("512MiB", 512 * 2**20), ("2", 2e9)])
 def test_parse_size(text, value):
     assert parse_size(text) == int(value)

@@ -192,13 +192,14 @@ def test_pick_kernels_says_which_and_why(monkeypatch):
         pick_kernels("native", cuda, torch.bfloat16, spec, 16)
 
 
-def _logit_errors(kernels_choice: str, dense: Engine, quantization: str = "none",
-                  max_tokens: int = 24) -> tuple[torch.Tensor, float, bool]:
-    """Greedy bf16 run (chunked prefill, a shared prefix, mixed steps); per sampled row, max |logit - the
-    float32 dense forward's|; the top-1 agreement with it; whether a step mixed prefill and decode."""
+def _logit_errors(kernels_choice: str, dense: Engine, max_tokens: int = 24,
+                  **config: str) -> tuple[torch.Tensor, float, bool]:
+    """Greedy bf16 run (chunked prefill, a shared prefix, mixed steps) with ``config``'s other settings;
+    per sampled row, max |logit - the float32 dense forward's|; the top-1 agreement with it; whether a step
+    mixed prefill and decode."""
     spec, w = _weights()
     cfg = EngineConfig(model=default_model_path(), device="cpu", dtype="bf16", threads=1, kernels=kernels_choice,
-                       max_num_batched_tokens=20, quantization=quantization)
+                       max_num_batched_tokens=20, **config)  # type: ignore[arg-type]
     engine = Engine(cfg, ModelRunner(cfg, spec, w), _codec())
     assert (engine.runner.native is not None) == (kernels_choice == "native")
     captured = capture_logits(engine)

@@ -110,8 +110,8 @@ def test_quantised_engines_against_float32():
     int8 is re-quantised per channel from them, one more rounding of every weight. Measured here: int4
     0.325 / 100 %, int8 0.960 / 98.3 %."""
     dense = dense_engine()
-    int4_err, int4_agree, mixed = _logit_errors("native", dense, "int4", max_tokens=12)
-    int8_err, int8_agree, _ = _logit_errors("native", dense, "int8", max_tokens=12)
+    int4_err, int4_agree, mixed = _logit_errors("native", dense, max_tokens=12, quantization="int4")
+    int8_err, int8_agree, _ = _logit_errors("native", dense, max_tokens=12, quantization="int8")
     assert mixed and len(int4_err) >= 50
     assert int4_err.mean() <= 0.45 and int4_agree >= 0.95
     assert int8_err.mean() <= 1.3 and int8_agree >= 0.93

@@ -4,9 +4,11 @@ import numpy as np
 import pytest
 import torch
 
+from reference_server.engine import IterationRecord
 from reference_server.spec_decode import (
     AdaptiveK,
     Draft,
+    Governor,
     NgramProposer,
     SpecConfig,
     verify_greedy,
@@ -108,3 +110,44 @@ def test_adaptive_k_and_switch_off():
     assert not SpecConfig().active(1)
     with pytest.raises(ValueError, match="draft model"):
         SpecConfig(method="draft")
+
+
+
+def _record(seconds: float, tokens: int, prefill: int = 0) -> IterationRecord:
+    return IterationRecord(i=0, t_unix=100.0, t_end_unix=100.0 + seconds, seq_ids=[], prefill_tokens=prefill,
+                           decode_tokens=1, kv_blocks_used=0, kv_blocks_total=1, num_running=1, num_waiting=0,
+                           preempted=[], padding_tokens=0, output_tokens=tokens)
+
+
+def _govern(g: Governor, n: int, steps: int, draft: tuple[float, int], plain: tuple[float, int]) -> list[bool]:
+    """``steps`` engine steps with ``n`` decoding requests; a step with drafts takes ``draft`` = (seconds,
+    output tokens), one without ``plain``. Returns the governor's choices."""
+    choices = []
+    for _ in range(steps):
+        drafting = g.choose(n)
+        g.observe(_record(*(draft if drafting else plain)))
+        choices.append(drafting)
+    return choices
+
+
+def test_governor_drafts_only_where_it_measures_faster():
+    g = Governor()
+    # one request: a draft step emits 3 tokens in 20 ms (150/s), a plain one 1 in 10 ms (100/s)
+    one = _govern(g, 1, 64, draft=(0.020, 3), plain=(0.010, 1))
+    w = Governor.WARMUP
+    assert one[: 2 * w] == [True] * w + [False] * w  # each arm measured, drafting first
+    assert sum(one) >= 64 - w - 64 // Governor.EXPLORE - 1 and not all(one[2 * w :])  # plain re-tried now and then
+    # four requests: a draft step takes 80 ms for 6 tokens (75/s), a plain one 20 ms for 4 (200/s)
+    four = _govern(g, 4, 64, draft=(0.080, 6), plain=(0.020, 4))
+    assert four[: 2 * w] == [True] * w + [False] * w
+    assert sum(four[2 * w :]) <= 64 // Governor.EXPLORE + 1 and any(four[2 * w :])  # off, drafting re-tried
+    assert g.rate[(1, True)] > g.rate[(1, False)] and g.rate[(4, True)] < g.rate[(4, False)]
+    # the text turns unpredictable: drafts stop paying at one request, and the governor follows
+    later = _govern(g, 1, 64, draft=(0.020, 1), plain=(0.010, 1))
+    assert sum(later[-32:]) <= 32 // Governor.EXPLORE + 1
+    # a step with prefill rows, or without output, says nothing about decode speed
+    before = dict(g.rate)
+    g.choose(1)
+    g.observe(_record(10.0, 1, prefill=100))
+    assert g.rate == before
+    assert [Governor.bucket(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]

@@ -24,7 +24,7 @@ def base():
 
 def engine(base, **kw) -> Engine:
     cfg, runner = base
-    runner.kv_caches = [(k.zero_(), v.zero_()) for k, v in runner.kv_caches]  # a fresh pool per engine
+    runner.kv_caches = runner._allocate_kv(runner.num_blocks)  # a fresh pool per engine
     return Engine(replace(cfg, **kw), runner=runner)
 
 

@@ -1,4 +1,4 @@
-/* Paged decode attention over a bf16 KV cache, for x86-64 CPUs with AVX512-BF16.
+/* Paged decode attention over a bf16 or int8 KV cache, for x86-64 CPUs with AVX512-BF16.
  *
  * One query token per sequence attends to its whole context, read in place from the paged cache through
  * its block table: no gathered copy of K/V, one pass with an online softmax (running max and sum), the
@@ -67,21 +67,39 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as PyTor
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-static inline void prefetch(const uint16_t *p, int n) {
-    for (int i = 0; i < n; i += 32) _mm_prefetch((const char *)(p + i), _MM_HINT_T0);
+static inline void prefetch(const void *p, size_t bytes) {
+    for (size_t i = 0; i < bytes; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T0);
+}
+
+/* 32 cache elements from element idx as bf16 (int8 values are exact in bf16), and 16 as float32 */
+static inline __m512bh kv_bf16x32(const void *cache, size_t idx, int i8) {
+    if (!i8) return (__m512bh)_mm512_loadu_si512((const uint16_t *)cache + idx);
+    const int8_t *s = (const int8_t *)cache + idx;
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)s)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(s + 16))));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+static inline __m512 kv_f32x16(const void *cache, size_t idx, int i8) {
+    if (!i8) return load_bf16x16((const uint16_t *)cache + idx);
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)cache + idx))));
 }
 
 /* q: [B, H, D] with row stride q_stride (elements) and heads contiguous; out: [B, H, D] contiguous.
- * k_cache, v_cache: [KVH, NB, BS, D] contiguous. tables: [B, max_blocks] block ids; lens: [B] context
+ * k_cache, v_cache: [KVH, NB, BS, D] contiguous, bf16 (i8 = 0) or int8 with float32 scales [KVH, NB]
+ * (i8 = 1, see kv_write_int8: a tile of TILE tokens lies in one block, so its K scale multiplies its
+ * scores and its V scale its softmax weights). tables: [B, max_blocks] block ids; lens: [B] context
  * lengths (the new token included, its K/V already written). q comes scaled by 1/sqrt(D).
  * Returns 0, or -1 when the shapes are outside what this kernel handles (nothing is written then). */
-int paged_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
-                                const uint16_t *v_cache, const int64_t *tables, const int64_t *lens,
-                                uint16_t *out, int B, int H, int KVH, int D, int NB, int BS, int max_blocks) {
+static inline __attribute__((always_inline)) int paged_decode_attention(
+    const uint16_t *q, int64_t q_stride, const void *k_cache, const void *v_cache, const float *k_scale,
+    const float *v_scale, const int64_t *tables, const int64_t *lens, uint16_t *out, int B, int H, int KVH, int D,
+    int NB, int BS, int max_blocks, const int i8) {
     if (B < 0 || KVH < 1 || H % KVH || H / KVH > MAXG || D % 32 || D > MAXD || BS % TILE || BS < TILE) return -1;
     for (int b = 0; b < B; b++)
         if (lens[b] < 1 || lens[b] > (int64_t)max_blocks * BS) return -1;
     const int G = H / KVH, nd = D / 16;
+    const size_t esize = i8 ? 1 : 2;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int item = 0; item < B * KVH; item++) {
         const int b = item / KVH, h = item % KVH;
@@ -98,13 +116,14 @@ int paged_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint1
         for (int64_t start = 0; start < ctx; start += TILE) {
             const int n = ctx - start < TILE ? (int)(ctx - start) : TILE;
             const __mmask16 valid = (__mmask16)((1u << n) - 1u);
-            const size_t tile = ((size_t)h * NB + (size_t)table[start / BS]) * BS + (size_t)(start % BS);
-            const uint16_t *kt = k_cache + tile * D, *vt = v_cache + tile * D;
+            const size_t blk = (size_t)h * NB + (size_t)table[start / BS];
+            const size_t tile = (blk * BS + (size_t)(start % BS)) * D; /* element index of the tile */
+            const float ks = i8 ? k_scale[blk] : 1.f, vs = i8 ? v_scale[blk] : 1.f;
             /* two tiles ahead (both at the first tile): 6 % faster than one ahead, 30 layers cold */
             for (int64_t s2 = start == 0 ? TILE : start + 2 * TILE; s2 < ctx && s2 <= start + 2 * TILE; s2 += TILE) {
-                const size_t next = (((size_t)h * NB + (size_t)table[s2 / BS]) * BS + (size_t)(s2 % BS)) * D;
-                prefetch(k_cache + next, TILE * D);
-                prefetch(v_cache + next, TILE * D);
+                const size_t next = (((size_t)h * NB + (size_t)table[s2 / BS]) * BS + (size_t)(s2 % BS)) * D * esize;
+                prefetch((const char *)k_cache + next, TILE * D * esize);
+                prefetch((const char *)v_cache + next, TILE * D * esize);
             }
             for (int g = 0; g < G; g++) { /* scores of the tile, then the online-softmax update */
                 const uint16_t *qg = qh + (size_t)g * D;
@@ -113,11 +132,11 @@ int paged_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint1
                     __m512 a = _mm512_setzero_ps();
                     if (t < n)
                         for (int c = 0; c < D; c += 32)
-                            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(kt + (size_t)t * D + c),
+                            a = _mm512_dpbf16_ps(a, kv_bf16x32(k_cache, tile + (size_t)t * D + c, i8),
                                                  (__m512bh)_mm512_loadu_si512(qg + c));
                     part[t] = a;
                 }
-                const __m512 s = sum16(part);
+                const __m512 s = i8 ? _mm512_mul_ps(sum16(part), _mm512_set1_ps(ks)) : sum16(part);
                 const float tile_max = _mm512_mask_reduce_max_ps(valid, s);
                 const float m_new = tile_max > m[g] ? tile_max : m[g];
                 const float rescale = _mm512_cvtss_f32(exp_ps(_mm512_set1_ps(m[g] - m_new)));
@@ -125,11 +144,11 @@ int paged_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint1
                 l[g] = l[g] * rescale + _mm512_reduce_add_ps(e);
                 m[g] = m_new;
                 for (int c = 0; c < nd; c++) acc[g][c] = _mm512_mul_ps(acc[g][c], _mm512_set1_ps(rescale));
-                _mm512_storeu_ps(p[g], e);
+                _mm512_storeu_ps(p[g], i8 ? _mm512_mul_ps(e, _mm512_set1_ps(vs)) : e);
             }
             for (int t = 0; t < n; t++) { /* acc += p * V, V converted once for all G heads */
                 __m512 v[MAXD / 16];
-                for (int c = 0; c < nd; c++) v[c] = load_bf16x16(vt + (size_t)t * D + 16 * c);
+                for (int c = 0; c < nd; c++) v[c] = kv_f32x16(v_cache, tile + (size_t)t * D + 16 * c, i8);
                 for (int g = 0; g < G; g++) {
                     const __m512 pg = _mm512_set1_ps(p[g][t]);
                     for (int c = 0; c < nd; c++) acc[g][c] = _mm512_fmadd_ps(pg, v[c], acc[g][c]);
@@ -144,6 +163,20 @@ int paged_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint1
         }
     }
     return 0;
+}
+
+int paged_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                                const uint16_t *v_cache, const int64_t *tables, const int64_t *lens,
+                                uint16_t *out, int B, int H, int KVH, int D, int NB, int BS, int max_blocks) {
+    return paged_decode_attention(q, q_stride, k_cache, v_cache, NULL, NULL, tables, lens, out, B, H, KVH, D, NB, BS,
+                                  max_blocks, 0);
+}
+
+int paged_decode_attention_i8(const uint16_t *q, int64_t q_stride, const int8_t *k_cache, const int8_t *v_cache,
+                              const float *k_scale, const float *v_scale, const int64_t *tables, const int64_t *lens,
+                              uint16_t *out, int B, int H, int KVH, int D, int NB, int BS, int max_blocks) {
+    return paged_decode_attention(q, q_stride, k_cache, v_cache, k_scale, v_scale, tables, lens, out, B, H, KVH, D, NB,
+                                  BS, max_blocks, 1);
 }
 
 /* RMSNorm: out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w, in float32, rounded to bf16 once (as PyTorch's
@@ -169,11 +202,12 @@ void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint1
  * qkv: [T, (H + 2 KVH) * D] contiguous; Q heads are rotated in place, K heads rotated into the cache, V
  * heads copied into it. cos, sin: [T, D] for each row's position (rotate-half form, the sign of the first
  * half folded into sin: x' = x * cos + roll(x, D/2) * sin). Caches: [KVH, cache_tokens, D]; slots: [T].
+ * Without caches (NULL: an int8 cache, written by kv_write_int8) the K heads are rotated in place.
  * Returns 0, or -1 (nothing written) when a slot is outside the cache. */
 int rope_write_kv_bf16(uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, const int64_t *slots,
                        uint16_t *k_cache, uint16_t *v_cache, int T, int H, int KVH, int D, int64_t cache_tokens) {
     if (D % 2 || D > MAXD) return -1;
-    for (int t = 0; t < T; t++)
+    for (int t = 0; t < T && k_cache; t++)
         if (slots[t] < 0 || slots[t] >= cache_tokens) return -1;
     const int half = D / 2;
 #pragma omp parallel for if (T >= 64)
@@ -182,7 +216,7 @@ int rope_write_kv_bf16(uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, 
         const uint16_t *c = cos + (size_t)t * D, *s = sin + (size_t)t * D;
         for (int head = 0; head < H + KVH; head++) {
             uint16_t *x = row + (size_t)head * D;
-            uint16_t *dst = head < H ? x : k_cache + ((size_t)(head - H) * cache_tokens + (size_t)slots[t]) * D;
+            uint16_t *dst = head < H || !k_cache ? x : k_cache + ((size_t)(head - H) * cache_tokens + (size_t)slots[t]) * D;
             float xf[MAXD];
             for (int i = 0; i < D; i++) xf[i] = bf16_to_f32(x[i]);
             for (int i = 0; i < D; i++) {
@@ -190,9 +224,62 @@ int rope_write_kv_bf16(uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, 
                 dst[i] = f32_to_bf16(xf[i] * bf16_to_f32(c[i]) + rolled * bf16_to_f32(s[i]));
             }
         }
-        for (int h = 0; h < KVH; h++)
+        for (int h = 0; h < KVH && v_cache; h++)
             memcpy(v_cache + ((size_t)h * cache_tokens + (size_t)slots[t]) * D, row + (size_t)(H + KVH + h) * D,
                    (size_t)D * sizeof(uint16_t));
+    }
+    return 0;
+}
+
+/* The int8 KV cache: [KVH, NB, BS, D] int8 with a float32 scale per (KV head, block), scales [KVH, NB];
+ * an element is q * scale, |q| <= 127. kv_write_int8 quantises T new bf16 rows into it: row t of head h
+ * at src + t * src_stride + h * D goes to slot slots[t]. The new rows of one block (a run of consecutive
+ * t with the same block: a sequence's chunk) share one scale update: a run starting at offset 0 sets the
+ * block's scale from the run's own absmax (whatever the block held before is stale), a later run raises
+ * the scale to cover its rows when it must and re-rounds the block's earlier rows (offsets below the
+ * run's first) to the new scale, so every element stays within half a step of the value written, plus
+ * half a step per raise. Returns -1 (nothing written) when a slot is outside the cache. */
+int kv_write_int8(const uint16_t *src, int64_t src_stride, const int64_t *slots, int8_t *cache, float *scales, int T,
+                  int KVH, int D, int NB, int BS) {
+    for (int t = 0; t < T; t++)
+        if (slots[t] < 0 || slots[t] >= (int64_t)NB * BS) return -1;
+#pragma omp parallel for if (T * KVH >= 64)
+    for (int h = 0; h < KVH; h++) {
+        for (int t = 0; t < T;) {
+            const int64_t blk = slots[t] / BS;
+            const int first = (int)(slots[t] % BS);
+            int e = t + 1;
+            while (e < T && slots[e] / BS == blk) e++;
+            float amax = 0.f;
+            for (int r = t; r < e; r++) {
+                const uint16_t *x = src + (size_t)r * src_stride + (size_t)h * D;
+                for (int i = 0; i < D; i++) {
+                    const float a = fabsf(bf16_to_f32(x[i]));
+                    amax = a > amax ? a : amax;
+                }
+            }
+            float *sp = scales + (size_t)h * NB + blk;
+            int8_t *base = cache + ((size_t)h * NB + (size_t)blk) * BS * D;
+            const float old = first == 0 ? 0.f : *sp;
+            const float need = amax / 127.f;
+            const float s = need > old ? need : old;
+            if (s > old && old > 0.f) {
+                const float ratio = old / s;
+                for (int i = 0; i < first * D; i++) base[i] = (int8_t)lrintf((float)base[i] * ratio);
+            }
+            *sp = s;
+            const float inv = s > 0.f ? 1.f / s : 0.f;
+            for (int r = t; r < e; r++) {
+                const uint16_t *x = src + (size_t)r * src_stride + (size_t)h * D;
+                int8_t *dst = base + (size_t)(slots[r] % BS) * D;
+                for (int i = 0; i < D; i++) {
+                    float v = rintf(bf16_to_f32(x[i]) * inv);
+                    v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
+                    dst[i] = (int8_t)v;
+                }
+            }
+            t = e;
+        }
     }
     return 0;
 }
