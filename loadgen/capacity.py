@@ -100,8 +100,9 @@ def parse_slos(text: str) -> list[SLO]:
             if not m:
                 raise SloError(f"--slo: error_rate={value!r} is not a share (write error_rate=1% or 0.01)")
             share = float(m.group(1)) / (100 if m.group(2) else 1)
-            if not 0 <= share < 1:
-                raise SloError(f"--slo: error_rate={value} must be below 100 %")
+            if not 0 < share < 1:
+                raise SloError(f"--slo: error_rate={value} must be above 0 (no finite probe can confirm 0 %) "
+                               "and below 100 %")  # fmt: skip
             slos.append(SLO("error_rate", share, share))
             continue
         m = re.fullmatch(r"([a-z][a-z0-9]*)_p([0-9]+(?:\.[0-9]+)?)", key.lower())
@@ -225,6 +226,12 @@ def _rank(s: np.ndarray, r: int) -> float | None:
     if r < 1 or r > s.size or not np.isfinite(s[r - 1]):
         return None
     return float(s[r - 1])
+
+
+def samples_to_hold(slo: SLO, z: float) -> int:
+    """The fewest requests, none missing, whose Wilson bound confirms ``slo`` (independent requests; fewer
+    than this can never pass a probe with confidence: error_rate=1% at 95 % needs several hundred)."""
+    return math.ceil(z * z * (1 - slo.allowed) / slo.allowed)
 
 
 @dataclass
@@ -743,6 +750,13 @@ def _result(
     if status == "budget" and probes and probes[-1].requests == 0:
         messages[status] += (f"; the last probe finished no request in {probes[-1].seconds:.0f} s: raise --max-probe-s "
                              "(and --budget) for a server this slow")  # fmt: skip
+    measured = max((p.requests for p in probes if p.phase == "search"), default=0)
+    z = Sequential(slos, cfg.confidence, cfg.first_look, cfg.max_samples).z
+    short = [f"{s.key}: {samples_to_hold(s, z)}" for s in slos if samples_to_hold(s, z) > measured]
+    if status in ("budget", "unresolved") and measured and short:
+        messages[status] += (f"; confirming an SLO takes at least this many requests in one probe, none missing "
+                             f"({', '.join(short)}), but the probes measured at most {measured}: raise --max-probe-s "
+                             "or relax the SLO")  # fmt: skip
     failing = [p for p in probes if p.verdict == "fail" and p.errors]
     if status == "unreachable" and failing:
         p = failing[-1]

@@ -42,7 +42,7 @@ def test_parse_slos_and_malformed_keys_are_named():
                                                 ("error_rate", 0.01)]  # fmt: skip
     assert slos[0].allowed == pytest.approx(0.01) and slos[3].allowed == pytest.approx(0.01)
     for bad, named in [("ttft_q99=1s", "ttft_q99"), ("tpot_p99=fast", "tpot_p99"), ("itl_p50=5ms", "itl_p50"),
-                       ("ttft_p99", "ttft_p99"), ("error_rate=150%", "error_rate"), ("ttft_p0=1s", "ttft_p0"),
+                       ("ttft_p99", "ttft_p99"), ("error_rate=150%", "error_rate"), ("error_rate=0", "error_rate"), ("ttft_p0=1s", "ttft_p0"),
                        ("ttft_p99=1s,ttft_p99=2s", "ttft_p99")]:  # fmt: skip
         with pytest.raises(SloError, match=named):
             parse_slos(bad)
@@ -256,3 +256,13 @@ def test_unreachable_needs_more_than_a_pilot_cut_short():
     res = run_async(search(SimProber(slow, SIM_JOB, slos), slos, SearchConfig("concurrency", budget_s=200)))
     assert res.status == "unreachable" and "fail already at the lowest load" in res.message, res.message
     assert res.probes[-1].load == 1 and res.probes[-1].confident and res.probes[-1].requests >= 8  # waves done
+
+
+def test_a_search_that_cannot_confirm_an_slo_says_how_many_requests_it_needs():
+    """error_rate=1% holds only after 690 error-free requests at 95 % (z 2.64 over the looks): probes capped
+    well below that end the search undecided, and the message says so instead of leaving the user guessing."""
+    slos = parse_slos("ttft_p90=1s,error_rate=1%")
+    cfg = SearchConfig("concurrency", budget_s=20, max_probe_s=3, max_concurrency=4)  # ~90 requests a probe
+    res = run_async(search(SimProber(SIM, SIM_JOB, slos), slos, cfg))
+    assert res.status == "budget" and not any(p.confident for p in res.probes if p.phase == "search")
+    assert "(error_rate: 690)" in res.message and "ttft_p90:" not in res.message, res.message
