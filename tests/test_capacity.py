@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+from support.signals import sigint_default
 
 from backends.openai import OpenAIBackend
 from loadgen.calibrate import FixedWorkload
@@ -213,7 +214,7 @@ def test_cli_sigint_stops_the_search_and_keeps_the_probes(tmp_path):
                "tpot_p50=30ms", "--mode", "concurrency", "--workload", str(wl), "--output-dir", str(tmp_path),
                "--run-id", "int"]  # fmt: skip
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+                                preexec_fn=sigint_default)  # fmt: skip
         path = tmp_path / "int" / "probes"
         deadline = time.monotonic() + 60
         while not (path.exists() and len(list(path.iterdir())) >= 2) and time.monotonic() < deadline:

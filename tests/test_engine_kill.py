@@ -7,6 +7,7 @@ import sys
 import time
 
 import pytest
+from support.signals import sigint_default
 
 SCRIPT = """
 import sys
@@ -23,7 +24,8 @@ run_async(run_point(OpenAIBackend(sys.argv[1], model="null"), wl, LoadSpec("clos
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
 def test_killed_run_leaves_valid_jsonl(null_server, tmp_path, sig):
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, null_server, str(tmp_path)], stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, null_server, str(tmp_path)], stderr=subprocess.PIPE,
+                            preexec_fn=sigint_default)
     path = tmp_path / "requests.jsonl"
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and (not path.exists() or path.read_text().count("\n") < 20):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support.signals import sigint_default
 
 from backends.openai import OpenAIBackend
 from contracts import read_jsonl
@@ -190,7 +191,7 @@ def test_kill_server_mid_run(tmp_path):
 def test_signal_writes_partial_summary_and_report(tmp_path, null_server, sig, code):
     """A real SIGINT (Ctrl-C) / SIGTERM to `bench run`: exit 130 / 143 with summary.json and report.html,
     the point marked interrupted with its finished and cancelled counts."""
-    restore = (lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) if sig == signal.SIGINT else None
+    restore = sigint_default if sig == signal.SIGINT else None
     args = ["run", "--url", null_server, "--concurrency", "4", "--num-requests", "100000", "--output-dir",
             str(tmp_path), "--run-id", "sig", "--poll-hz", "0", "--telemetry-hz", "0",
             "--extra-body", '{"nullserver": {"itl": 0.01}}']  # fmt: skip
@@ -266,7 +267,7 @@ def test_second_ctrl_c_exits_at_once(tmp_path, null_server):
     args = ["run", "--url", null_server, "--concurrency", "16", "--num-requests", "100000", "--output-dir",
             str(tmp_path), "--run-id", "twice", "--poll-hz", "0", "--telemetry-hz", "0",
             "--extra-body", '{"nullserver": {"itl": 0.01}}']  # fmt: skip
-    proc = _bench(args, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = _bench(args, preexec_fn=sigint_default)
     reqs = tmp_path / "twice" / "points" / "c016" / "requests.jsonl"
     _wait_records(reqs, 400, proc)
     proc.send_signal(signal.SIGINT)
