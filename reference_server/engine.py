@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 from reference_server import cpu_memory
@@ -157,12 +157,16 @@ class Engine:
         return len(self.scheduler.waiting) + self._commands.qsize()
 
     # -- the loop --------------------------------------------------------------------------------------
-    def _drain(self) -> None:
+    def _queued(self) -> Iterator[tuple[str, object]]:
+        """The commands queued so far (add / abort), taken without waiting."""
         while True:
             try:
-                cmd, arg = self._commands.get_nowait()
+                yield self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain(self) -> None:
+        for cmd, arg in self._queued():
             if cmd == "add":
                 assert isinstance(arg, Sequence)
                 self._seqs[arg.seq_id] = arg
@@ -365,11 +369,7 @@ class Engine:
             self.fatal = _describe(exc)
         log.critical("the engine loop died; every request in flight fails: %s", self.fatal, exc_info=exc)
         seqs = list(self._seqs.values())
-        while True:
-            try:
-                cmd, arg = self._commands.get_nowait()
-            except queue.Empty:
-                break
+        for cmd, arg in self._queued():
             if cmd == "add":
                 assert isinstance(arg, Sequence)
                 seqs.append(arg)
