@@ -24,8 +24,8 @@ from typing import Any
 
 import pandas as pd
 
-from contracts import read_jsonl
 from loadgen import metrics
+from workloads.contracts import read_jsonl
 
 PACKAGES = ("servelab", "torch", "httpx", "httpx-aiohttp", "aiohttp", "uvloop", "numpy", "pandas", "transformers")
 _SECRET_KEY = re.compile(r"(api[_-]?key|authorization|token(?!izer)|secret|password)", re.I)
