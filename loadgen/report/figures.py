@@ -535,19 +535,11 @@ def sweep(runs: list[RunData]) -> Fig | None:
         load = [x["load"] for x in rows]
         text = [x["point_id"] for x in rows]
         common = {"type": "scatter", "mode": "lines+markers", "legendgroup": name, "text": text}
-        if any(x["throughput"] is not None for x in rows):
-            labels.setdefault("throughput", rows[0]["throughput_key"] or "throughput")
-            data.append(
-                {
-                    **common,
-                    "x": load,
-                    "y": [x["throughput"] for x in rows],
-                    "name": name,
-                    "xaxis": "x",
-                    "yaxis": "y",
-                    "line": {"color": color},
-                }
-            )
+        for key, ax in (("throughput", ""), ("goodput", "3")):  # vs load; the legend on the first panel
+            if any(x[key] is not None for x in rows):
+                labels.setdefault(key, rows[0][f"{key}_key"] or key)
+                data.append({**common, "x": load, "y": [x[key] for x in rows], "name": name, "xaxis": f"x{ax}",
+                             "yaxis": f"y{ax}", "showlegend": key == "throughput", "line": {"color": color}})  # fmt: skip
         for q, dash in (("p50", "solid"), ("p99", "dash")):
             pts = [x for x in rows if x["throughput"] is not None and x[q] is not None]
             if not pts:
@@ -589,20 +581,6 @@ def sweep(runs: list[RunData]) -> Fig | None:
                             },
                         }
                     )
-        if any(x["goodput"] is not None for x in rows):
-            labels.setdefault("goodput", rows[0]["goodput_key"] or "goodput")
-            data.append(
-                {
-                    **common,
-                    "x": load,
-                    "y": [x["goodput"] for x in rows],
-                    "name": name,
-                    "xaxis": "x3",
-                    "yaxis": "y3",
-                    "showlegend": False,
-                    "line": {"color": color},
-                }
-            )
     if not data:
         return None
     load_t, thr_t = axis_title(labels.get("load")), axis_title(labels.get("throughput"))
