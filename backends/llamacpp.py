@@ -31,6 +31,9 @@ LLAMACPP_PROFILE = ServerProfile(
     slots_path="/slots",
     spec_drafted="llamacpp:spec_decode_num_draft_tokens_total",
     spec_accepted="llamacpp:spec_decode_num_accepted_tokens_total",
+    running=("llamacpp:requests_processing",),
+    waiting=("llamacpp:requests_deferred",),
+    kv_usage=("llamacpp:kv_cache_usage_ratio",),
 )
 
 _FINISH = {"limit": "length", "eos": "stop", "word": "stop"}

@@ -22,7 +22,10 @@ from backends.openai import OpenAIBackend
 from backends.profile import ServerProfile
 from workloads.contracts import GenRequest
 
-SGLANG_PROFILE = ServerProfile(iterations_path=None)
+SGLANG_PROFILE = ServerProfile(
+    iterations_path=None, running=("sglang:num_running_reqs",), waiting=("sglang:num_queue_reqs",),
+    kv_usage=("sglang:token_usage",),
+)
 
 
 class SGLangNativeBackend(NativeBackend):

@@ -3,8 +3,8 @@
 Each builder returns ``None`` when it has no data, so that an absent optional series (no server-state
 poller, no telemetry, no per-iteration record) leaves its chart out instead of drawing an empty one.
 
-Size: every chart of the report, one builder each (the grids are ``plotly.subplots`` layouts); the vendor
-metric names below move to the backends' profiles next.
+Size: every chart of the report, one builder each (the grids are ``plotly.subplots`` layouts; each server's
+metric names are on its backend's profile, ``backends.profile``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from plotly.subplots import make_subplots
 
+from backends.registry import server_profiles
 from loadgen.report import series
 from loadgen.report.load import PointData, Requests, RunData
 from loadgen.results import leaves
@@ -24,15 +25,7 @@ PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e
 GANTT_MAX_ROWS = 500  # denser than the panel's pixel rows already; SVG cost grows with it
 MAX_STEPS_EXACT = 3000
 
-# Server metric names per server, by role (first present wins). Ratios (0..1) are scaled to percent.
-RUNNING = ("vllm:num_requests_running", "llamacpp:requests_processing", "tgi_batch_current_size",
-           "sglang:num_running_reqs", "servelab_requests_running")  # fmt: skip
-WAITING = ("vllm:num_requests_waiting", "llamacpp:requests_deferred", "tgi_queue_size",
-           "sglang:num_queue_reqs", "servelab_requests_waiting")  # fmt: skip
-KV_RATIO = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "llamacpp:kv_cache_usage_ratio",
-            "sglang:token_usage")  # fmt: skip
-KV_BLOCKS = ("servelab_kv_blocks_used", "servelab_kv_blocks_total")  # the reference server: used / total
-# Any other server (e.g. the bundled reference server): names that end like these.
+# A server without a profile: names that end like these. (Each known server's names are on its profile.)
 GENERIC = {"running": r"(requests_running|running_reqs|requests_processing)$",
            "waiting": r"(requests_waiting|queue_reqs|queue_size|requests_deferred)$",
            "kv": r"kv_cache_usage(_perc|_ratio)?$"}  # fmt: skip
@@ -74,7 +67,9 @@ def _server_series(point: PointData) -> dict[str, tuple[np.ndarray, np.ndarray]]
     rows = [r for r in point.server_state if isinstance(r.get("t"), (int, float))]
     with_metrics = [r for r in rows if isinstance(r.get("metrics"), dict)]
     present = sorted({k.split("{", 1)[0] for r in with_metrics[:1] for k in r["metrics"]})
-    for role, names in (("running", RUNNING), ("waiting", WAITING), ("kv", KV_RATIO)):
+    profiles = server_profiles()
+    for role, attr in (("running", "running"), ("waiting", "waiting"), ("kv", "kv_usage")):
+        names = list(dict.fromkeys(n for p in profiles for n in getattr(p, attr)))
         generic = [n for n in present if re.search(GENERIC[role], n) and n not in names]
         for name in (*names, *generic):
             pts = [(r["t"], v) for r in with_metrics if (v := _family(r["metrics"], name)) is not None]
@@ -82,10 +77,10 @@ def _server_series(point: PointData) -> dict[str, tuple[np.ndarray, np.ndarray]]
                 t, v = _pairs(pts)
                 out[role] = (t, v * 100 if role == "kv" and np.nanmax(v) <= 1.0 else v)
                 break
-    if "kv" not in out:
+    for used, total in [p.kv_blocks for p in profiles if p.kv_blocks]:  # a server that counts KV blocks
         pts = [(r["t"], 100 * u / tot) for r in with_metrics
-               if (u := _family(r["metrics"], KV_BLOCKS[0])) is not None and (tot := _family(r["metrics"], KV_BLOCKS[1]))]  # fmt: skip
-        if pts:
+               if (u := _family(r["metrics"], used)) is not None and (tot := _family(r["metrics"], total))]  # fmt: skip
+        if pts and "kv" not in out:
             out["kv"] = _pairs(pts)
     if "running" not in out:
         slots = [(r["t"], float(sum(1 for s in r["slots"] if s.get("busy")))) for r in rows if r.get("slots")]
