@@ -33,6 +33,14 @@ A point can end early, and its summary says how (``status``: ``complete``, ``abo
   (recorded as ``cancelled``), and the summary is written with ``summary["interrupted"]`` (the signal,
   the time, finished and cancelled counts). A second signal exits the process at once.
 
+**Workers** (``fleet``, ``bench run --workers N`` / ``--ray``): one process drives ~2,000 req/s; beyond
+that the point's load is split over workers (:class:`Share`): the open-loop schedule is drawn once for the
+seed and dealt out (session ``i`` to worker ``i mod N``, at its time in the one schedule), closed-loop
+concurrency and the request count are partitioned, a session stays on its worker. Each worker
+(:class:`PointWorker`, in this process when there is one, else in a process or Ray actor of
+:mod:`loadgen.fleet`) has its own event loop, client and record file; :func:`run_point` coordinates the
+phases, merges the records onto the run clock and computes the one summary.
+
 Size: one load point's run state (dispatch loop, in-flight set, server-death probe, signal handling, the
 summary that closes it) is shared by every part; sidecars, arrivals, the client and the metrics are already
 their own modules.

@@ -282,6 +282,10 @@ def notes(s: dict[str, Any]) -> list[str]:
     """What a reader of the table must know about a point: no steady state, unsteady load, cancelled requests."""
     thr, n = s["throughput"]["steady"], s["counts"]
     out = [f"no steady state: {thr['reason']}"] if thr.get("reason") else []
+    w = s.get("workers") or {}
+    if w.get("ray") is not None:
+        out.append(f"{w['count']} Ray workers: records put on this machine's run clock by measured offsets, "
+                   f"error bound {w['clock_bound_s'] * 1e3:.2f} ms")  # fmt: skip
     out += [thr["note"]] if thr.get("note") else []
     if n.get("incomplete"):
         out.append(f"{n['incomplete']} request(s) cancelled by the harness (run end or interrupt): counted as "

@@ -119,6 +119,8 @@ def test_bench_run_summary_is_the_one_recomputed_from_the_merged_records(null_se
     assert s["counts"]["errors"] == 0 and s["counts"]["ok"] == 90 and s["workers"]["count"] == 2
     recs = read_jsonl(tmp_path / "w2" / "points" / s["point_id"] / "requests.jsonl")
     again = json.loads(json.dumps(metrics.summarize(recs, s["load"]), default=str))
-    for key in ("latency", "throughput", "counts", "errors", "goodput", "per_class", "window"):
-        assert s[key] == again[key], key
-    assert s["client"]["schedule_lag"] == again["client"]["schedule_lag"]
+    for key, value in again.items():
+        if key != "client":
+            assert s[key] == value, key
+    cpu = ("cpu", "cpu_wait", "limited", "warnings")  # the client's CPU use is not in the records
+    assert {k: v for k, v in s["client"].items() if k not in cpu} == {k: v for k, v in again["client"].items() if k not in cpu}
