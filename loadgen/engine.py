@@ -409,10 +409,10 @@ async def run_point(
     coord = _Coordinator(fleet.start(workers), progress, clock)
     try:
         t_measured, results = await coord.run(None if load.warmup else t0)
+        if not single:
+            await coord.merge([w.path.name for w in workers], out_dir)
     finally:
         await coord.close()
-    if not single:
-        await coord.merge([w.path.name for w in workers], out_dir)
     records = read_jsonl(out_dir / "requests.jsonl")
     summary: dict[str, Any] = {
         **plan, "t_start": t0, "t_measured": t_measured, "t_end": clock.now(), "status": "complete",

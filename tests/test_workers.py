@@ -124,3 +124,16 @@ def test_bench_run_summary_is_the_one_recomputed_from_the_merged_records(null_se
             assert s[key] == value, key
     cpu = ("cpu", "cpu_wait", "limited", "warnings")  # the client's CPU use is not in the records
     assert {k: v for k, v in s["client"].items() if k not in cpu} == {k: v for k, v in again["client"].items() if k not in cpu}
+
+
+async def test_calibrate_reports_the_ceiling_per_worker_count(tmp_path):
+    from loadgen.calibrate import calibrate
+
+    res = await calibrate(tmp_path, concurrency=8, events=4, num_requests=200, rate=40, duration=1, workers=(1, 2))
+    rows = res["scaling"]
+    assert [r["workers"] for r in rows] == [1, 2] and res["closed"] == rows[0]
+    for r in rows:
+        assert r["errors"] == 0 and r["requests"] == 200 and r["req_per_s"] > 0 and r["cpu_ms_per_request"] > 0
+        assert r["cores_busy"] > 0 and isinstance(r["cores_limit"], bool)
+    assert rows[0]["efficiency"] == 1.0 and rows[1]["efficiency"] == rows[1]["req_per_s"] / (2 * rows[0]["req_per_s"])
+    assert res["open"]["errors"] == 0 and json.loads((tmp_path / "calibrate.json").read_text())["scaling"] == rows
