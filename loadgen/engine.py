@@ -559,11 +559,9 @@ class _Coordinator:
                 self.offsets[h.index] = await fleet_mod.clock_offset(h, self.clock.now)
         await self._each("warmup", lambda h: ())
         if self.remote:
-            t_go = self.clock.now() + fleet_mod.START_MARGIN_S
+            t_go = self.progress.t_start = self.clock.now() + fleet_mod.START_MARGIN_S
         else:
             t_go = self.clock.now() if t_start is None else t_start
-        if self.remote:
-            self.progress.t_start = t_go
         results = await self._each("measure", lambda h: (t_go + self.offsets[h.index]["offset_s"],))
         await self._poll()
         return t_go, results
@@ -595,7 +593,9 @@ class _Coordinator:
                     with contextlib.suppress(fleet_mod.WorkerLost):
                         await h.call("interrupt", signals.signum)
             await self._poll()
-            await asyncio.sleep(self.POLL_S)
+            with contextlib.suppress(asyncio.TimeoutError):  # a signal is passed on at once
+                await asyncio.wait_for(signals.event.wait() if signals and not self.forwarded else asyncio.sleep(self.POLL_S),
+                                       self.POLL_S)  # fmt: skip
 
     async def _poll(self) -> None:
         """The workers' progress into the coordinator's (the one live view)."""

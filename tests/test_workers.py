@@ -7,8 +7,11 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
+
+from support.signals import sigint_default
 
 from backends.openai import OpenAIBackend
 from contracts import read_jsonl
@@ -124,6 +127,32 @@ def test_bench_run_summary_is_the_one_recomputed_from_the_merged_records(null_se
             assert s[key] == value, key
     cpu = ("cpu", "cpu_wait", "limited", "warnings")  # the client's CPU use is not in the records
     assert {k: v for k, v in s["client"].items() if k not in cpu} == {k: v for k, v in again["client"].items() if k not in cpu}
+
+
+def test_ctrl_c_stops_every_worker_and_leaves_one_summary(null_server, tmp_path):
+    """SIGINT to `bench run --workers 2` (the coordinator only, as a terminal's Ctrl-C is, the workers being in
+    their own process group): passed on to both workers, which cancel what is in flight; exit 130 with the
+    merged records and one summary marked interrupted."""
+    args = ["run", "--url", null_server, "--concurrency", "4", "--num-requests", "100000", "--workers", "2",
+            "--output-dir", str(tmp_path), "--run-id", "sig", "--poll-hz", "0", "--telemetry-hz", "0",
+            "--extra-body", '{"nullserver": {"itl": 0.01}}']  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", "from loadgen.cli import main; main()", *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=sigint_default)  # fmt: skip
+    point_dir = tmp_path / "sig" / "points" / "c004"
+    deadline = time.monotonic() + 120
+    while not all((point_dir / "workers" / f"w{k}.jsonl").exists() for k in (0, 1)) or sum(
+        (point_dir / "workers" / f"w{k}.jsonl").read_bytes().count(b"\n") for k in (0, 1)) < 20:  # fmt: skip
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode() if proc.stdout else ""
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == ExitCode.INTERRUPTED, out.decode()
+    (point,) = json.loads((tmp_path / "sig" / "summary.json").read_text())["points"]
+    recs = read_jsonl(point_dir / "requests.jsonl")
+    i = point["interrupted"]
+    assert point["status"] == "interrupted" and point["workers"]["lost"] == [] and i["finished"] >= 20
+    assert i["finished"] + i["cancelled"] == len(recs) and 1 <= i["cancelled"] <= 4
+    assert {r["error"]["kind"] for r in recs if r["error"]} == {"cancelled"}
 
 
 async def test_calibrate_reports_the_ceiling_per_worker_count(tmp_path):
