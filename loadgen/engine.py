@@ -68,7 +68,6 @@ from typing import Any, TypeVar
 import orjson
 
 from backends.base import Backend
-from contracts import ARRIVAL_PROCESSES, OPEN_LOOP_PROCESSES, GenRequest, RequestRecord, read_jsonl
 from loadgen import fleet as fleet_mod
 from loadgen import metrics
 from loadgen.arrivals import arrival_times
@@ -77,6 +76,7 @@ from loadgen.clock import RunClock, Sidecar
 from loadgen.fleet import ONE_PROCESS, Fleet
 from loadgen.records import RecordWriter
 from workloads.base import Session, Workload
+from workloads.contracts import ARRIVAL_PROCESSES, OPEN_LOOP_PROCESSES, GenRequest, RequestRecord, read_jsonl
 
 T = TypeVar("T")
 GONE_PROBES = 3  # consecutive failed health probes that mean the server went away

@@ -3,11 +3,11 @@
 import pytest
 
 from backends.openai import OpenAIBackend
-from contracts import read_jsonl
 from loadgen.calibrate import FixedWorkload
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, run_point
 from loadgen.fleet import Fleet
+from workloads.contracts import read_jsonl
 
 pytestmark = pytest.mark.ray  # not in the default run (pyproject addopts): run with -m ray after pip install '.[ray]'
 

@@ -14,7 +14,6 @@ from pathlib import Path
 from support.signals import sigint_default
 
 from backends.openai import OpenAIBackend
-from contracts import read_jsonl
 from loadgen import metrics
 from loadgen.calibrate import FixedWorkload
 from loadgen.clock import RunClock
@@ -23,6 +22,7 @@ from loadgen.exitcodes import ExitCode
 from loadgen.fleet import Fleet
 from loadgen.run_cli import point_outcome
 from loadgen.targets import load_workload
+from workloads.contracts import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 
