@@ -480,7 +480,7 @@ class PointWorker:
         if load.warmup:  # its own phase: every warm-up ends before the first measured send
             d.warming = True
             with _run_gc():
-                self.early = await _bounded(asyncio.ensure_future(d.dispatch()), d, replace(load, duration=None))
+                self.early = await _bounded(asyncio.ensure_future(d.dispatch()), d, None)  # the warm-ups run to their end
             d.warming = False
         return self.early
 
@@ -493,7 +493,7 @@ class PointWorker:
             await _sleep_until(self.clock, t_start)
             d.t_start = self.progress.t_start = t_start
             with _run_gc():
-                self.early = await _bounded(asyncio.ensure_future(d.dispatch()), d, self.load)
+                self.early = await _bounded(asyncio.ensure_future(d.dispatch()), d, self.load.duration)
         return {"early": self.early, **await self.close()}
 
     async def close(self) -> dict[str, Any]:
@@ -652,7 +652,7 @@ class _Coordinator:
             h.close()
 
 
-async def _bounded(main: asyncio.Future[None], d: _Dispatch, load: LoadSpec) -> dict[str, Any] | None:
+async def _bounded(main: asyncio.Future[None], d: _Dispatch, duration: float | None) -> dict[str, Any] | None:
     """Await the dispatch; after ``duration`` (+ drain) cancel what is still in flight. Returns how the
     point ended early (``{"interrupted": ...}`` or ``{"aborted": ...}``), None when it ran its course."""
     signals = d.signals
@@ -660,11 +660,11 @@ async def _bounded(main: asyncio.Future[None], d: _Dispatch, load: LoadSpec) -> 
     if signals is not None:
         stoppers.add(asyncio.ensure_future(signals.event.wait()))
     try:
-        if load.duration is not None:
-            done, _ = await asyncio.wait({main, *stoppers}, timeout=load.duration, return_when=asyncio.FIRST_COMPLETED)
+        if duration is not None:
+            done, _ = await asyncio.wait({main, *stoppers}, timeout=duration, return_when=asyncio.FIRST_COMPLETED)
             if not done:
                 d.stop.set()
-                drain = load.timeout if load.drain is None else load.drain
+                drain = d.load.timeout if d.load.drain is None else d.load.drain
                 await asyncio.wait({main, *stoppers}, timeout=drain, return_when=asyncio.FIRST_COMPLETED)
         else:
             await asyncio.wait({main, *stoppers}, return_when=asyncio.FIRST_COMPLETED)
