@@ -142,7 +142,7 @@ class _ProcessHandle:
         self.proc.join(2.0)
         code = self.proc.exitcode
         how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exited ({code})"
-        self.lost = f"worker {self.index} (pid {self.proc.pid}) {how}"
+        self.lost = f"worker {self.index} (pid {self.proc.pid}) {how}; its records up to then are kept"
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(WorkerLost(self.lost))

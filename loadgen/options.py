@@ -16,6 +16,7 @@ from backends.launcher import GridPoint, LaunchError, server_grid
 from loadgen import metrics
 from loadgen.client import CLIENT_KINDS
 from loadgen.exitcodes import UsageError
+from loadgen.fleet import Fleet
 from loadgen.sidecars import telemetry
 from workloads.base import Workload
 from workloads.contracts import APIS, ARRIVAL_PROCESSES, OPEN_LOOP_PROCESSES
@@ -165,6 +166,9 @@ class RunOptions:
         if opts.arrival in OPEN_LOOP_PROCESSES and opts.concurrency and not opts.rate:
             raise UsageError(f"--arrival {opts.arrival} needs --rate")
         return opts
+
+    def fleet(self) -> Fleet:
+        return Fleet(self.workers, self.ray)
 
     def config(self) -> dict[str, Any]:
         """The ``config`` of ``run.json``."""

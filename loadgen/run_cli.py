@@ -1,5 +1,7 @@
 """``bench run`` and ``bench sweep``: load points against one server (or a grid of started ones) into one
-results directory, a summary table, a report, and an exit code that says whether every point passed."""
+results directory, a summary table, a report, and an exit code that says whether every point passed.
+
+Size: the two commands' option lists (typer needs each spelled out) and the one body they share."""
 
 from __future__ import annotations
 
@@ -18,7 +20,6 @@ from backends.profile import profile_of
 from loadgen.clock import RunClock, Sidecar
 from loadgen.engine import LoadSpec, run_async
 from loadgen.exitcodes import ExitCode, UsageError, console, guard, worst
-from loadgen.fleet import Fleet
 from loadgen.live import LiveDisplay
 from loadgen.options import (
     ApiKeyEnv,
@@ -138,8 +139,7 @@ def sweep(
             stall_timeout=stall_timeout, speedup=speedup, default_num_requests=32, poll_hz=poll_hz,
             server=server, grid=[axis for g in grid or [] for axis in g.split()], server_timeout=server_timeout,
             telemetry_hz=telemetry_hz, telemetry_url=telemetry_url, tokenizer=tokenizer,
-            max_error_rate=max_error_rate, wait_for_server=wait_for_server, slo_from=slo_from, workers=workers,
-            ray=ray,
+            max_error_rate=max_error_rate, wait_for_server=wait_for_server, slo_from=slo_from, workers=workers, ray=ray,
         ))  # fmt: skip
 
     guard(body)
@@ -191,7 +191,7 @@ def execute(opts: RunOptions) -> ExitCode:
                                    slo_from=opts.slo_from, client_kind=opts.client,
                                    live=display.points(todo, where), previous=previous or [],
                                    wait_for_server=0 if gp else opts.wait_for_server,
-                                   fleet=Fleet(opts.workers, opts.ray),
+                                   fleet=opts.fleet(),
                                    run_extra={"backend_detection": {"requested": opts.backend, **det.describe()}}))  # fmt: skip
 
     log = results.path / "server.log" if opts.url is None and not opts.server else None  # the embedded server's
@@ -232,10 +232,8 @@ def execute(opts: RunOptions) -> ExitCode:
 def point_outcome(s: dict[str, Any], max_error_rate: float, log: Path | None = None) -> tuple[ExitCode, str | None]:
     """A point's exit code and the line that explains it (None when it passed)."""
     pid = s["point_id"]
-    lost = (s.get("workers") or {}).get("lost")
-    if lost:  # before the rest: the point's figures miss what the dead workers would have sent
-        return ExitCode.FAILED, f"[red]worker lost[/] {pid}: " + "; ".join(w["reason"] for w in lost) + (
-            " (its records up to then are kept and counted)")
+    if lost := (s.get("workers") or {}).get("lost"):  # first: the figures miss what dead workers would have sent
+        return ExitCode.FAILED, f"[red]worker lost[/] {pid}: " + "; ".join(w["reason"] for w in lost)
     if s.get("status") == "interrupted":
         i = s["interrupted"]
         code = ExitCode.INTERRUPTED if i["signal"] == "SIGINT" else ExitCode.TERMINATED
@@ -282,10 +280,7 @@ def notes(s: dict[str, Any]) -> list[str]:
     """What a reader of the table must know about a point: no steady state, unsteady load, cancelled requests."""
     thr, n = s["throughput"]["steady"], s["counts"]
     out = [f"no steady state: {thr['reason']}"] if thr.get("reason") else []
-    w = s.get("workers") or {}
-    if w.get("ray") is not None:
-        out.append(f"{w['count']} Ray workers: records put on this machine's run clock by measured offsets, "
-                   f"error bound {w['clock_bound_s'] * 1e3:.2f} ms")  # fmt: skip
+    out += [w["note"]] if (w := s.get("workers") or {}).get("note") else []
     out += [thr["note"]] if thr.get("note") else []
     if n.get("incomplete"):
         out.append(f"{n['incomplete']} request(s) cancelled by the harness (run end or interrupt): counted as "
