@@ -8,6 +8,8 @@
 * RMSNorm, RoPE + the K/V cache write, and SiLU-and-multiply, each in one call instead of 2-6 small
   PyTorch kernels (at 16 rows the dispatch, not the arithmetic, is their cost: RMSNorm 10 vs 35 us here).
 * Greedy argmax over the logits rows (``torch.argmax`` took 0.68 ms for 16 x 49152 float32 here).
+* Weight-only quantised linears (quant.py), and with them a whole decode step in one call
+  (``decode_forward``, fused_decode.py): the kernels above, op by op, in one OpenMP region.
 
 They need an x86-64 CPU with AVX512-BF16 (the bf16 model dtype's own condition) and a C compiler (``$CC``,
 else ``cc``). The shared object is cached under ``$SERVELAB_CACHE/native`` (default

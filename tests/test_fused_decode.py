@@ -42,6 +42,7 @@ def test_native_step_is_the_per_op_step_bit_for_bit(quantization, kv):
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     for n in (5, 17, 33, 16, 40):  # contexts that end inside, and exactly at the end of, a block of 16
         engine.add_request([(11 * n + j) % 3000 + 50 for j in range(n)], params)
+    engine.step()  # admits them (queued until a step) and prefills them: 111 tokens, one step's budget
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running + engine.scheduler.waiting):
         engine.step()
     seqs = list(engine.scheduler.running)
