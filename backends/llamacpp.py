@@ -25,7 +25,7 @@ from backends.base import Delta, HttpCall, ParseState, loads_json
 from backends.native import NativeBackend
 from backends.openai import OpenAIBackend
 from backends.profile import ServerProfile
-from contracts import GenRequest
+from workloads.contracts import GenRequest
 
 LLAMACPP_PROFILE = ServerProfile(
     slots_path="/slots",

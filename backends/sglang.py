@@ -20,7 +20,7 @@ from backends.base import Delta, HttpCall, ParseState, loads_json
 from backends.native import NativeBackend
 from backends.openai import OpenAIBackend
 from backends.profile import ServerProfile
-from contracts import GenRequest
+from workloads.contracts import GenRequest
 
 SGLANG_PROFILE = ServerProfile(iterations_path=None)
 

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 from backends.openai import OpenAIBackend
 from backends.profile import ServerProfile
-from contracts import Api
+from workloads.contracts import Api
 
 
 class VLLMBackend(OpenAIBackend):

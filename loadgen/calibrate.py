@@ -25,7 +25,6 @@ from rich.table import Table
 from rich.text import Text
 
 from backends.openai import OpenAIBackend
-from contracts import GenRequest, RequestRecord
 from loadgen.client import CLIENT_KINDS, StreamReader
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, run_async, run_point
@@ -34,6 +33,7 @@ from loadgen.nullserver import Behaviour, NullServerProcess, Stream
 from loadgen.options import Client, OutputDir, RunId
 from loadgen.results import new_run_id
 from workloads.base import ArrivalSpec, Session, SingleShot, Workload
+from workloads.contracts import GenRequest, RequestRecord
 
 
 @dataclass

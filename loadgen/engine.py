@@ -56,13 +56,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from backends.base import Backend
-from contracts import ARRIVAL_PROCESSES, OPEN_LOOP_PROCESSES, GenRequest, RequestRecord, read_jsonl
 from loadgen import metrics
 from loadgen.arrivals import arrival_times
 from loadgen.client import HttpClient, execute, make_client, probe
 from loadgen.clock import RunClock, Sidecar
 from loadgen.records import RecordWriter
 from workloads.base import Session, Workload
+from workloads.contracts import ARRIVAL_PROCESSES, OPEN_LOOP_PROCESSES, GenRequest, RequestRecord, read_jsonl
 
 T = TypeVar("T")
 GONE_PROBES = 3  # consecutive failed health probes that mean the server went away

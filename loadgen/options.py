@@ -13,12 +13,12 @@ from typing import Annotated, Any
 import typer
 
 from backends.launcher import GridPoint, LaunchError, server_grid
-from contracts import APIS, ARRIVAL_PROCESSES, OPEN_LOOP_PROCESSES
 from loadgen import metrics
 from loadgen.client import CLIENT_KINDS
 from loadgen.exitcodes import UsageError
 from loadgen.sidecars import telemetry
 from workloads.base import Workload
+from workloads.contracts import APIS, ARRIVAL_PROCESSES, OPEN_LOOP_PROCESSES
 
 _UNITS = {"ms": 1e-3, "s": 1.0, "us": 1e-6}
 

@@ -25,7 +25,7 @@ _ATTEMPTS = 64
 @lru_cache(maxsize=8)
 def load_tokenizer(spec: str = "bundled") -> Tokenizer:
     """``bundled`` (the reference server's GGUF), a ``.gguf`` file, or a ``tokenizer.json`` file."""
-    from contracts.model import default_model_path, tokenizer_from_gguf
+    from reference_server.model_files import default_model_path, tokenizer_from_gguf
 
     if spec == "bundled":
         return tokenizer_from_gguf(default_model_path())
