@@ -9,9 +9,9 @@ import pytest
 import torch
 from test_reference_engine import _codec, _weights
 
-from contracts.model import default_model_path
 from reference_server.config import EngineConfig
 from reference_server.engine import Engine
+from reference_server.model_files import default_model_path
 from reference_server.model_runner import ModelRunner
 from reference_server.scheduler import ScheduledBatch
 from reference_server.sequence import SamplingParams
