@@ -36,8 +36,7 @@ _FLOAT = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGM
 @dataclass
 class QuantWeight:
     """A weight [N, K] as packed blocks of 32 along K (layout in csrc/cpu_kernels.c): ``qweight`` uint8
-    [N, ceil(K / 32) * bits * 4], ``scale`` / ``minimum`` float32 [N, groups]. 8-bit weights are symmetric:
-    their ``minimum`` is zero (the 1-3 row kernel relies on it and does not read it)."""
+    [N, ceil(K / 32) * bits * 4], ``scale`` / ``minimum`` float32 [N, groups]."""
 
     qweight: torch.Tensor
     scale: torch.Tensor

@@ -409,9 +409,8 @@ static void dequant_rows(const uint8_t *qw, const float *scale, const float *min
 /* For 1..QDIRECT rows the weights go straight from their bytes into the dot products, unscaled: an int4
  * block becomes the exact bf16 numbers 128 + q (q's nibble in the mantissa of 128.0: four instructions for
  * 32 weights), an int8 block the exact bf16 of q. Each group's float32 dot is then scaled once,
- * acc += d * dot, and the constant part, sum_g (m - 128 d) * sum(x over g), added at the end, 16 groups per
- * vector (it was a scalar loop per output, a fifth of the kernel's time): the weights enter as q * d + m
- * without any bf16 rounding. */
+ * acc += d * dot, and the constant part, sum_g (m - 128 d) * sum(x over g), added at the end: the weights
+ * enter as q * d + m without any bf16 rounding. */
 #define QDIRECT 3
 
 static inline __m512bh raw_block(const uint8_t *src, int bits) {
@@ -428,9 +427,9 @@ static inline __m512bh raw_block(const uint8_t *src, int bits) {
 
 /* One tile of QNR output channels for M (a constant after inlining: accumulators stay in registers) rows. */
 static inline __attribute__((always_inline)) void direct_tile(const uint16_t *x, int64_t x_stride, const uint8_t *qw,
-                                                              const float *scale, const float *minv, const float *sx,
-                                                              int n0, int N, int nblk, int bb, int ngroups, int per,
-                                                              __mmask32 tail, int bits, const int M, float *res) {
+                                                              const float *scale, int n0, int N, int nblk, int bb,
+                                                              int ngroups, int per, __mmask32 tail, int bits,
+                                                              const int M, float *res) {
     __m512 acc[QDIRECT][QNR], gacc[QDIRECT][QNR];
     size_t rows[QNR];
     for (int j = 0; j < QNR; j++) rows[j] = (size_t)(n0 + j < N ? n0 + j : N - 1); /* a short tile repeats its last row */
@@ -453,19 +452,6 @@ static inline __attribute__((always_inline)) void direct_tile(const uint16_t *x,
                     gacc[m][j] = _mm512_setzero_ps();
                 }
             }
-        }
-    }
-    const __m512 bias = _mm512_set1_ps(128.f);
-    /* int4: acc += (m - 128 d) * sum(x over the group), lane by group; int8 weights are symmetric (minimum 0,
-     * quant.py), nothing to add */
-    for (int g0 = 0; g0 < ngroups && bits == 4; g0 += 16) {
-        const __mmask16 gm = ngroups - g0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (ngroups - g0)) - 1u);
-        for (int j = 0; j < QNR; j++) {
-            const size_t at = rows[j] * ngroups + g0;
-            const __m512 off = _mm512_sub_ps(_mm512_maskz_loadu_ps(gm, minv + at),
-                                             _mm512_mul_ps(bias, _mm512_maskz_loadu_ps(gm, scale + at)));
-            for (int m = 0; m < M; m++)
-                acc[m][j] = _mm512_fmadd_ps(off, _mm512_maskz_loadu_ps(gm, sx + m * ngroups + g0), acc[m][j]);
         }
     }
     for (int m = 0; m < M; m++)
@@ -501,18 +487,26 @@ static void qlinear_rows(const uint16_t *x, int64_t x_stride, const uint8_t *qw,
                 for (int k = g * group; k < K && k < (g + 1) * group; k++) t += bf16_to_f32(x[(size_t)m * x_stride + k]);
                 sx[m * ngroups + g] = t;
             }
+        const float bias = bits == 4 ? 128.f : 0.f;
 #pragma omp for schedule(static)
         for (int t = 0; t < ntiles; t++) {
             const int n0 = t * QNR, nr = N - n0 < QNR ? N - n0 : QNR;
             float res[QDIRECT * QNR];
             if (M == 1)
-                direct_tile(x, x_stride, qw, scale, minv, sx, n0, N, nblk, bb, ngroups, per, tail, bits, 1, res);
+                direct_tile(x, x_stride, qw, scale, n0, N, nblk, bb, ngroups, per, tail, bits, 1, res);
             else if (M == 2)
-                direct_tile(x, x_stride, qw, scale, minv, sx, n0, N, nblk, bb, ngroups, per, tail, bits, 2, res);
+                direct_tile(x, x_stride, qw, scale, n0, N, nblk, bb, ngroups, per, tail, bits, 2, res);
             else
-                direct_tile(x, x_stride, qw, scale, minv, sx, n0, N, nblk, bb, ngroups, per, tail, bits, 3, res);
-            for (int j = 0; j < nr; j++)
-                for (int m = 0; m < M; m++) store_out(res[m * QNR + j], residual, res_stride, out, out_f32, m, N, n0 + j);
+                direct_tile(x, x_stride, qw, scale, n0, N, nblk, bb, ngroups, per, tail, bits, 3, res);
+            for (int j = 0; j < nr; j++) {
+                const size_t n = (size_t)(n0 + j);
+                for (int m = 0; m < M; m++) {
+                    float v = res[m * QNR + j];
+                    for (int g = 0; g < ngroups; g++)
+                        v += (minv[n * ngroups + g] - bias * scale[n * ngroups + g]) * sx[m * ngroups + g];
+                    store_out(v, residual, res_stride, out, out_f32, m, N, (int)n);
+                }
+            }
         }
         return;
     }
