@@ -61,7 +61,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from backends.launcher import ServerProcess, bundled_model, free_port, llama_server_binary  # noqa: E402
-from workloads import load_workload  # noqa: E402
+from workloads.loader import load_workload  # noqa: E402
 
 PROMPT, OUTPUT = 32, 128
 # Requests per tool and concurrency: 6-16 waves, so that one wave's TTFT does not set the median.
