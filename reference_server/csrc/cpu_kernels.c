@@ -490,7 +490,7 @@ static void qlinear_rows(const uint16_t *x, int64_t x_stride, const uint8_t *qw,
     const __mmask32 tail = K % 32 ? (__mmask32)((1u << (K % 32)) - 1u) : (__mmask32)0xffffffffu;
     if (M <= QDIRECT) {
         const int per = group / 32;
-        float sx[QDIRECT * ngroups], sc[ngroups], mn[ngroups]; /* sum of x over each group; a row's d, m */
+        float sx[QDIRECT * ngroups]; /* sum of x over each group (every thread its own) */
         for (int m = 0; m < M; m++)
             for (int g = 0; g < ngroups; g++) {
                 float t = 0.f;
@@ -510,19 +510,13 @@ static void qlinear_rows(const uint16_t *x, int64_t x_stride, const uint8_t *qw,
                 direct_tile(x, x_stride, qw, scale, rowscale, n0, N, nblk, bb, ngroups, per, tail, bits, 3, res);
             for (int j = 0; j < nr; j++) {
                 const size_t n = (size_t)(n0 + j);
-                if (bits == 4) { /* int8: the minimum is zero and the bias too, the sum adds nothing */
-                    /* the row's scales and minimums as float32 first, then the very loop the float32 layout
-                     * ran (the compiler splits it into vector and scalar parts: the same roundings) */
-                    const float rs = rowscale[n];
-                    for (int g = 0; g < ngroups; g++) {
-                        sc[g] = h2f(scale[n * ngroups + g]) * rs;
-                        mn[g] = h2f(minv[n * ngroups + g]) * rs;
-                    }
-                }
+                const float rs = rowscale[n];
                 for (int m = 0; m < M; m++) {
                     float v = res[m * QNR + j];
-                    if (bits == 4)
-                        for (int g = 0; g < ngroups; g++) v += (mn[g] - bias * sc[g]) * sx[m * ngroups + g];
+                    if (bits == 4) /* int8: the minimum is zero and the bias too, the sum adds nothing */
+                        for (int g = 0; g < ngroups; g++)
+                            v += (h2f(minv[n * ngroups + g]) * rs - bias * (h2f(scale[n * ngroups + g]) * rs))
+                                 * sx[m * ngroups + g];
                     store_out(v, residual, res_stride, out, out_f32, m, N, (int)n);
                 }
             }
