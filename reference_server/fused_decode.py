@@ -20,7 +20,7 @@ from reference_server.quant import NATIVE_MAX_ROWS, QuantLinear, QuantWeight
 def _qmat(linear: torch.nn.Module) -> QMat:
     assert isinstance(linear, QuantLinear)
     w: QuantWeight = linear.weight
-    return QMat(*w.pointers(), w.n, w.k, w.bits, w.group)
+    return QMat(w.qweight.data_ptr(), w.scale.data_ptr(), w.minimum.data_ptr(), w.n, w.k, w.bits, w.group)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -36,16 +36,15 @@ if TYPE_CHECKING:
     from reference_server.quant import QuantWeight
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c", "-fopenmp", "-shared",
-         "-fPIC"]
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma", "f16c")
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
 
 
 class QMat(ctypes.Structure):
     """A quantised weight (quant.QuantWeight) as ``decode_forward`` reads it (csrc/cpu_kernels.c: qmat)."""
 
     _fields_ = [("qw", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("minv", ctypes.c_void_p),
-                ("rowscale", ctypes.c_void_p), ("n", ctypes.c_int32), ("k", ctypes.c_int32), ("bits", ctypes.c_int32), ("group", ctypes.c_int32)]
+                ("n", ctypes.c_int32), ("k", ctypes.c_int32), ("bits", ctypes.c_int32), ("group", ctypes.c_int32)]
 
 
 class QLayer(ctypes.Structure):
@@ -94,13 +93,13 @@ class CpuKernels:
         self._silu.argtypes = [ptr, ptr, ctypes.c_int, ctypes.c_int]
         self._qlinear = lib.qlinear_bf16
         self._qlinear.restype = ctypes.c_int
-        self._qlinear.argtypes = [ptr, ctypes.c_int64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int64, ptr] + [ctypes.c_int] * 5
+        self._qlinear.argtypes = [ptr, ctypes.c_int64, ptr, ptr, ptr, ptr, ctypes.c_int64, ptr] + [ctypes.c_int] * 5
         self._decode = lib.decode_forward
         self._decode.restype = ctypes.c_int
         self._decode.argtypes = [ctypes.POINTER(QModel)] + [ptr] * 5 + [ctypes.c_int] * 3 + [ptr]
         self._qdequant = lib.qdequant_bf16
         self._qdequant.restype = ctypes.c_int
-        self._qdequant.argtypes = [ptr] * 5 + [ctypes.c_int] * 4
+        self._qdequant.argtypes = [ptr] * 4 + [ctypes.c_int] * 4
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim of ``x`` [T, N] (rows may be strided)."""
@@ -162,13 +161,14 @@ class CpuKernels:
     def qlinear(self, x: torch.Tensor, w: QuantWeight, residual: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T (+ residual)`` for bf16 ``x`` [M, K] (rows may be strided) and a quantised ``W`` (quant.py)."""
         m, k = x.shape
-        if not (x.dtype == torch.bfloat16 and x.stride(1) == 1 and k == w.k and w.well_formed()):
+        if not (x.dtype == torch.bfloat16 and x.stride(1) == 1 and k == w.k and w.qweight.is_contiguous()
+                and w.scale.is_contiguous() and w.minimum.is_contiguous()):
             raise ValueError("qlinear: unexpected tensor layout or dtype")
         if residual is not None and not (residual.dtype == torch.bfloat16 and residual.shape == (m, w.n)
                                          and residual.stride(1) == 1):
             raise ValueError("qlinear: unexpected residual layout or dtype")
         out = torch.empty((m, w.n), dtype=torch.bfloat16)
-        rc = self._qlinear(x.data_ptr(), x.stride(0), *w.pointers(),
+        rc = self._qlinear(x.data_ptr(), x.stride(0), w.qweight.data_ptr(), w.scale.data_ptr(), w.minimum.data_ptr(),
                            None if residual is None else residual.data_ptr(),
                            0 if residual is None else residual.stride(0), out.data_ptr(), m, w.n, k, w.bits, w.group)
         if rc != 0:
@@ -194,10 +194,9 @@ class CpuKernels:
 
     def qdequant(self, w: QuantWeight) -> torch.Tensor:
         """The bf16 [N, K] weight that :meth:`qlinear` multiplies with."""
-        if not w.well_formed():
-            raise ValueError("qdequant: unexpected tensor layout or dtype")
         out = torch.empty((w.n, w.k), dtype=torch.bfloat16)
-        if self._qdequant(*w.pointers(), out.data_ptr(), w.n, w.k, w.bits, w.group) != 0:
+        if self._qdequant(w.qweight.data_ptr(), w.scale.data_ptr(), w.minimum.data_ptr(), out.data_ptr(), w.n, w.k,
+                          w.bits, w.group) != 0:
             raise ValueError(f"qdequant: {w.bits}-bit weights in groups of {w.group} unsupported")
         return out
 

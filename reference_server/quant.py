@@ -1,8 +1,7 @@
 """Weight-only quantised linear layers for the CPU path (``--quantization``).
 
 Single-stream decode reads every weight once per step, so its speed is bytes per weight: bf16 reads 16 bits,
-int8 8 (+ one float32 scale per output channel, or Q8_0's fp16 scale per 32: 8.5), int4 5 (an fp16 scale and
-minimum per 32 weights: Q4_1's 20 bytes per block, as llama.cpp reads them).
+int8 8 (+ one float32 scale per output channel), int4 4.5-5 (a scale and a minimum per 32 weights).
 
 * ``int4``: group-wise, 32 weights per group, ``w = q * d + m`` with ``q`` in 0..15. Tensors the GGUF holds
   as Q4_0 / Q4_1 are taken block for block (no re-quantisation: the weights are the very values the bf16
@@ -37,17 +36,11 @@ _FLOAT = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGM
 @dataclass
 class QuantWeight:
     """A weight [N, K] as packed blocks of 32 along K (layout in csrc/cpu_kernels.c): ``qweight`` uint8
-    [N, ceil(K / 32) * bits * 4], ``scale`` / ``minimum`` fp16 [N, groups] (a GGUF block's own d and m) and
-    ``row_scale`` float32 [N]: group g of row n has the scale ``float(scale[n, g]) * row_scale[n]`` and the
-    minimum ``float(minimum[n, g]) * row_scale[n]``. The fp16 pair halves the bytes a decode step reads
-    besides the weights themselves (measured: float32 pairs made a Q4_1 block 24 bytes, not 20); the row
-    factor carries what fp16 cannot hold exactly: a power of two folded into the weights (exact), or a
-    per-channel int8 scale. int8 weights are symmetric (``minimum`` is zero)."""
+    [N, ceil(K / 32) * bits * 4], ``scale`` / ``minimum`` float32 [N, groups]."""
 
     qweight: torch.Tensor
     scale: torch.Tensor
     minimum: torch.Tensor
-    row_scale: torch.Tensor
     bits: int
     group: int
     k: int
@@ -58,24 +51,7 @@ class QuantWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scale, self.minimum, self.row_scale))
-
-    def well_formed(self) -> bool:
-        """Whether the tensors have the dtypes, shapes and contiguity the kernels read."""
-        groups = -(-(-(-self.k // 32) * 32) // self.group)
-        return (self.qweight.dtype == torch.uint8 and self.scale.dtype == self.minimum.dtype == torch.float16
-                and self.row_scale.dtype == torch.float32 and self.scale.shape == self.minimum.shape == (self.n, groups)
-                and self.row_scale.shape == (self.n,)
-                and all(t.is_contiguous() for t in (self.qweight, self.scale, self.minimum, self.row_scale)))
-
-    def pointers(self) -> tuple[int, int, int, int]:
-        """Addresses of ``qweight``, ``scale``, ``minimum`` and ``row_scale`` (the kernels' argument order)."""
-        return (self.qweight.data_ptr(), self.scale.data_ptr(), self.minimum.data_ptr(), self.row_scale.data_ptr())
-
-    def group_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 [N, groups] scales and minimums, as the kernels compute them."""
-        rs = self.row_scale[:, None]
-        return self.scale.float() * rs, self.minimum.float() * rs
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scale, self.minimum))
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]: ``q * scale + minimum`` (reference; the kernel rounds this to bf16)."""
@@ -86,9 +62,9 @@ class QuantWeight:
         else:
             q = q.view(torch.int8).float()
         q = q.reshape(self.n, nblk * 32)
-        scale, minimum = self.group_scales()
-        s = scale.repeat_interleave(self.group, dim=1)[:, : nblk * 32]
-        m = minimum.repeat_interleave(self.group, dim=1)[:, : nblk * 32]
+        per = self.group
+        s = self.scale.repeat_interleave(per, dim=1)[:, : nblk * 32]
+        m = self.minimum.repeat_interleave(per, dim=1)[:, : nblk * 32]
         return (q * s + m)[:, : self.k]
 
     @staticmethod
@@ -97,32 +73,25 @@ class QuantWeight:
         first = parts[0]
         if any((p.bits, p.group, p.k) != (first.bits, first.group, first.k) for p in parts):
             raise ValueError("cannot fuse weights quantised differently")
-        return QuantWeight(*(torch.cat([getattr(p, name) for p in parts])
-                             for name in ("qweight", "scale", "minimum", "row_scale")), first.bits, first.group, first.k)
+        return QuantWeight(torch.cat([p.qweight for p in parts]), torch.cat([p.scale for p in parts]),
+                           torch.cat([p.minimum for p in parts]), first.bits, first.group, first.k)
 
     def scaled(self, factor: float) -> QuantWeight:
         """The weight times ``factor`` (a power of two stays exact)."""
-        return QuantWeight(self.qweight, self.scale, self.minimum, self.row_scale * factor, self.bits, self.group,
-                           self.k)
+        return QuantWeight(self.qweight, self.scale * factor, self.minimum * factor, self.bits, self.group, self.k)
 
 
 def quantize_int4(w: torch.Tensor, group: int = GROUP) -> QuantWeight:
-    """Asymmetric group-wise int4 of a float weight [N, K] (a partial last group is padded with zeros). As
-    GGUF's Q4_1, the scale and minimum are rounded to fp16 first (here relative to a power of two per row,
-    so that tiny or huge rows keep fp16's precision) and the weights quantised against the rounded values."""
+    """Asymmetric group-wise int4 of a float weight [N, K] (a partial last group is padded with zeros)."""
     n, k = w.shape
     kp = -(-k // 32) * 32
     wp = F.pad(w.float(), (0, -(-k // group) * group - k)).view(n, -1, group)  # group % 32 == 0
     lo, hi = wp.amin(-1), wp.amax(-1)
     d = (hi - lo) / 15
-    top = torch.maximum(d, lo.abs()).amax(-1)
-    row = torch.where(top > 0, torch.exp2(torch.ceil(torch.log2(top.clamp_min(1e-30)))), 1.0)
-    half_d, half_lo = (d / row[:, None]).half(), (lo / row[:, None]).half()
-    d, lo = half_d.float() * row[:, None], half_lo.float() * row[:, None]
     q = torch.where(d[..., None] > 0, torch.round((wp - lo[..., None]) / d.clamp_min(1e-30)[..., None]), 0).clamp(0, 15)
     q = q.to(torch.uint8).view(n, -1)[:, :kp].reshape(n, kp // 32, 32)
     packed = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, -1).contiguous()
-    return QuantWeight(packed, half_d.contiguous(), half_lo.contiguous(), row.contiguous(), 4, group, k)
+    return QuantWeight(packed, d.contiguous(), lo.contiguous(), 4, group, k)
 
 
 def quantize_int8(w: torch.Tensor) -> QuantWeight:
@@ -132,8 +101,7 @@ def quantize_int8(w: torch.Tensor) -> QuantWeight:
     s = w.float().abs().amax(-1) / 127
     q = torch.round(w.float() / s.clamp_min(1e-30)[:, None]).clamp(-127, 127).to(torch.int8)
     packed = F.pad(q, (0, kp - k)).view(torch.uint8).contiguous()
-    ones = torch.ones(n, 1, dtype=torch.float16)  # the per-channel scale is the row factor: float32, exact
-    return QuantWeight(packed, ones, torch.zeros(n, 1, dtype=torch.float16), s.contiguous(), 8, kp, k)
+    return QuantWeight(packed, s[:, None].contiguous(), torch.zeros(n, 1), 8, kp, k)
 
 
 def from_gguf_blocks(raw: np.ndarray, kind: gguf.GGMLQuantizationType, n: int, k: int) -> QuantWeight:
@@ -142,16 +110,13 @@ def from_gguf_blocks(raw: np.ndarray, kind: gguf.GGMLQuantizationType, n: int, k
     head = {gguf.GGMLQuantizationType.Q4_0: 2, gguf.GGMLQuantizationType.Q4_1: 4, gguf.GGMLQuantizationType.Q8_0: 2}[kind]
     bits = 8 if kind == gguf.GGMLQuantizationType.Q8_0 else 4
     blocks = raw.reshape(n, k // 32, head + bits * 4)
-    d = blocks[..., :2].copy().view(np.float16)[..., 0]
+    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
     if kind == gguf.GGMLQuantizationType.Q4_1:
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
     else:
-        m = -8 * d if bits == 4 else np.zeros_like(d)  # -8 d: exact in fp16 (a power of two; |d| < 8192)
-        if not np.isfinite(m).all():
-            raise ValueError("a Q4_0 scale beyond fp16's range / 8")
+        m = -8 * d if bits == 4 else np.zeros_like(d)
     qs = np.ascontiguousarray(blocks[..., head:]).reshape(n, -1)
-    return QuantWeight(torch.from_numpy(qs), torch.from_numpy(np.ascontiguousarray(d)),
-                       torch.from_numpy(np.ascontiguousarray(m)), torch.ones(n), bits, 32, k)
+    return QuantWeight(torch.from_numpy(qs), torch.from_numpy(d), torch.from_numpy(np.ascontiguousarray(m)), bits, 32, k)
 
 
 def auto_quantization(path: Path) -> tuple[str, str]:

@@ -366,12 +366,9 @@ void argmax_rows_f32(const float *x, int64_t *out, int B, int V) {
  *
  * w is stored quantised, row n in blocks of 32 along k: bits 4 -> 16 bytes per block (byte j holds element
  * j in its low nibble and element j + 16 in its high nibble, GGUF's Q4_0/Q4_1 layout), unsigned 0..15;
- * bits 8 -> 32 signed bytes. Each group of `group` elements (a multiple of 32) has a scale and a minimum,
- * stored as fp16 (GGUF's own d and m: 20 bytes per int4 block, 34 per int8 block, as in the file) times a
- * float32 factor per row (1, a power of two folded in, or a per-channel int8 scale): d = float(scale) *
- * rowscale, m = float(min) * rowscale, and w = bf16(q * d + m), the value the bf16 model would hold (q * d + m
- * rounded once more to bf16, as dequantising to float32 and then to bf16 does). int8 weights are symmetric:
- * their minimum is zero, and the kernels for few rows do not read it. The weights are dequantised in registers into a small
+ * bits 8 -> 32 signed bytes. Each group of `group` elements (a multiple of 32) has a scale and a minimum:
+ * w = bf16(q * scale + min), the value the bf16 model would hold (q * d + m rounded once more to bf16, as
+ * dequantising to float32 and then to bf16 does). The weights are dequantised in registers into a small
  * per-thread bf16 tile (NR rows) that stays in L1, then every MR x NR block of the output is a run of
  * VDPBF16PS (exact bf16 products, float32 sums): each weight byte is read from memory once per call,
  * whatever M. K need not be a multiple of 32: x's tail is loaded masked (zeros), the packed tail is zero. */
@@ -394,20 +391,17 @@ static inline void dequant_block(const uint8_t *src, int bits, __m512 scale, __m
     _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(fhi, flo));
 }
 
-static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
-
 /* Dequantise rows [n0, n0 + nr) into tile [nr][Kp] bf16. */
-static void dequant_rows(const uint8_t *qw, const uint16_t *scale, const uint16_t *minv, const float *rowscale, int n0,
-                         int nr, int Kp, int bits, int group, uint16_t *tile) {
+static void dequant_rows(const uint8_t *qw, const float *scale, const float *minv, int n0, int nr, int Kp, int bits,
+                         int group, uint16_t *tile) {
     const int nblk = Kp / 32, bb = bits * 4, ngroups = (Kp + group - 1) / group;
     for (int r = 0; r < nr; r++) {
         const size_t n = (size_t)(n0 + r);
         const uint8_t *row = qw + n * (size_t)nblk * bb;
-        const float rs = rowscale[n];
         for (int kb = 0; kb < nblk; kb++) {
             const int gi = kb * 32 / group;
-            dequant_block(row + (size_t)kb * bb, bits, _mm512_set1_ps(h2f(scale[n * ngroups + gi]) * rs),
-                          _mm512_set1_ps(h2f(minv[n * ngroups + gi]) * rs), tile + (size_t)r * Kp + (size_t)kb * 32);
+            dequant_block(row + (size_t)kb * bb, bits, _mm512_set1_ps(scale[n * ngroups + gi]),
+                          _mm512_set1_ps(minv[n * ngroups + gi]), tile + (size_t)r * Kp + (size_t)kb * 32);
         }
     }
 }
@@ -433,16 +427,12 @@ static inline __m512bh raw_block(const uint8_t *src, int bits) {
 
 /* One tile of QNR output channels for M (a constant after inlining: accumulators stay in registers) rows. */
 static inline __attribute__((always_inline)) void direct_tile(const uint16_t *x, int64_t x_stride, const uint8_t *qw,
-                                                              const uint16_t *scale, const float *rowscale, int n0,
-                                                              int N, int nblk, int bb, int ngroups, int per,
-                                                              __mmask32 tail, int bits, const int M, float *res) {
+                                                              const float *scale, int n0, int N, int nblk, int bb,
+                                                              int ngroups, int per, __mmask32 tail, int bits,
+                                                              const int M, float *res) {
     __m512 acc[QDIRECT][QNR], gacc[QDIRECT][QNR];
     size_t rows[QNR];
-    float rs[QNR];
-    for (int j = 0; j < QNR; j++) {
-        rows[j] = (size_t)(n0 + j < N ? n0 + j : N - 1); /* a short tile repeats its last row */
-        rs[j] = rowscale[rows[j]];
-    }
+    for (int j = 0; j < QNR; j++) rows[j] = (size_t)(n0 + j < N ? n0 + j : N - 1); /* a short tile repeats its last row */
     for (int m = 0; m < M; m++)
         for (int j = 0; j < QNR; j++) acc[m][j] = gacc[m][j] = _mm512_setzero_ps();
     for (int kb = 0; kb < nblk; kb++) {
@@ -456,7 +446,7 @@ static inline __attribute__((always_inline)) void direct_tile(const uint16_t *x,
         if ((kb + 1) % per == 0 || kb + 1 == nblk) {
             const int g = kb / per;
             for (int j = 0; j < QNR; j++) {
-                const __m512 d = _mm512_set1_ps(h2f(scale[rows[j] * ngroups + g]) * rs[j]);
+                const __m512 d = _mm512_set1_ps(scale[rows[j] * ngroups + g]);
                 for (int m = 0; m < M; m++) {
                     acc[m][j] = _mm512_fmadd_ps(gacc[m][j], d, acc[m][j]);
                     gacc[m][j] = _mm512_setzero_ps();
@@ -482,9 +472,9 @@ static inline void store_out(float v, const uint16_t *residual, int64_t res_stri
 
 /* The work of qlinear_bf16 (arguments checked), shared out over the calling parallel region's threads. The
  * residual may be the output itself (in place: each element is read, then written, by the same thread). */
-static void qlinear_rows(const uint16_t *x, int64_t x_stride, const uint8_t *qw, const uint16_t *scale,
-                         const uint16_t *minv, const float *rowscale, const uint16_t *residual, int64_t res_stride,
-                         uint16_t *out, float *out_f32, int M, int N, int K, int bits, int group) {
+static void qlinear_rows(const uint16_t *x, int64_t x_stride, const uint8_t *qw, const float *scale,
+                         const float *minv, const uint16_t *residual, int64_t res_stride, uint16_t *out,
+                         float *out_f32, int M, int N, int K, int bits, int group) {
     const int Kp = (K + 31) / 32 * 32, nblk = Kp / 32, bb = bits * 4, ngroups = (Kp + group - 1) / group;
     const int ntiles = (N + QNR - 1) / QNR;
     const __mmask32 tail = K % 32 ? (__mmask32)((1u << (K % 32)) - 1u) : (__mmask32)0xffffffffu;
@@ -503,20 +493,17 @@ static void qlinear_rows(const uint16_t *x, int64_t x_stride, const uint8_t *qw,
             const int n0 = t * QNR, nr = N - n0 < QNR ? N - n0 : QNR;
             float res[QDIRECT * QNR];
             if (M == 1)
-                direct_tile(x, x_stride, qw, scale, rowscale, n0, N, nblk, bb, ngroups, per, tail, bits, 1, res);
+                direct_tile(x, x_stride, qw, scale, n0, N, nblk, bb, ngroups, per, tail, bits, 1, res);
             else if (M == 2)
-                direct_tile(x, x_stride, qw, scale, rowscale, n0, N, nblk, bb, ngroups, per, tail, bits, 2, res);
+                direct_tile(x, x_stride, qw, scale, n0, N, nblk, bb, ngroups, per, tail, bits, 2, res);
             else
-                direct_tile(x, x_stride, qw, scale, rowscale, n0, N, nblk, bb, ngroups, per, tail, bits, 3, res);
+                direct_tile(x, x_stride, qw, scale, n0, N, nblk, bb, ngroups, per, tail, bits, 3, res);
             for (int j = 0; j < nr; j++) {
                 const size_t n = (size_t)(n0 + j);
-                const float rs = rowscale[n];
                 for (int m = 0; m < M; m++) {
                     float v = res[m * QNR + j];
-                    if (bits == 4) /* int8: the minimum is zero and the bias too, the sum adds nothing */
-                        for (int g = 0; g < ngroups; g++)
-                            v += (h2f(minv[n * ngroups + g]) * rs - bias * (h2f(scale[n * ngroups + g]) * rs))
-                                 * sx[m * ngroups + g];
+                    for (int g = 0; g < ngroups; g++)
+                        v += (minv[n * ngroups + g] - bias * scale[n * ngroups + g]) * sx[m * ngroups + g];
                     store_out(v, residual, res_stride, out, out_f32, m, N, (int)n);
                 }
             }
@@ -527,7 +514,7 @@ static void qlinear_rows(const uint16_t *x, int64_t x_stride, const uint8_t *qw,
 #pragma omp for schedule(static)
     for (int t = 0; t < ntiles; t++) {
         const int n0 = t * QNR, nr = N - n0 < QNR ? N - n0 : QNR;
-        dequant_rows(qw, scale, minv, rowscale, n0, nr, Kp, bits, group, tile);
+        dequant_rows(qw, scale, minv, n0, nr, Kp, bits, group, tile);
         for (int r = nr; r < QNR; r++) memset(tile + (size_t)r * Kp, 0, (size_t)Kp * sizeof(uint16_t));
         for (int m0 = 0; m0 < M; m0 += QMR) {
             const int mr = M - m0 < QMR ? M - m0 : QMR;
@@ -558,20 +545,19 @@ static int qlinear_check(int M, int N, int K, int bits, int group) {
 }
 
 /* x: [M, K] bf16, row stride x_stride; residual: NULL or [M, N] bf16 with row stride res_stride; out: [M, N]
- * contiguous. qw: [N, ceil(K / 32) * bits * 4] bytes; scale, minv: [N, ceil(Kp / group)] fp16; rowscale: [N]
- * float32. Returns 0, or -1 for an unsupported layout (nothing written). */
-int qlinear_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *qw, const uint16_t *scale, const uint16_t *minv,
-                 const float *rowscale, const uint16_t *residual, int64_t res_stride, uint16_t *out, int M, int N,
-                 int K, int bits, int group) {
+ * contiguous. qw: [N, ceil(K / 32) * bits * 4] bytes; scale, minv: [N, ceil(Kp / group)] float32.
+ * Returns 0, or -1 for an unsupported layout (nothing written). */
+int qlinear_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *qw, const float *scale, const float *minv,
+                 const uint16_t *residual, int64_t res_stride, uint16_t *out, int M, int N, int K, int bits, int group) {
     if (qlinear_check(M, N, K, bits, group)) return -1;
 #pragma omp parallel
-    qlinear_rows(x, x_stride, qw, scale, minv, rowscale, residual, res_stride, out, NULL, M, N, K, bits, group);
+    qlinear_rows(x, x_stride, qw, scale, minv, residual, res_stride, out, NULL, M, N, K, bits, group);
     return 0;
 }
 
 /* The bf16 weight [N, K] contiguous that qlinear_bf16 computes with (for many rows: a bf16 matmul on it). */
-int qdequant_bf16(const uint8_t *qw, const uint16_t *scale, const uint16_t *minv, const float *rowscale, uint16_t *out,
-                  int N, int K, int bits, int group) {
+int qdequant_bf16(const uint8_t *qw, const float *scale, const float *minv, uint16_t *out, int N, int K, int bits,
+                  int group) {
     if ((bits != 4 && bits != 8) || group < 32 || group % 32 || N < 1 || K < 1) return -1;
     const int Kp = (K + 31) / 32 * 32;
 #pragma omp parallel
@@ -579,7 +565,7 @@ int qdequant_bf16(const uint8_t *qw, const uint16_t *scale, const uint16_t *minv
         uint16_t *row = aligned_alloc(64, (size_t)Kp * sizeof(uint16_t));
 #pragma omp for schedule(static)
         for (int n = 0; n < N; n++) {
-            dequant_rows(qw, scale, minv, rowscale, n, 1, Kp, bits, group, row);
+            dequant_rows(qw, scale, minv, n, 1, Kp, bits, group, row);
             memcpy(out + (size_t)n * K, row, (size_t)K * sizeof(uint16_t));
         }
         free(row);
@@ -594,8 +580,7 @@ int qdequant_bf16(const uint8_t *qw, const uint16_t *scale, const uint16_t *minv
  * around ~10 small calls per layer and the start of a parallel region for each. */
 typedef struct {
     const uint8_t *qw;
-    const uint16_t *scale, *minv; /* fp16 */
-    const float *rowscale;
+    const float *scale, *minv;
     int32_t n, k, bits, group;
 } qmat;
 
@@ -617,8 +602,8 @@ typedef struct {
 
 static void qmat_rows(const qmat *w, const uint16_t *x, int64_t x_stride, const uint16_t *residual, int64_t res_stride,
                       uint16_t *out, float *out_f32, int M) {
-    qlinear_rows(x, x_stride, w->qw, w->scale, w->minv, w->rowscale, residual, res_stride, out, out_f32, M, w->n, w->k,
-                 w->bits, w->group);
+    qlinear_rows(x, x_stride, w->qw, w->scale, w->minv, residual, res_stride, out, out_f32, M, w->n, w->k, w->bits,
+                 w->group);
 }
 
 /* ids, pos, slots, lens: [B]; tables: [B, max_blocks] (as paged_decode_attention); logits: [B, vocab] float32,
