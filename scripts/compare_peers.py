@@ -50,6 +50,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -64,13 +65,15 @@ from backends.launcher import ServerProcess, bundled_model, free_port, llama_ser
 from workloads.loader import load_workload  # noqa: E402
 
 PROMPT, OUTPUT = 32, 128
-# Requests per tool and concurrency: 6-16 waves, so that one wave's TTFT does not set the median.
-REQUESTS = {1: 10, 4: 32, 16: 96}
+# Requests per tool and concurrency: 12-24 waves, so that one wave's TTFT does not set the median (at c = 1 each
+# request is one tool's alone: its TTFT varies most).
+REQUESTS = {1: 24, 4: 32, 16: 96}
 FIGURES = ("ttft_ms", "tpot_ms", "itl_ms", "output_tok_s")
 NULL_PACE = {"ttft": 0.05, "itl": 0.01}  # the null server's stream: TTFT 50 ms, then a token every 10 ms
 # Paired: the first wave released in pairs this far apart, so that each engine step's group holds as many
 # requests of one tool as of the other (a closed loop of equal requests keeps its first wave's groups: docs/metrics.md).
 STAGGER_S = 0.1
+PRIMER = "The server is busy with this request while the first pair of requests arrives. " * 2
 # Taking turns (c = 1): a request starts this long after the other tool's ended, once that tool's own work after
 # its request (records, its next task) is done and cannot slow the next prefill on the shared cores.
 SETTLE_S = 0.05
@@ -274,10 +277,12 @@ def wait_for(what: str, ready: Callable[[], bool], procs: list[subprocess.Popen[
         time.sleep(0.001)
 
 
-def paired(tools: tuple[Tool, Tool], gate: Path, per_tool: int, turns: bool) -> dict[str, dict[str, float]]:
+def paired(tools: tuple[Tool, Tool], gate: Path, per_tool: int, turns: bool, url: str, model: str
+           ) -> dict[str, dict[str, float]]:  # fmt: skip
     """Both clients at once: each waits at the barrier just before its clock starts, both are let go together.
     With ``turns`` they alternate request by request, ``tools[0]`` first, each request starting ``SETTLE_S`` after
-    the other's ended; otherwise their first waves go in pairs (one request of each tool), ``STAGGER_S`` apart."""
+    the other's ended; otherwise their first waves go in pairs (one request of each tool), ``STAGGER_S`` apart,
+    into a busy server."""
     names = [name for t in tools for name in (t.name, f"go-{t.name}", f"turn-{t.name}", f"wave-{t.name}")]
     at = {name: gate.with_name(f"{gate.name}.{name}") for name in names}
     for name, path in at.items():
@@ -289,16 +294,43 @@ def paired(tools: tuple[Tool, Tool], gate: Path, per_tool: int, turns: bool) -> 
                       PEERS_WAVE=str(per_tool), PEERS_SETTLE_S=str(SETTLE_S))  # fmt: skip
     procs = [t.start() for t in tools]
     wait_for("both clients at the barrier", lambda: all(at[t.name].exists() for t in tools), procs, 600)
+    primer = None if turns else keep_busy(url, model)
     for t in tools:
         give(at[f"go-{t.name}"])
     if turns:
         give(at[f"turn-{tools[0].name}"])
     else:
-        for _ in range(per_tool):
-            for t in tools:
+        for k in range(per_tool):
+            for t in tools if k % 2 == 0 else tools[::-1]:
                 give(at[f"wave-{t.name}"])
             time.sleep(STAGGER_S)
-    return {t.name: t.result(p) for t, p in zip(tools, procs, strict=True)}
+    got = {t.name: t.result(p) for t, p in zip(tools, procs, strict=True)}
+    if primer:
+        primer.join()
+    return got
+
+
+def keep_busy(url: str, model: str) -> threading.Thread:
+    """Start a short request of our own and return once the server streams it: an idle engine steps as soon as
+    one request arrives, so the first pair, arriving a fraction of a millisecond apart, would be split over two
+    steps, and in a closed loop of equal requests that split lasts the whole run (seen: vLLM's first request
+    prefilled alone at 47 ms, ours joined the next step at 100 ms, and every wave after kept that order)."""
+    streaming = threading.Event()
+
+    def run() -> None:
+        body = {"model": model, "prompt": PRIMER, "max_tokens": 8, "ignore_eos": True, "temperature": 0.0,
+                "stream": True}  # fmt: skip
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                for _ in r.iter_bytes():
+                    streaming.set()
+        finally:
+            streaming.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    streaming.wait(60)
+    return thread
 
 
 def give(fifo: Path) -> None:
@@ -367,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
                     bench = bench_tool(url, per_tool, n, seed(rnd, c, "bench"), workload, args.out / f"{tag}-bench")
                     order = (vllm, bench) if rnd % 2 == 0 else (bench, vllm)  # who goes first alternates
                     if pair:
-                        got = paired(order, args.out / f"{tag}.gate", per_tool, turns=c == 1)
+                        got = paired(order, args.out / f"{tag}.gate", per_tool, c == 1, url, model)
                     else:
                         got = {t.name: t.result(t.start()) for t in order}
                     for tool, figs in got.items():
