@@ -122,6 +122,8 @@ def gated(send, timed=lambda args: args):
     async def run(*args, **kwargs):
         k, calls[0] = calls[0], calls[0] + 1
         if turns or k < wave:
+            if k == wave - 1 and not turns:  # the first wave's earlier requests are at the gate already
+                open(gate + ".waiting-" + me, "w").close()
             await take("turn" if turns else "wave")
             await asyncio.sleep(settle if turns else 0)
             args = timed(args)
@@ -283,7 +285,8 @@ def paired(tools: tuple[Tool, Tool], gate: Path, per_tool: int, turns: bool, url
     With ``turns`` they alternate request by request, ``tools[0]`` first, each request starting ``SETTLE_S`` after
     the other's ended; otherwise their first waves go in pairs (one request of each tool), ``STAGGER_S`` apart,
     into a busy server."""
-    names = [name for t in tools for name in (t.name, f"go-{t.name}", f"turn-{t.name}", f"wave-{t.name}")]
+    kinds = ("", "go-", "turn-", "wave-", "waiting-")
+    names = [kind + t.name for t in tools for kind in kinds]
     at = {name: gate.with_name(f"{gate.name}.{name}") for name in names}
     for name, path in at.items():
         path.unlink(missing_ok=True)
@@ -294,12 +297,15 @@ def paired(tools: tuple[Tool, Tool], gate: Path, per_tool: int, turns: bool, url
                       PEERS_WAVE=str(per_tool), PEERS_SETTLE_S=str(SETTLE_S))  # fmt: skip
     procs = [t.start() for t in tools]
     wait_for("both clients at the barrier", lambda: all(at[t.name].exists() for t in tools), procs, 600)
-    primer = None if turns else keep_busy(url, model)
     for t in tools:
         give(at[f"go-{t.name}"])
+    primer = None
     if turns:
         give(at[f"turn-{tools[0].name}"])
-    else:
+    else:  # released only once both first waves wait at their gates (our client took 7.7 ms longer to get there)
+        wait_for("both first waves at their gates", lambda: all(at[f"waiting-{t.name}"].exists() for t in tools),
+                 procs, 600)  # fmt: skip
+        primer = keep_busy(url, model)
         for k in range(per_tool):
             for t in tools if k % 2 == 0 else tools[::-1]:
                 give(at[f"wave-{t.name}"])
