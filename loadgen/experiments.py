@@ -28,17 +28,20 @@ from rich.console import Console
 from rich.table import Table
 
 from backends.launcher import ServerProcess, bundled_model, free_port
-from backends.profile import REFERENCE_SPEC
+from backends.profile import REFERENCE_KV_BLOCKS, profile_of
 from backends.registry import get_backend
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, run_async
 from loadgen.results import ResultsDir, lookup, new_run_id
+from loadgen.sidecars.poller import ServerStatePoller
 from loadgen.sidecars.prometheus import parse_metrics
 from loadgen.sweep import PointPlan, run_sweep
 from workloads.base import ArrivalSpec, Session, SingleShot, Workload
 from workloads.contracts import GenRequest
 
 Summary = dict[str, Any]
+POLL_HZ = 1.0
+SPEC = "server.point.spec_decode"  # where a point summary keeps the poller's drafted/accepted counts
 
 
 @dataclass
@@ -119,8 +122,11 @@ def run_experiment(exp: Experiment, out: Path, quick: bool, model: Path | None, 
             backend = get_backend("openai")(srv.base_url, model=served)
             config = {"experiment": exp.name, "configuration": cfg.label, "server_args": argv[3:], "quick": quick}
             t0 = time.monotonic()
+            # the server's counters (speculative tokens among them) through the one poller, at a rate that
+            # costs the server nothing measurable; it restarts with each point
+            poller = ServerStatePoller(srv.base_url, profile_of(backend), hz=POLL_HZ)
             summaries = run_async(run_sweep(backend, exp.traffic(quick), ResultsDir(run_dir), RunClock(), config,
-                                            lambda _plan: [SpecCounters(srv.base_url)]))
+                                            [poller]))
             extra: dict[str, Any] = {"seconds": time.monotonic() - t0, "metrics": scrape_metrics(srv.base_url)}
             if exp.probe is not None:
                 extra.update(exp.probe(srv.base_url, argv[3:]))
@@ -265,24 +271,6 @@ class MixWorkload(Workload):
     def describe(self) -> dict[str, object]:
         return {"name": self.name, "classes": [(c.name, c.max_tokens, c.weight, c.temperature, c.priority)
                                                for c in self.classes], "schedule": self.schedule}  # fmt: skip
-
-
-class SpecCounters:
-    """Sidecar: speculative-decoding counters of the server over one point (drafted, accepted, rate)."""
-
-    name = "spec"
-
-    def __init__(self, base_url: str) -> None:
-        self.base_url = base_url
-        self.start_values: dict[str, float] = {}
-
-    def start(self, clock: RunClock, point_dir: Path) -> None:
-        self.start_values = scrape_metrics(self.base_url)
-
-    def stop(self, window: tuple[float, float] | None) -> dict[str, Any]:
-        now = scrape_metrics(self.base_url)
-        drafted, accepted = (now.get(k, 0.0) - self.start_values.get(k, 0.0) for k in REFERENCE_SPEC)
-        return {"drafted": drafted, "accepted": accepted, "acceptance": accepted / drafted if drafted else None}
 
 
 def _short_prompt(i: int) -> str:
@@ -471,7 +459,7 @@ def speculative() -> Experiment:
 
         speed = _ratio(tps("ngram", "code-edit"), tps("off", "code-edit"))
         same = all(extras[k]["outputs"] == extras["off"]["outputs"] for k in extras)
-        creative_acc = next((_get(s, "spec.acceptance") for s in pc["ngram"] if s["point_id"].startswith("creative")), None)
+        creative_acc = next((_get(s, f"{SPEC}.acceptance_rate") for s in pc["ngram"] if s["point_id"].startswith("creative")), None)
         ok = speed is not None and speed >= 1.5 and same
         acc = f"{creative_acc:.0%}" if creative_acc is not None else "-"
         return (f"n-gram / off single-stream tok/s on code-edit = {speed or 0:.2f}x (target >= 1.5x); greedy outputs "
@@ -484,8 +472,8 @@ def speculative() -> Experiment:
          Config("self", ["--spec", "self", "--spec-k", "4", "--self-draft-layers", "20"])],  # fmt: skip
         traffic,
         [Column("out tok/s", metric(OUT_TPS)), Column("tpot ms", lambda s, _e: _ms(_get(s, "latency.tpot.mean"))),
-         Column("acceptance", lambda s, _e: _get(s, "spec.acceptance"), "{:.0%}"),
-         Column("drafted", lambda s, _e: _get(s, "spec.drafted"), "{:.0f}")],  # fmt: skip
+         Column("acceptance", metric(f"{SPEC}.acceptance_rate"), "{:.0%}"),
+         Column("drafted", metric(f"{SPEC}.drafted"), "{:.0f}")],  # fmt: skip
         verdict,
         # fp32: bf16 rounding differs between a 1-token decode and a (k+1)-token verification pass, which
         # can flip a near-tie argmax; in fp32 greedy speculation is token-for-token identical
@@ -509,7 +497,7 @@ def quantization() -> Experiment:
             decode, LoadSpec(process="closed", concurrency=c, num_requests=(2 if quick else 6) * c, seed=3))]
 
     def probe(base_url: str, args: list[str]) -> dict[str, Any]:
-        kv_tokens = scrape_metrics(base_url).get("servelab_kv_blocks_total", 0) * 16
+        kv_tokens = scrape_metrics(base_url).get(REFERENCE_KV_BLOCKS[1], 0) * 16
         flags = [a for flag in ("--model", "--quantization", "--kv-cache-dtype") if flag in args
                  for a in (flag, args[args.index(flag) + 1])]  # fmt: skip
         res = subprocess.run([sys.executable, "-m", "reference_server.accuracy", *flags], capture_output=True,

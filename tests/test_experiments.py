@@ -1,6 +1,25 @@
 """Experiment definitions: seeded traffic, exact filler lengths, verdicts computed from the table."""
 
-from loadgen.experiments import EXPERIMENTS, _comparison, _markdown, batching, filler
+from rich.console import Console
+
+from loadgen.engine import LoadSpec
+from loadgen.experiments import (
+    EXPERIMENTS,
+    SPEC,
+    Column,
+    Config,
+    Experiment,
+    MixWorkload,
+    RequestClass,
+    _comparison,
+    _edit_prompt,
+    _markdown,
+    _plans,
+    batching,
+    filler,
+    metric,
+    run_experiment,
+)
 from reference_server.model_files import default_model_path, tokenizer_from_gguf
 
 
@@ -56,3 +75,21 @@ def test_quantization_verdict_and_accuracy_columns():
     assert "int8: c=1 1.20x" in c["verdict"] and "-2.0 points" in c["verdict"]
     assert "kv-int8: c=1 0.97x, c=16 1.04x bf16, KV tokens 1.99x, top-1 agreement -0.5 points" in c["verdict"]
     assert "| int4 | c001 | 45.0 |" in _markdown(c) and "97.5%" in _markdown(c) and "65,280" in _markdown(c)
+
+
+def test_spec_counts_come_from_the_server_poller(tmp_path):
+    """A live experiment (reference server with n-gram speculation, two code-edit requests): the drafted and
+    accepted counts in its table are the server-state poller's, as in any `bench run`."""
+    wl = MixWorkload("code-edit", [RequestClass("code-edit", 24, _edit_prompt)])
+    exp = Experiment(
+        "spec-counts", "the poller counts speculative tokens", [Config("ngram", ["--spec", "ngram", "--spec-k", "8"])],
+        lambda _quick: _plans(wl, LoadSpec(process="closed", concurrency=1, num_requests=2, seed=5)),
+        [Column("errors", metric("counts.errors"), "{}"), Column("drafted", metric(f"{SPEC}.drafted"), "{}"),
+         Column("accepted", metric(f"{SPEC}.accepted"), "{}")],
+        lambda _pc, _e: "-", common_args=["--dtype", "fp32", "--max-model-len", "512"],
+    )  # fmt: skip
+    c = run_experiment(exp, tmp_path, True, None, Console(quiet=True))
+    [row] = c["rows"]
+    assert row["errors"] == 0
+    assert row["drafted"] > 0 and 0 < row["accepted"] <= row["drafted"], row
+    assert (tmp_path / "ngram" / "points" / row["point"] / "server_state.jsonl").is_file()
