@@ -9,6 +9,7 @@ answers its health check raises :class:`LaunchError`, which a sweep records as t
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shlex
@@ -22,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 
@@ -110,20 +111,23 @@ def render_command(template: str, params: dict[str, str], port: int, model: str 
 
 
 class ServerProcess:
-    """One launched server: ``with ServerProcess(argv, port, log) as srv: ... srv.base_url``."""
+    """One launched server: ``with ServerProcess(argv, port, log) as srv: ... srv.base_url``.
+
+    Its output goes to ``log_path``, or to this process's stdout/stderr when that is None."""
 
     def __init__(
         self,
         argv: list[str],
         port: int,
-        log_path: Path,
+        log_path: Path | None,
         health_path: str = "/health",
         health_timeout_s: float = 180.0,
         stop_grace_s: float = 10.0,
+        host: str = "127.0.0.1",
     ) -> None:
         self.argv = argv
         self.port = port
-        self.base_url = f"http://127.0.0.1:{port}"
+        self.base_url = f"http://{host}:{port}"
         self.log_path = log_path
         self.health_path = health_path
         self.health_timeout_s = health_timeout_s
@@ -139,16 +143,19 @@ class ServerProcess:
         self.stop()
 
     def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
-        with self.log_path.open("ab") as log:
-            log.write(f"$ {shlex.join(self.argv)}\n".encode())
-            log.flush()
+        with contextlib.ExitStack() as stack:
+            log: IO[bytes] | None = None
+            if self.log_path is not None:
+                self.log_path.parent.mkdir(parents=True, exist_ok=True)
+                log = stack.enter_context(self.log_path.open("ab"))
+                log.write(f"$ {shlex.join(self.argv)}\n".encode())
+                log.flush()
             try:
                 self.proc = subprocess.Popen(
                     self.argv,
                     stdout=log,
-                    stderr=subprocess.STDOUT,
+                    stderr=subprocess.STDOUT if log is not None else None,
                     stdin=subprocess.DEVNULL,
                     start_new_session=True,
                 )
@@ -205,6 +212,8 @@ class ServerProcess:
             pass
 
     def log_tail(self, lines: int = 15) -> str:
+        if self.log_path is None:
+            return ""
         try:
             text = self.log_path.read_text(encoding="utf-8", errors="replace")
         except OSError:
