@@ -20,12 +20,12 @@ out (it says so and reports the bracket it holds), when the SLOs fail at the low
 or hold at the highest (not saturated).
 
 Probers: :class:`LiveProber` runs :func:`loadgen.engine.run_point` against a server;
-:class:`SimProber` runs the service model of :mod:`loadgen.servicemodel` in virtual time (tests and the
+:class:`loadgen.servicemodel.SimProber` runs the known-answer service model in virtual time (tests and the
 cost comparison with a linear sweep, :func:`linear_sweep`).
 
-Size: SLO parsing, the sequential probe decisions, the search, and the live and simulated probers; the next
-split (issue 21) moves the simulated prober to servicemodel.py (which removes the capacity <-> servicemodel
-import cycle) once issue 20's work on this file has landed.
+Size: SLO parsing, the sequential probe decisions, the search, the live prober and the gate on capacity:
+one file because they share the probe and decision types; the natural next split is the gate
+(``gate_capacity``) into loadgen/gate.py.
 """
 
 from __future__ import annotations
@@ -352,7 +352,7 @@ def _load_label(mode: str, load: float) -> str:
     return f"c{int(load):03d}" if mode == "concurrency" else f"r{load:07.2f}"
 
 
-def _finish(
+def probe_result(
     index: int, phase: str, mode: str, load: float, samples: Samples, seq: Sequential | None, slos: Sequence[SLO],
     decision: Decision, seconds: float, span: float | None,
 ) -> Probe:  # fmt: skip
@@ -377,71 +377,11 @@ def _meets(samples: Samples, i: int, slos: Sequence[SLO]) -> bool:
     return True
 
 
-class SimProber:
-    """Probes the service model in virtual time: open loop with Poisson (or constant) arrivals, or closed
-    loop; decisions are checked every ``tick`` virtual seconds, as the live prober does."""
-
-    def __init__(
-        self, model: Any, jobs: tuple[int, int], slos: Sequence[SLO], seed: int = 0, process: str = "poisson",
-        tick: float = 0.25, warmup_s: float = 0.0,
-    ) -> None:  # fmt: skip
-        self.model, self.job, self.slos, self.seed, self.process = model, jobs, list(slos), seed, process
-        self.tick, self.warmup_s = tick, warmup_s
-        self.count = 0
-
-    async def probe(self, mode: str, load: float, seq: Sequential | None, max_seconds: float, index: int,
-                    phase: str) -> Probe:  # fmt: skip
-        from loadgen.servicemodel import simulate
-
-        self.count += 1
-        rng = np.random.default_rng([self.seed, self.count])
-        cap = seq.max_samples if seq is not None else _pilot_requests(int(load))
-        if mode == "concurrency":
-            c = int(load)
-            n = c + cap  # one wave of warm-up
-            tl = simulate(self.model, [self.job] * n, concurrency=c)[c:]
-        else:
-            n = int(max(cap * 1.2, load * max_seconds * 1.2)) + 10
-            gaps = rng.exponential(1 / load, n) if self.process == "poisson" else np.full(n, 1 / load)
-            tl = simulate(self.model, [self.job] * n, arrivals=np.cumsum(gaps).tolist())
-        if mode == "rate":  # warm-up: the first half second (at most 50 requests), as the live prober
-            tl = tl[min(50, math.ceil(load * 0.5)) :]
-        t0 = min(x.arrival for x in tl)
-        arrivals = np.asarray([x.arrival - t0 for x in tl])
-        ends = np.asarray([x.end - t0 for x in tl])
-        backlog = Backlog(load) if mode == "rate" else None
-        samples, t = Samples(), 0.0
-        decision: Decision | None = None
-        while decision is None:
-            t += self.tick
-            pending = (ends > t) & (arrivals <= t)
-            s_cut = float(arrivals[pending].min()) if pending.any() else t
-            idx = np.nonzero(arrivals < s_cut if pending.any() else arrivals <= t)[0]
-            last = t >= max_seconds or idx.size >= len(tl)
-            if idx.size > len(samples) and (last or idx.size >= cap or seq is not None and seq.due(int(idx.size))):
-                samples = Samples()
-                for x in (tl[k] for k in idx[np.argsort(arrivals[idx], kind="stable")]):
-                    samples.add(x.ttft, x.tpot, x.e2e, False)
-                if seq is not None:
-                    decision = seq.decide(samples)
-            if decision is not None:
-                break
-            if seq is None and len(samples) >= cap:
-                decision = _pilot_decision(samples, self.slos)
-            elif backlog is not None and (why := backlog.overloaded(t, int(pending.sum()))):
-                decision = Decision("fail", True, why)
-            elif last:
-                decision = seq.point(samples, "time cap") if seq is not None else _pilot_decision(samples, self.slos)
-        done = ends <= t
-        span = float(ends[done].max() - arrivals[done].min()) if done.sum() > 1 else None
-        return _finish(index, phase, mode, load, samples, seq, self.slos, decision, t, span)
-
-
-def _pilot_requests(c: int) -> int:
+def pilot_requests(c: int) -> int:
     return max(8, 2 * c)
 
 
-def _pilot_decision(samples: Samples, slos: Sequence[SLO]) -> Decision:
+def pilot_decision(samples: Samples, slos: Sequence[SLO]) -> Decision:
     bad = [s.key for s in slos if _over(check(samples, s, 0.0), s)]
     if bad:
         return Decision("fail", False, f"pilot: {', '.join(bad)} over")
@@ -464,7 +404,7 @@ class LiveProber:
 
     async def probe(self, mode: str, load: float, seq: Sequential | None, max_seconds: float, index: int,
                     phase: str) -> Probe:  # fmt: skip
-        cap = seq.max_samples if seq is not None else _pilot_requests(int(load))
+        cap = seq.max_samples if seq is not None else pilot_requests(int(load))
         if mode == "concurrency" or phase == "pilot":
             c = int(load)
             spec = LoadSpec("closed", concurrency=c, num_requests=cap, warmup=c, seed=self.seed + index,
@@ -500,9 +440,9 @@ class LiveProber:
             if decision is not None:
                 break
             if done:
-                decision = _pilot_decision(samples, self.slos) if seq is None else seq.point(samples, "sample/time cap")
+                decision = pilot_decision(samples, self.slos) if seq is None else seq.point(samples, "sample/time cap")
             elif seq is None and len(samples) >= cap:
-                decision = _pilot_decision(samples, self.slos)
+                decision = pilot_decision(samples, self.slos)
             elif backlog is not None and (why := backlog.overloaded(now - t0, progress.inflight)):
                 decision = Decision("fail", True, why)
         seconds = self.clock.now() - t0
@@ -518,7 +458,7 @@ class LiveProber:
             if "aborted" in summary:
                 raise SearchStopped("server_gone", summary["aborted"]["reason"])
         span = _span(read_jsonl(path) if path.exists() else [])
-        p = _finish(index, phase, mode, load, samples, seq, self.slos, decision, seconds, span)
+        p = probe_result(index, phase, mode, load, samples, seq, self.slos, decision, seconds, span)
         lag = [r["sent"] - r["intended"] for r in measured]
         if not warnings and lag and spec.process != "closed" and (p99 := float(np.percentile(lag, 99))) > metrics.LAG_WARN_S:
             warnings.append(f"client schedule lag p99 {p99 * 1e3:.1f} ms: the client, not the server, may limit this probe")
@@ -661,7 +601,7 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
     hi: float | None = None
     # a pilot that finished its waves and violates an SLO is clear enough already (Wilson at 97.5 %, one look);
     # one cut short by the probe time is not: one slow request of one is no evidence of a p90
-    if (first_bad is not None and first_bad.requests >= _pilot_requests(int(first_bad.load))
+    if (first_bad is not None and first_bad.requests >= pilot_requests(int(first_bad.load))
             and any(c.state == "violated" for c in first_bad.checks)):  # fmt: skip
         first_bad.confident = True
     if cfg.mode == "concurrency":

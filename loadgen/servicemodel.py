@@ -14,7 +14,10 @@ The model (:class:`ServiceModel`) is a small continuous-batching server:
 latencies at any load, and the true capacity under any SLO (:func:`true_capacity`), are derived, not
 measured. The live server (``python -m loadgen.servicemodel``, :class:`ServiceModelProcess`) follows the
 same rules on the wall clock, each step scheduled on an absolute time line so timer jitter does not
-accumulate.
+accumulate. :class:`SimProber` probes the simulation for :func:`loadgen.capacity.search`.
+
+Size: the model, its simulation, its prober and its live server in one file: all four are the one
+known-answer server, and the tests compare them with each other.
 """
 
 from __future__ import annotations
@@ -31,6 +34,18 @@ from typing import Any
 
 import numpy as np
 
+from loadgen.capacity import (
+    SLO,
+    Backlog,
+    Decision,
+    Probe,
+    Samples,
+    Sequential,
+    check,
+    pilot_decision,
+    pilot_requests,
+    probe_result,
+)
 from loadgen.nullserver import Behaviour, Conn, NullServerProcess, Stream, http_chunk, serve
 
 
@@ -142,8 +157,6 @@ def latencies(timelines: Sequence[Timeline], metric: str) -> np.ndarray:
 
 def holds(model_timelines: Sequence[Timeline], slos: Sequence[Any]) -> bool:
     """Do the timelines meet every SLO? (:func:`loadgen.capacity.check` with no allowance for sampling.)"""
-    from loadgen.capacity import Samples, check
-
     samples = Samples()
     for tl in model_timelines:
         samples.add(tl.ttft, tl.tpot, tl.e2e, False)
@@ -183,6 +196,64 @@ def true_capacity(
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)
     return lo
+
+
+class SimProber:
+    """Probes the service model in virtual time: open loop with Poisson (or constant) arrivals, or closed
+    loop; decisions are checked every ``tick`` virtual seconds, as the live prober does."""
+
+    def __init__(
+        self, model: Any, jobs: tuple[int, int], slos: Sequence[SLO], seed: int = 0, process: str = "poisson",
+        tick: float = 0.25, warmup_s: float = 0.0,
+    ) -> None:  # fmt: skip
+        self.model, self.job, self.slos, self.seed, self.process = model, jobs, list(slos), seed, process
+        self.tick, self.warmup_s = tick, warmup_s
+        self.count = 0
+
+    async def probe(self, mode: str, load: float, seq: Sequential | None, max_seconds: float, index: int,
+                    phase: str) -> Probe:  # fmt: skip
+        self.count += 1
+        rng = np.random.default_rng([self.seed, self.count])
+        cap = seq.max_samples if seq is not None else pilot_requests(int(load))
+        if mode == "concurrency":
+            c = int(load)
+            n = c + cap  # one wave of warm-up
+            tl = simulate(self.model, [self.job] * n, concurrency=c)[c:]
+        else:
+            n = int(max(cap * 1.2, load * max_seconds * 1.2)) + 10
+            gaps = rng.exponential(1 / load, n) if self.process == "poisson" else np.full(n, 1 / load)
+            tl = simulate(self.model, [self.job] * n, arrivals=np.cumsum(gaps).tolist())
+        if mode == "rate":  # warm-up: the first half second (at most 50 requests), as the live prober
+            tl = tl[min(50, math.ceil(load * 0.5)) :]
+        t0 = min(x.arrival for x in tl)
+        arrivals = np.asarray([x.arrival - t0 for x in tl])
+        ends = np.asarray([x.end - t0 for x in tl])
+        backlog = Backlog(load) if mode == "rate" else None
+        samples, t = Samples(), 0.0
+        decision: Decision | None = None
+        while decision is None:
+            t += self.tick
+            pending = (ends > t) & (arrivals <= t)
+            s_cut = float(arrivals[pending].min()) if pending.any() else t
+            idx = np.nonzero(arrivals < s_cut if pending.any() else arrivals <= t)[0]
+            last = t >= max_seconds or idx.size >= len(tl)
+            if idx.size > len(samples) and (last or idx.size >= cap or seq is not None and seq.due(int(idx.size))):
+                samples = Samples()
+                for x in (tl[k] for k in idx[np.argsort(arrivals[idx], kind="stable")]):
+                    samples.add(x.ttft, x.tpot, x.e2e, False)
+                if seq is not None:
+                    decision = seq.decide(samples)
+            if decision is not None:
+                break
+            if seq is None and len(samples) >= cap:
+                decision = pilot_decision(samples, self.slos)
+            elif backlog is not None and (why := backlog.overloaded(t, int(pending.sum()))):
+                decision = Decision("fail", True, why)
+            elif last:
+                decision = seq.point(samples, "time cap") if seq is not None else pilot_decision(samples, self.slos)
+        done = ends <= t
+        span = float(ends[done].max() - arrivals[done].min()) if done.sum() > 1 else None
+        return probe_result(index, phase, mode, load, samples, seq, self.slos, decision, t, span)
 
 
 # --- the live server ---------------------------------------------------------------------------------

@@ -16,9 +16,9 @@ from tempfile import TemporaryDirectory
 
 from backends.openai import OpenAIBackend
 from loadgen.calibrate import FixedWorkload
-from loadgen.capacity import LiveProber, SearchConfig, SimProber, linear_sweep, parse_slos, search
+from loadgen.capacity import LiveProber, SearchConfig, linear_sweep, parse_slos, search
 from loadgen.engine import run_async
-from loadgen.servicemodel import ServiceModel, ServiceModelProcess, true_capacity
+from loadgen.servicemodel import ServiceModel, ServiceModelProcess, SimProber, true_capacity
 
 CASES = [("concurrency", "closed", "tpot_p90=9.5ms"), ("concurrency", "closed", "ttft_p99=40ms"),
          ("concurrency", "closed", "e2e_p90=150ms,error_rate=1%"), ("rate", "constant", "tpot_p90=9.5ms"),

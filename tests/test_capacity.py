@@ -21,7 +21,6 @@ from loadgen.capacity import (
     Samples,
     SearchConfig,
     Sequential,
-    SimProber,
     SloError,
     check,
     linear_sweep,
@@ -31,7 +30,7 @@ from loadgen.capacity import (
 from loadgen.engine import run_async
 from loadgen.exitcodes import ExitCode
 from loadgen.report.capacity import write_report
-from loadgen.servicemodel import ServiceModel, ServiceModelProcess, simulate, true_capacity
+from loadgen.servicemodel import ServiceModel, ServiceModelProcess, SimProber, simulate, true_capacity
 
 SIM = ServiceModel()  # 8 slots, prefill 4 ms + 0.1 ms/token, decode step 4 ms + 1 ms per occupied slot
 SIM_JOB = (60, 16)

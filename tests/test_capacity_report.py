@@ -9,10 +9,10 @@ from dataclasses import asdict
 import pytest
 from support.browser import find_chromium, inspect_report_sync
 
-from loadgen.capacity import SearchConfig, SimProber, parse_slos, search
+from loadgen.capacity import SearchConfig, parse_slos, search
 from loadgen.engine import run_async
 from loadgen.report.capacity import write_report
-from loadgen.servicemodel import ServiceModel
+from loadgen.servicemodel import ServiceModel, SimProber
 
 pytestmark = pytest.mark.browser
 

@@ -68,6 +68,14 @@ class PromptBuilder:
         # Recent encodings: heads (shared prefixes, templates) recur, and a filled prompt is counted again.
         self._ids = lru_cache(maxsize=256)(self._encode)
 
+    def __getstate__(self) -> dict[str, object]:
+        """Picklable (a load worker process gets its workload pickled): the encoding cache is rebuilt."""
+        return {k: v for k, v in self.__dict__.items() if k != "_ids"}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._ids = lru_cache(maxsize=256)(self._encode)
+
     def _encode(self, text: str) -> tuple[int, ...]:
         return tuple(self.tokenizer.encode(text).ids)
 
