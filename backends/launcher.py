@@ -3,7 +3,9 @@
 A server command is a template such as ``llama-server -m {model} -np {np} --port {port}``: ``{port}`` is
 a free loopback port, ``{model}`` the bundled GGUF, every other placeholder a grid parameter
 (``--grid np=4,16``). The server runs in its own process group with its output captured to a log file;
-stopping sends SIGTERM to the group, then SIGKILL after a grace period. A server that exits or never
+stopping sends SIGTERM to the group, then SIGKILL after a grace period. A guard process beside it
+(:mod:`backends.parent_guard`) does the same when this process dies without stopping it (SIGKILL), so no
+server outlives the run that started it. A server that exits or never
 answers its health check raises :class:`LaunchError`, which a sweep records as that point's failure.
 """
 
@@ -133,6 +135,7 @@ class ServerProcess:
         self.health_timeout_s = health_timeout_s
         self.stop_grace_s = stop_grace_s
         self.proc: subprocess.Popen[bytes] | None = None
+        self.guard: subprocess.Popen[bytes] | None = None
         self.startup_s: float | None = None
 
     def __enter__(self) -> ServerProcess:
@@ -162,6 +165,12 @@ class ServerProcess:
             except OSError as exc:
                 raise LaunchError(f"cannot start {self.argv[0]!r}: {exc}") from exc
         try:
+            self.guard = subprocess.Popen(
+                [sys.executable, "-m", "backends.parent_guard", str(os.getpid()), str(self.proc.pid),
+                 str(self.stop_grace_s)],
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )  # fmt: skip
             self._wait_healthy()
         except BaseException:
             self.stop()
@@ -202,6 +211,9 @@ class ServerProcess:
                 self._signal(signal.SIGKILL)
                 self.proc.wait()
         self._signal(signal.SIGKILL)  # reap anything the server left behind in its group
+        if self.guard is not None:
+            self.guard.kill()
+            self.guard.wait()
         return self.proc.returncode
 
     def _signal(self, sig: signal.Signals) -> None:
