@@ -4,20 +4,21 @@
 launcher), runs identical seeded traffic with the load engine into one results directory per
 configuration, then writes ``comparison.json``/``comparison.md`` (one table) and ``report.html``.
 Each experiment states the claim it tests and prints a verdict line computed from the measured table.
+Their traffic is data: workload files (``workloads/experiments/*.toml`` and built-ins) read by the one
+workload loader.
 
-Size: a small framework and the experiments with their traffic and verdicts; experiments as data over the
-workload system (instead of MixWorkload) is issue 21's next step here.
+Size: a small framework and the six experiments, each its configurations, points, columns and verdict;
+one table of definitions read side by side.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import random
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -36,8 +37,8 @@ from loadgen.results import ResultsDir, lookup, new_run_id
 from loadgen.sidecars.poller import ServerStatePoller
 from loadgen.sidecars.prometheus import parse_metrics
 from loadgen.sweep import PointPlan, run_sweep
-from workloads.base import ArrivalSpec, Session, SingleShot, Workload
-from workloads.contracts import GenRequest
+from workloads.base import Workload
+from workloads.loader import EXPERIMENTS_DIR, load_workload
 
 Summary = dict[str, Any]
 POLL_HZ = 1.0
@@ -214,67 +215,13 @@ def _plans(workload: Workload, load: LoadSpec, prefix: str | None = None) -> lis
     return [PointPlan(load.point_id() if prefix is None else f"{prefix}/{load.point_id()}", workload, load)]
 
 
-# -- traffic -----------------------------------------------------------------------------------------
-
-_WORDS = (
-    "time people year way day man thing woman life child world school state family student group country "
-    "problem hand part place case week company system program question work government number night point "
-    "home water room mother area money story fact month lot right study book eye job word business issue "
-    "side kind head house service friend father power hour game line end member law car city community name "
-    "president team minute idea kid body information back parent face others level office door health "
-    "person art war history party result change morning reason research girl guy moment air teacher force"
-).split()  # each " word" is one token for the bundled model's tokenizer
+# -- traffic ---------------------------------------------------------------------------------------
 
 
-def filler(tokens: int, seed: int) -> str:
-    """Text of ``tokens`` space-separated common words (one token each for SmolLM2's BPE)."""
-    rng = random.Random(seed)
-    return "".join(" " + rng.choice(_WORDS) for _ in range(tokens))
-
-
-@dataclass
-class RequestClass:
-    name: str
-    max_tokens: int
-    prompt: Callable[[int], str]  # request index -> prompt text
-    weight: float = 1.0
-    temperature: float = 0.0
-    priority: int | None = None
-
-
-class MixWorkload(Workload):
-    """Requests drawn from weighted classes; with ``schedule`` the i-th session is sent at ``schedule[i]``."""
-
-    def __init__(self, name: str, classes: list[RequestClass], schedule: list[tuple[float, str]] | None = None) -> None:
-        self.name, self.classes, self.schedule = name, classes, schedule
-        self.arrival = ArrivalSpec()
-
-    def _request(self, i: int, cls: RequestClass, seed: int) -> GenRequest:
-        extra = {} if cls.priority is None else {"priority": cls.priority}
-        return GenRequest(
-            request_id=f"{self.name}-{seed}-{i}", prompt=cls.prompt(seed * 100_003 + i), max_tokens=cls.max_tokens,
-            workload_class=cls.name, temperature=cls.temperature, seed=seed * 100_003 + i if cls.temperature else None,
-            extra_body=extra,
-        )  # fmt: skip
-
-    def sessions(self, seed: int) -> Iterator[Session]:
-        by_name = {c.name: c for c in self.classes}
-        if self.schedule is not None:
-            for i, (at, name) in enumerate(self.schedule):
-                yield SingleShot(self._request(i, by_name[name], seed), at=at)
-            return
-        rng = random.Random(seed)
-        weights = [c.weight for c in self.classes]
-        for i in itertools.count():
-            yield SingleShot(self._request(i, rng.choices(self.classes, weights)[0], seed))
-
-    def describe(self) -> dict[str, object]:
-        return {"name": self.name, "classes": [(c.name, c.max_tokens, c.weight, c.temperature, c.priority)
-                                               for c in self.classes], "schedule": self.schedule}  # fmt: skip
-
-
-def _short_prompt(i: int) -> str:
-    return "Write about" + filler(24, i) + "."
+def _workload(name: str, **overrides: Any) -> Workload:
+    """An experiment's traffic: ``workloads/experiments/NAME.toml``, else the built-in ``NAME``."""
+    path = EXPERIMENTS_DIR / f"{name}.toml"
+    return load_workload(str(path) if path.is_file() else name, **overrides)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -295,9 +242,7 @@ def batching() -> Experiment:
     span (prompt + max_tokens) up front, as padded batches do, and admit nobody until the batch ends."""
 
     def traffic(quick: bool) -> list[PointPlan]:
-        mix = MixWorkload("short-long-50-50", [RequestClass("short", 8 if quick else 16, _short_prompt),
-                                               RequestClass("long", 96 if quick else 256, _short_prompt)])  # fmt: skip
-        return _plans(mix, LoadSpec(process="closed", concurrency=16, num_requests=40 if quick else 64, seed=1))
+        return _plans(_workload("batching-quick" if quick else "batching"), LoadSpec(process="closed", concurrency=16, num_requests=40 if quick else 64, seed=1))
 
     def verdict(pc: dict[str, list[Summary]], _e: dict[str, dict[str, Any]]) -> str:
         speed = _ratio(_first(pc, "continuous", OUT_TPS), _first(pc, "static", OUT_TPS))
@@ -322,18 +267,11 @@ def batching() -> Experiment:
 
 def chunked_prefill() -> Experiment:
     """Four streams decode while 2,000-token prompts arrive: the streams' ITL with and without chunking."""
-    long_prompt = RequestClass("long-prompt", 1, lambda i: filler(2000, i))
-    decode = RequestClass("decode", 160, _short_prompt)
 
     def traffic(quick: bool) -> list[PointPlan]:
-        # The long prompts arrive 1 s apart, early enough that all of them land while the four streams
-        # still decode (160 tokens take ~4.6 s here at 2 threads), and the stalls they cause stay above 1 %
-        # of the streams' gaps, so the p99 sees them. (First spaced 6 s apart: once the engine got faster
-        # the streams had finished before the later prompts arrived and the unchunked p99 missed the stalls.)
-        n_long = 2 if quick else 4
-        schedule = [(0.0, "decode")] * 4 + [(0.5 + 1.0 * j, "long-prompt") for j in range(n_long)]
-        wl = MixWorkload("decode-plus-long-prefill", [decode, long_prompt], schedule)
-        return _plans(wl, LoadSpec(process="trace", num_requests=len(schedule), seed=2, stall_timeout=300))
+        # the schedule in the file is the full run; --quick sends its first six requests (two long prompts)
+        return _plans(_workload("chunked-prefill"),
+                      LoadSpec(process="trace", num_requests=6 if quick else 8, seed=2, stall_timeout=300))  # fmt: skip
 
     def verdict(pc: dict[str, list[Summary]], _e: dict[str, dict[str, Any]]) -> str:
         key = "per_class.decode.latency.itl.p99"
@@ -363,9 +301,7 @@ def _ms(v: float | None) -> float | None:
 
 def scheduling() -> Experiment:
     """FIFO vs SJF vs priority on a queue of short, long and urgent requests arriving in a burst."""
-    classes = [RequestClass("short", 8, _short_prompt, weight=2), RequestClass("long", 96, _short_prompt, weight=2),
-               RequestClass("urgent", 32, _short_prompt, weight=1, priority=10)]  # fmt: skip
-    wl = MixWorkload("mixed-queue", classes)
+    wl = _workload("scheduling")
 
     def traffic(quick: bool) -> list[PointPlan]:
         return _plans(wl, LoadSpec(process="constant", rate=20.0, num_requests=20 if quick else 60, seed=3))
@@ -387,12 +323,9 @@ def scheduling() -> Experiment:
     )
 
 
-SYSTEM = filler(1000, 7)
-
-
 def prefix_cache() -> Experiment:
     """A shared 1,000-token system prompt: TTFT with the prefix cache on and off."""
-    wl = MixWorkload("shared-system-prompt", [RequestClass("q", 16, lambda i: SYSTEM + "\nQuestion:" + filler(12, i))])
+    wl = _workload("prefix-cache")
 
     def traffic(quick: bool) -> list[PointPlan]:
         return _plans(wl, LoadSpec(process="closed", concurrency=4, num_requests=8 if quick else 32, seed=4))
@@ -410,48 +343,18 @@ def prefix_cache() -> Experiment:
     )
 
 
-CODE = '''def merge_sorted(a: list[int], b: list[int]) -> list[int]:
-    """Merge two sorted lists into one sorted list."""
-    out = []
-    i = j = 0
-    while i < len(a) and j < len(b):
-        if a[i] <= b[j]:
-            out.append(a[i])
-            i += 1
-        else:
-            out.append(b[j])
-            j += 1
-    out.extend(a[i:])
-    out.extend(b[j:])
-    return out
-
-
-def chunks(items: list[int], size: int) -> list[list[int]]:
-    """Split items into chunks of at most size elements."""
-    return [items[k : k + size] for k in range(0, len(items), size)]
-'''
-
-
-def _edit_prompt(i: int) -> str:
-    """A code edit whose answer mostly repeats the prompt: the file, then the start of its edited copy."""
-    name = ("merge_sorted", "chunks")[i % 2]
-    return (f"File utils.py:\n\n```python\n{CODE}```\n\nThe same file after renaming `{name}` to `{name}_v2` "
-            f"(everything else unchanged):\n\n```python\n{CODE[:CODE.index(name)]}{name}_v2")  # fmt: skip
-
-
 def speculative() -> Experiment:
     """Speculation off / n-gram / self-draft on a predictable code-edit workload and a creative one."""
 
     def traffic(quick: bool) -> list[PointPlan]:
         n, out = (2, 64) if quick else (6, 128)  # quick: the self-draft config alone ran ~80 s at 128 tokens
-        edit = MixWorkload("code-edit", [RequestClass("code-edit", out, _edit_prompt)])
-        creative = MixWorkload("creative", [RequestClass("creative", out, lambda i: "Once upon a time, in a land of"
-                                                         + filler(8, i) + ",", temperature=0.8)])  # fmt: skip
+        edit, creative = _workload("code-edit", output=out), _workload("creative", output=out)
         load = LoadSpec(process="closed", concurrency=1, num_requests=n, seed=5)
         return _plans(edit, load, "code-edit") + _plans(creative, load, "creative")
 
     def probe(base_url: str, _args: list[str]) -> dict[str, Any]:
-        return {"outputs": greedy_outputs(base_url, [_edit_prompt(0), _edit_prompt(1)], 48)}
+        edits = itertools.islice(_workload("code-edit").sessions(0), 2)
+        return {"outputs": greedy_outputs(base_url, [str(s.first().prompt) for s in edits], 48)}
 
     def verdict(pc: dict[str, list[Summary]], extras: dict[str, dict[str, Any]]) -> str:
         def tps(label: str, point: str) -> float | None:
@@ -492,7 +395,7 @@ def quantization() -> Experiment:
     run once per configuration with the same flags."""
 
     def traffic(quick: bool) -> list[PointPlan]:
-        decode = MixWorkload("decode128", [RequestClass("decode", 32 if quick else 128, _short_prompt)])
+        decode = _workload("decode", output=32 if quick else None)
         return [plan for c in (1, 16) for plan in _plans(
             decode, LoadSpec(process="closed", concurrency=c, num_requests=(2 if quick else 6) * c, seed=3))]
 

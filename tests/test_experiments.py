@@ -1,4 +1,4 @@
-"""Experiment definitions: seeded traffic, exact filler lengths, verdicts computed from the table."""
+"""Experiment definitions: traffic from workload files, seeded; verdicts computed from the table."""
 
 from rich.console import Console
 
@@ -9,23 +9,31 @@ from loadgen.experiments import (
     Column,
     Config,
     Experiment,
-    MixWorkload,
-    RequestClass,
     _comparison,
-    _edit_prompt,
     _markdown,
     _plans,
+    _workload,
     batching,
-    filler,
+    chunked_prefill,
     metric,
     run_experiment,
 )
-from reference_server.model_files import default_model_path, tokenizer_from_gguf
+from workloads.loader import EXPERIMENTS_DIR
 
 
-def test_filler_has_exact_token_count():
-    tok = tokenizer_from_gguf(default_model_path())
-    assert len(tok.encode(filler(2000, 1)).ids) == 2000
+def test_every_experiment_workload_file_is_used_and_valid():
+    """The files in workloads/experiments/ are the experiments' traffic: each one loads and is used."""
+    used = {plan.workload.name for make in EXPERIMENTS.values() for q in (True, False) for plan in make().traffic(q)}
+    assert {p.stem for p in EXPERIMENTS_DIR.glob("*.toml")} <= used
+
+
+def test_chunked_prefill_traffic_is_the_schedule_in_its_file():
+    """Four decoding streams at t = 0, then 2,000-token prompts 1 s apart; --quick sends the first six."""
+    [full], [quick] = chunked_prefill().traffic(False), chunked_prefill().traffic(True)
+    assert (full.load.process, full.load.num_requests, quick.load.num_requests) == ("trace", 8, 6)
+    sent = [(s.at, s.first().workload_class, s.first().prompt_tokens, s.first().max_tokens)
+            for s in full.workload.sessions(full.load.seed)]  # fmt: skip
+    assert sent == [(0.0, "decode", 27, 160)] * 4 + [(0.5 + j, "long-prompt", 2000, 1) for j in range(4)]
 
 
 def test_traffic_is_seeded_and_the_same_for_every_configuration():
@@ -80,7 +88,7 @@ def test_quantization_verdict_and_accuracy_columns():
 def test_spec_counts_come_from_the_server_poller(tmp_path):
     """A live experiment (reference server with n-gram speculation, two code-edit requests): the drafted and
     accepted counts in its table are the server-state poller's, as in any `bench run`."""
-    wl = MixWorkload("code-edit", [RequestClass("code-edit", 24, _edit_prompt)])
+    wl = _workload("code-edit", output=24)
     exp = Experiment(
         "spec-counts", "the poller counts speculative tokens", [Config("ngram", ["--spec", "ngram", "--spec-k", "8"])],
         lambda _quick: _plans(wl, LoadSpec(process="closed", concurrency=1, num_requests=2, seed=5)),

@@ -1,6 +1,8 @@
 """Synthetic workloads from a :class:`~workloads.spec.WorkloadSpec`: class mix, exact prompt lengths,
 shared prefixes, multi-turn conversations.
 
+A workload whose classes list send times (``at``) is that schedule, in time order (ties in class order).
+
 Reproducibility: the class of session ``i`` comes from one stream RNG seeded by ``seed``; everything
 inside the session (lengths, text, think times) from its own RNG seeded by ``(seed, i)``, so a
 conversation's user turns do not depend on how the engine interleaves sessions. Shared prefixes are
@@ -26,6 +28,7 @@ from typing import Any
 
 from workloads.base import Session, SingleShot, Workload
 from workloads.contracts import GenRequest
+from workloads.loader import BUILTIN_DIR, EXPERIMENTS_DIR
 from workloads.spec import ClassSpec, Dist, WorkloadSpec
 from workloads.text import CHATML_SYSTEM, CHATML_USER, DATA, PromptBuilder, builder_for
 
@@ -197,8 +200,13 @@ class SyntheticWorkload(Workload):
         return self._stream(classes, seed)
 
     def _stream(self, classes: _Classes, seed: int) -> Iterator[Session]:
-        rng = random.Random(f"{seed}:stream")
         specs = list(self.spec.classes)
+        if specs[0].at is not None:  # a schedule: every class lists its send times, sent in time order
+            sends = sorted(((at, cls) for cls in specs for at in cls.at or ()), key=lambda s: s[0])  # stable
+            for index, (at, cls) in enumerate(sends):
+                yield SingleShot(Conversation(classes, cls, index, seed).first(), at=at)
+            return
+        rng = random.Random(f"{seed}:stream")
         weights = [c.weight for c in specs]
         index = 0
         while True:
@@ -212,8 +220,9 @@ class SyntheticWorkload(Workload):
 
     def describe(self) -> dict[str, object]:
         src = Path(self.spec.source)
-        # a built-in is named, not located, so fingerprints match across checkouts
-        source = f"builtin:{src.stem}" if src.parent == DATA.parent / "builtin" else self.spec.source
+        # a shipped file is named, not located, so fingerprints match across checkouts
+        shipped = src.parent in (BUILTIN_DIR, EXPERIMENTS_DIR)
+        source = f"{src.parent.name}:{src.stem}" if shipped else self.spec.source
         return {"name": self.name, "source": source, "spec": spec_dict(self.spec),
                 "corpus_sha256": _sha256(DATA / "corpus.txt")}  # fmt: skip
 
