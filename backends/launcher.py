@@ -5,8 +5,8 @@ a free loopback port, ``{model}`` the bundled GGUF, every other placeholder a gr
 (``--grid np=4,16``). The server runs in its own process group with its output captured to a log file;
 stopping sends SIGTERM to the group, then SIGKILL after a grace period. A guard process beside it
 (:mod:`backends.parent_guard`) does the same when this process dies without stopping it (SIGKILL), so no
-server outlives the run that started it. A server that exits or never
-answers its health check raises :class:`LaunchError`, which a sweep records as that point's failure.
+server outlives the run that started it. A server that exits or never answers its health check raises
+:class:`LaunchError`, which a sweep records as that point's failure.
 """
 
 from __future__ import annotations
@@ -165,12 +165,8 @@ class ServerProcess:
             except OSError as exc:
                 raise LaunchError(f"cannot start {self.argv[0]!r}: {exc}") from exc
         try:
-            self.guard = subprocess.Popen(
-                [sys.executable, "-m", "backends.parent_guard", str(os.getpid()), str(self.proc.pid),
-                 str(self.stop_grace_s)],
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )  # fmt: skip
+            guard = ["-m", "backends.parent_guard", str(os.getpid()), str(self.proc.pid), str(self.stop_grace_s)]
+            self.guard = subprocess.Popen([sys.executable, *guard], stdin=subprocess.DEVNULL, start_new_session=True)
             self._wait_healthy()
         except BaseException:
             self.stop()

@@ -1,14 +1,7 @@
-"""Named experiments: the reference server in several configurations, the same traffic against each.
-
-``bench experiment NAME`` starts ``python -m reference_server`` once per configuration (through the
-launcher), runs identical seeded traffic with the load engine into one results directory per
-configuration, then writes ``comparison.json``/``comparison.md`` (one table) and ``report.html``.
-Each experiment states the claim it tests and prints a verdict line computed from the measured table.
+"""Named experiments (``bench experiment NAME``): each states the claim it tests, its server
+configurations, its points, its table's columns and the verdict computed from the measured table.
 Their traffic is data: workload files (``workloads/experiments/*.toml`` and built-ins) read by the one
-workload loader.
-
-Size: a small framework and the six experiments, each its configurations, points, columns and verdict;
-one table of definitions read side by side.
+workload loader. The machinery that runs one is :mod:`loadgen.experiment`.
 """
 
 from __future__ import annotations
@@ -17,180 +10,32 @@ import itertools
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
-import httpx
 import typer
 from rich.console import Console
-from rich.table import Table
 
-from backends.launcher import ServerProcess, bundled_model, free_port
-from backends.profile import REFERENCE_KV_BLOCKS, profile_of
-from backends.registry import get_backend
-from loadgen.clock import RunClock
-from loadgen.engine import LoadSpec, run_async
-from loadgen.results import ResultsDir, lookup, new_run_id
-from loadgen.sidecars.poller import ServerStatePoller
-from loadgen.sidecars.prometheus import parse_metrics
-from loadgen.sweep import PointPlan, run_sweep
+from backends.profile import REFERENCE_KV_BLOCKS
+from loadgen.engine import LoadSpec
+from loadgen.experiment import (
+    SPEC,
+    Column,
+    Config,
+    Experiment,
+    Summary,
+    greedy_outputs,
+    metric,
+    run_experiment,
+    scrape_metrics,
+    value_at,
+)
+from loadgen.results import new_run_id
+from loadgen.sweep import PointPlan
 from workloads.base import Workload
-from workloads.loader import EXPERIMENTS_DIR, load_workload
-
-Summary = dict[str, Any]
-POLL_HZ = 1.0
-SPEC = "server.point.spec_decode"  # where a point summary keeps the poller's drafted/accepted counts
-
-
-@dataclass
-class Config:
-    """One server configuration: a label and the extra ``python -m reference_server`` flags."""
-
-    label: str
-    server_args: list[str]
-
-
-@dataclass
-class Column:
-    header: str
-    get: Callable[[Summary, dict[str, Any]], float | str | None]  # (point summary, server extras)
-    fmt: str = "{:.1f}"
-
-
-@dataclass
-class Experiment:
-    name: str
-    claim: str
-    configs: list[Config]
-    traffic: Callable[[bool], list[PointPlan]]  # quick -> the points every configuration gets
-    columns: list[Column]
-    verdict: Callable[[dict[str, list[Summary]], dict[str, dict[str, Any]]], str]
-    common_args: list[str] = field(default_factory=list)  # server flags shared by all configurations
-    # extra measurement against a running server: (base URL, its reference_server flags) -> values
-    probe: Callable[[str, list[str]], dict[str, Any]] | None = None
-
-
-def _get(d: dict[str, Any], path: str) -> Any:
-    return lookup(d, path.split("."))
-
-
-def metric(path: str) -> Callable[[Summary, dict[str, Any]], Any]:
-    return lambda s, _extra: _get(s, path)
-
-
-# -- scraping the reference server ------------------------------------------------------------------
-
-def scrape_metrics(base_url: str) -> dict[str, float]:
-    """Unlabelled samples of the server's Prometheus ``/metrics`` (name -> value), read with the one parser."""
-    values, _ = parse_metrics(httpx.get(base_url + "/metrics", timeout=10).text)
-    return {k: v for k, v in values.items() if "{" not in k}
-
-
-def greedy_outputs(base_url: str, prompts: list[str], max_tokens: int) -> list[str]:
-    """Non-streamed greedy completions (for checking that a configuration changes no output)."""
-    texts = []
-    with httpx.Client(base_url=base_url, timeout=300) as client:
-        for prompt in prompts:
-            body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": False, "ignore_eos": True}
-            resp = client.post("/v1/completions", json=body)
-            resp.raise_for_status()
-            texts.append(resp.json()["choices"][0]["text"])
-    return texts
-
-
-# -- running ----------------------------------------------------------------------------------------
-
-
-def run_experiment(exp: Experiment, out: Path, quick: bool, model: Path | None, console: Console) -> dict[str, Any]:
-    """Run every configuration of ``exp`` into ``out/<label>``; returns the comparison."""
-    out.mkdir(parents=True, exist_ok=True)
-    model_path = str(model or bundled_model())
-    per_config: dict[str, list[Summary]] = {}
-    extras: dict[str, dict[str, Any]] = {}
-    dirs: list[Path] = []
-    for cfg in exp.configs:
-        port = free_port()
-        argv = [sys.executable, "-m", "reference_server", "--model", model_path, "--port", str(port),
-                *exp.common_args, *cfg.server_args]  # fmt: skip
-        run_dir = out / cfg.label
-        dirs.append(run_dir)
-        console.print(f"[bold]{exp.name}[/] / {cfg.label}: {' '.join(argv[3:])}")
-        with ServerProcess(argv, port, run_dir / "server.log") as srv:
-            served = httpx.get(srv.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
-            backend = get_backend("openai")(srv.base_url, model=served)
-            config = {"experiment": exp.name, "configuration": cfg.label, "server_args": argv[3:], "quick": quick}
-            t0 = time.monotonic()
-            # the server's counters (speculative tokens among them) through the one poller, at a rate that
-            # costs the server nothing measurable; it restarts with each point
-            poller = ServerStatePoller(srv.base_url, profile_of(backend), hz=POLL_HZ)
-            summaries = run_async(run_sweep(backend, exp.traffic(quick), ResultsDir(run_dir), RunClock(), config,
-                                            [poller]))
-            extra: dict[str, Any] = {"seconds": time.monotonic() - t0, "metrics": scrape_metrics(srv.base_url)}
-            if exp.probe is not None:
-                extra.update(exp.probe(srv.base_url, argv[3:]))
-        per_config[cfg.label] = summaries
-        extras[cfg.label] = extra
-    comparison = _comparison(exp, per_config, extras, quick)
-    (out / "comparison.json").write_text(json.dumps(comparison, indent=1, default=str))
-    (out / "comparison.md").write_text(_markdown(comparison))
-    _print(comparison, console)
-    try:
-        from loadgen.report import write_report
-
-        write_report(dirs, out / "report.html")
-        comparison["report"] = str(out / "report.html")
-    except Exception as exc:  # the table is the result; a report failure must not lose it
-        console.print(f"[yellow]report not written: {type(exc).__name__}: {exc}[/]")
-    return comparison
-
-
-def _comparison(exp: Experiment, per_config: dict[str, list[Summary]], extras: dict[str, dict[str, Any]],
-                quick: bool) -> dict[str, Any]:  # fmt: skip
-    rows = []
-    for label, summaries in per_config.items():
-        for s in summaries:
-            cells = {c.header: c.get(s, extras[label]) for c in exp.columns}
-            rows.append({"config": label, "point": s["point_id"], **cells})
-    return {
-        "experiment": exp.name, "claim": exp.claim, "quick": quick,
-        "columns": ["config", "point", *(c.header for c in exp.columns)],
-        "formats": {c.header: c.fmt for c in exp.columns}, "rows": rows,
-        "verdict": exp.verdict(per_config, extras),
-        "seconds": {label: e["seconds"] for label, e in extras.items()},
-        "probes": {label: {k: v for k, v in e.items() if k not in ("seconds", "metrics")} for label, e in extras.items()},
-    }  # fmt: skip
-
-
-def _cell(value: Any, fmt: str) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float | int) and not isinstance(value, bool):
-        return fmt.format(value)
-    return str(value)
-
-
-def _markdown(c: dict[str, Any]) -> str:
-    cols = c["columns"]
-    lines = [f"# experiment {c['experiment']}", "", c["claim"], "",
-             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]  # fmt: skip
-    for r in c["rows"]:
-        lines.append("| " + " | ".join(_cell(r[k], c["formats"].get(k, "{}")) for k in cols) + " |")
-    lines += ["", f"**verdict**: {c['verdict']}", ""]
-    return "\n".join(lines)
-
-
-def _print(c: dict[str, Any], console: Console) -> None:
-    table = Table(title=f"{c['experiment']}: {c['claim']}")
-    for col in c["columns"]:
-        table.add_column(col, justify="left" if col in ("config", "point") else "right")
-    for r in c["rows"]:
-        table.add_row(*(_cell(r[k], c["formats"].get(k, "{}")) for k in c["columns"]))
-    console.print(table)
-    console.print(f"[bold]verdict:[/] {c['verdict']}")
-
+from workloads.loader import load_workload
+from workloads.spec import EXPERIMENTS_DIR
 
 # -- the experiments ---------------------------------------------------------------------------------
 
@@ -229,7 +74,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def _first(per_config: dict[str, list[Summary]], label: str, path: str) -> Any:
-    return _get(per_config[label][0], path)
+    return value_at(per_config[label][0], path)
 
 
 OUT_TPS = "throughput.whole.output_tok_per_s"
@@ -285,9 +130,9 @@ def chunked_prefill() -> Experiment:
         [Config("unchunked", ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "4096"]),
          Config("chunked", ["--max-num-batched-tokens", "128"])],
         traffic,
-        [Column("decode ITL p50 ms", lambda s, _e: _ms(_get(s, "per_class.decode.latency.itl.p50"))),
-         Column("decode ITL p99 ms", lambda s, _e: _ms(_get(s, "per_class.decode.latency.itl.p99"))),
-         Column("decode ITL max ms", lambda s, _e: _ms(_get(s, "per_class.decode.latency.itl.max"))),
+        [Column("decode ITL p50 ms", lambda s, _e: _ms(value_at(s, "per_class.decode.latency.itl.p50"))),
+         Column("decode ITL p99 ms", lambda s, _e: _ms(value_at(s, "per_class.decode.latency.itl.p99"))),
+         Column("decode ITL max ms", lambda s, _e: _ms(value_at(s, "per_class.decode.latency.itl.max"))),
          Column("long TTFT p50 s", metric("per_class.long-prompt.latency.ttft.p50"), "{:.2f}"),
          Column("out tok/s", metric(OUT_TPS))],  # fmt: skip
         verdict,
@@ -358,11 +203,11 @@ def speculative() -> Experiment:
 
     def verdict(pc: dict[str, list[Summary]], extras: dict[str, dict[str, Any]]) -> str:
         def tps(label: str, point: str) -> float | None:
-            return next((_get(s, OUT_TPS) for s in pc[label] if s["point_id"].startswith(point)), None)
+            return next((value_at(s, OUT_TPS) for s in pc[label] if s["point_id"].startswith(point)), None)
 
         speed = _ratio(tps("ngram", "code-edit"), tps("off", "code-edit"))
         same = all(extras[k]["outputs"] == extras["off"]["outputs"] for k in extras)
-        creative_acc = next((_get(s, f"{SPEC}.acceptance_rate") for s in pc["ngram"] if s["point_id"].startswith("creative")), None)
+        creative_acc = next((value_at(s, f"{SPEC}.acceptance_rate") for s in pc["ngram"] if s["point_id"].startswith("creative")), None)
         ok = speed is not None and speed >= 1.5 and same
         acc = f"{creative_acc:.0%}" if creative_acc is not None else "-"
         return (f"n-gram / off single-stream tok/s on code-edit = {speed or 0:.2f}x (target >= 1.5x); greedy outputs "
@@ -374,7 +219,7 @@ def speculative() -> Experiment:
         [Config("off", []), Config("ngram", ["--spec", "ngram", "--spec-k", "8"]),
          Config("self", ["--spec", "self", "--spec-k", "4", "--self-draft-layers", "20"])],  # fmt: skip
         traffic,
-        [Column("out tok/s", metric(OUT_TPS)), Column("tpot ms", lambda s, _e: _ms(_get(s, "latency.tpot.mean"))),
+        [Column("out tok/s", metric(OUT_TPS)), Column("tpot ms", lambda s, _e: _ms(value_at(s, "latency.tpot.mean"))),
          Column("acceptance", metric(f"{SPEC}.acceptance_rate"), "{:.0%}"),
          Column("drafted", metric(f"{SPEC}.drafted"), "{:.0f}")],  # fmt: skip
         verdict,
@@ -410,7 +255,7 @@ def quantization() -> Experiment:
         return {**json.loads(res.stdout.strip().splitlines()[-1]), "kv_tokens": kv_tokens}
 
     def tps(pc: dict[str, list[Summary]], label: str, c: int) -> float | None:
-        return next((_get(s, OUT_TPS) for s in pc[label] if s["point_id"] == f"c{c:03d}"), None)
+        return next((value_at(s, OUT_TPS) for s in pc[label] if s["point_id"] == f"c{c:03d}"), None)
 
     def verdict(pc: dict[str, list[Summary]], extras: dict[str, dict[str, Any]]) -> str:
         parts = []
@@ -432,8 +277,8 @@ def quantization() -> Experiment:
          Config("int4", ["--quantization", "int4"]),
          Config("kv-int8", ["--quantization", "none", "--kv-cache-dtype", "int8"])],  # fmt: skip
         traffic,
-        [Column("out tok/s", metric(OUT_TPS)), Column("ttft p50 ms", lambda s, _e: _ms(_get(s, "latency.ttft.p50"))),
-         Column("tpot p50 ms", lambda s, _e: _ms(_get(s, "latency.tpot.p50"))),
+        [Column("out tok/s", metric(OUT_TPS)), Column("ttft p50 ms", lambda s, _e: _ms(value_at(s, "latency.ttft.p50"))),
+         Column("tpot p50 ms", lambda s, _e: _ms(value_at(s, "latency.tpot.p50"))),
          Column("KV tokens", acc("kv_tokens"), "{:,.0f}"), Column("top-1 vs fp32", acc("top1_agreement"), "{:.1%}"),
          Column("mean |logit err|", acc("mean_logit_error"), "{:.3f}"),
          Column("greedy identical", acc("greedy_identical"), "{:.0%}")],  # fmt: skip

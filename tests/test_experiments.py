@@ -3,22 +3,18 @@
 from rich.console import Console
 
 from loadgen.engine import LoadSpec
-from loadgen.experiments import (
-    EXPERIMENTS,
+from loadgen.experiment import (
     SPEC,
     Column,
     Config,
     Experiment,
     _comparison,
     _markdown,
-    _plans,
-    _workload,
-    batching,
-    chunked_prefill,
     metric,
     run_experiment,
 )
-from workloads.loader import EXPERIMENTS_DIR
+from loadgen.experiments import EXPERIMENTS, _plans, _workload, batching, chunked_prefill
+from workloads.spec import EXPERIMENTS_DIR
 
 
 def test_every_experiment_workload_file_is_used_and_valid():

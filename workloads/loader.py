@@ -19,10 +19,8 @@ from typing import Any
 
 from workloads.base import ArrivalSpec, Workload
 from workloads.contracts import APIS, ARRIVAL_PROCESSES
-from workloads.spec import Dist, TraceSpec, WorkloadError, WorkloadSpec, load_spec
+from workloads.spec import BUILTIN_DIR, Dist, TraceSpec, WorkloadError, WorkloadSpec, load_spec
 
-BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
-EXPERIMENTS_DIR = Path(__file__).resolve().parent / "experiments"  # the traffic of `bench experiment NAME`
 OVERRIDES = ("tokenizer", "api", "process", "rate", "concurrency", "burstiness", "limit", "name", "output")
 
 

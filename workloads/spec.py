@@ -25,6 +25,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"  # the built-in workloads, by name
+EXPERIMENTS_DIR = Path(__file__).resolve().parent / "experiments"  # the traffic of `bench experiment NAME`
 CONTENTS = ("corpus", "code-edit", "creative")
 TEMPLATES = ("none", "chatml")
 TRACE_FORMATS = ("mooncake", "azure")

@@ -28,8 +28,7 @@ from typing import Any
 
 from workloads.base import Session, SingleShot, Workload
 from workloads.contracts import GenRequest
-from workloads.loader import BUILTIN_DIR, EXPERIMENTS_DIR
-from workloads.spec import ClassSpec, Dist, WorkloadSpec
+from workloads.spec import BUILTIN_DIR, EXPERIMENTS_DIR, ClassSpec, Dist, WorkloadSpec
 from workloads.text import CHATML_SYSTEM, CHATML_USER, DATA, PromptBuilder, builder_for
 
 CODE_DIR = DATA / "code"
