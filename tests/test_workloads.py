@@ -189,6 +189,9 @@ def test_scheduled_classes_are_sent_in_time_order(tmp_path):
     assert wl.arrival.process == "trace"
     sent = [(s.at, s.first().workload_class, s.first().prompt_tokens) for s in wl.sessions(3)]
     assert sent == [(0.0, "a", 9), (0.0, "b", 11), (1.5, "b", 11), (2.0, "a", 9)]
+    assert wl.describe()["spec"]["classes"][0]["at"] == [2.0, 0.0]
+    # a workload without a schedule describes (and fingerprints) as before schedules existed
+    assert "at" not in load_workload("chat-short").describe()["spec"]["classes"][0]
 
 
 BAD = [

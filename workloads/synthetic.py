@@ -242,7 +242,9 @@ def spec_dict(spec: WorkloadSpec) -> dict[str, Any]:
 
     out = {k: getattr(spec, k) for k in spec.__dataclass_fields__ if k != "source"}
     out["arrival"] = asdict(spec.arrival)
-    out["classes"] = [{k: getattr(c, k) for k in c.__dataclass_fields__} for c in spec.classes]
+    # `at` only where set: a workload without a schedule describes (and fingerprints) as before it existed
+    out["classes"] = [{k: getattr(c, k) for k in c.__dataclass_fields__ if k != "at" or c.at is not None}
+                      for c in spec.classes]  # fmt: skip
     for c in out["classes"]:
         for key in ("shared_prefix", "turns"):
             if c[key] is not None:
