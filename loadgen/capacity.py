@@ -158,6 +158,7 @@ class Samples:
 
     values: dict[str, list[float]] = field(default_factory=lambda: {m: [] for m in metrics.SLO_KEYS})
     failed: list[bool] = field(default_factory=list)
+    wave: int = 1  # requests that move together: a closed loop's sessions (1: open-loop arrivals)
 
     def add(self, ttft: float | None, tpot: float | None, e2e: float | None, failed: bool) -> None:
         for m, v in zip(metrics.SLO_KEYS, (ttft, tpot, e2e), strict=True):
@@ -173,7 +174,6 @@ class Samples:
     def __len__(self) -> int:
         return len(self.failed)
 
-
 @dataclass
 class SloCheck:
     """One SLO at one probe: misses k of n, the share's interval, the percentile and its interval."""
@@ -185,40 +185,75 @@ class SloCheck:
     share_lo: float
     share_hi: float
     value: float | None  # the percentile (point estimate); error_rate: the observed share
-    value_lo: float | None  # order-statistic interval of the percentile (None: unbounded)
-    value_hi: float | None
+    value_lo: float | None  # the percentile's lower bound (order statistic), None: unbounded
+    value_hi: float | None  # its upper bound (lognormal tolerance limit), None: none yet
     state: str  # "holds" | "violated" | "open"
 
 
-def check(samples: Samples, slo: SLO, z: float) -> SloCheck:
+def check(samples: Samples, slo: SLO, z: float, confidence: float = 0.95) -> SloCheck:
+    """One SLO's state at ``z`` (one-sided, per side). Violated: the Wilson interval of the share of misses
+    lies above the allowed share. Holds: for error_rate, when that interval lies below it; for a latency SLO,
+    when its percentile's upper bound (:func:`lognormal_upper`) is under the limit, at most half the allowed
+    share of requests missed it, and the probe holds enough independent requests that a slow mode hitting
+    the allowed share would have shown itself at ``confidence`` (:func:`units_to_see`)."""
     failed = np.asarray(samples.failed, dtype=bool)
-    n = int(failed.size)
     if slo.metric == "error_rate":
-        miss = failed
-        value, vlo, vhi = (float(miss.mean()) if n else None), None, None
+        miss, vals = failed, np.empty(0)
+        value, vlo, vhi = (float(miss.mean()) if miss.size else None), None, None
     else:
         raw = np.asarray(samples.values[slo.metric], dtype=float)
         vals = np.where(failed, math.inf, raw)
         vals = vals[~np.isnan(vals)]  # undefined (one-token TPOT) cannot miss
         miss = vals > slo.limit
-        value, vlo, vhi = _quantile_interval(np.sort(vals), slo.quantile, z)
     n, k = int(miss.size), int(miss.sum())
-    # misses cluster as the latencies do; with no miss yet, the latencies' own clustering stands in
-    finite = vals[np.isfinite(vals)] if slo.metric != "error_rate" else np.empty(0)
-    tau = max(correlation_time(miss), correlation_time(finite) if finite.size == n else 1.0)
+    # misses cluster as the latencies do (with no miss yet, the latencies' own clustering stands in), and
+    # requests that overlap share their latency: a closed loop's wave shares one prefill step (a failure
+    # shared by overlapping requests shows in the failures' own correlation time)
+    finite = vals[np.isfinite(vals)]
+    wave = samples.wave if slo.metric != "error_rate" else 1
+    tau = max(correlation_time(miss), correlation_time(finite) if finite.size == n else 1.0, wave)
     lo, hi = wilson_eff(k, n, z, tau)
-    state = "holds" if hi <= slo.allowed else "violated" if lo > slo.allowed else "open"
+    if slo.metric == "error_rate":
+        holds = hi <= slo.allowed
+    else:
+        value, vlo = _quantile_lower(vals, slo.quantile, z, tau)
+        vhi = lognormal_upper(vals, slo.quantile, z, n / tau)
+        margin = k == 0 and n / tau >= units_to_see(slo, confidence) and vhi is not None and vhi <= slo.limit
+        holds = hi <= slo.allowed or margin
+    state = "violated" if lo > slo.allowed else "holds" if holds else "open"
     return SloCheck(slo.key, slo.limit, n, k, lo, hi, value, vlo, vhi, state)
 
 
-def _quantile_interval(s: np.ndarray, q: float, z: float) -> tuple[float | None, float | None, float | None]:
-    """Point estimate and distribution-free (order-statistic, normal approximation) interval of the q-quantile."""
-    n = s.size
+def units_to_see(slo: SLO, confidence: float) -> float:
+    """Independent requests (``n / tau``) a latency SLO needs before it can hold: with this many, a slow mode
+    that hits the allowed share of them is missing from the probe with a chance of at most ``1 -
+    confidence`` (``(1 - allowed)^u <= exp(-allowed·u)``), whatever the latency model (p90 at 95 %: 30)."""
+    return math.log(1 / (1 - confidence)) / slo.allowed
+
+
+def _quantile_lower(vals: np.ndarray, q: float, z: float, tau: float) -> tuple[float | None, float | None]:
+    """Point estimate of the q-quantile and its lower bound: the order statistic the Wilson lower bound on the
+    miss share points at (normal approximation, the rank spread widened by the correlation time)."""
+    n = vals.size
     if n == 0:
-        return None, None, None
+        return None, None
+    s = np.sort(vals)
     point = float(np.percentile(s, q * 100)) if np.isfinite(s).all() else _rank(s, math.ceil(q * n))
-    spread = z * math.sqrt(n * q * (1 - q))
-    return point, _rank(s, math.floor(n * q - spread)), _rank(s, math.ceil(n * q + spread) + 1)
+    return point, _rank(s, math.floor(n * q - z * math.sqrt(n * q * (1 - q) * tau)))
+
+
+def lognormal_upper(vals: np.ndarray, q: float, z: float, n_eff: float) -> float | None:
+    """Upper confidence bound of the q-quantile of ``vals`` under a lognormal model: the one-sided tolerance
+    limit ``exp(mean + k·sd)`` of the log latencies, ``k`` for ``n_eff`` independent samples at ``z``
+    (Natrella's approximation of the noncentral-t factor). None when the model cannot say (a failed request,
+    too few effective samples)."""
+    a = 1 - z * z / (2 * (n_eff - 1)) if n_eff > 1 else 0.0
+    if vals.size < 2 or a <= 0 or not np.isfinite(vals).all() or vals.min() <= 0:
+        return None
+    zp = NormalDist().inv_cdf(q)
+    k = (zp + math.sqrt(max(0.0, zp * zp - a * (zp * zp - z * z / n_eff)))) / a
+    logs = np.log(vals)
+    return float(math.exp(logs.mean() + k * logs.std(ddof=1)))
 
 
 def _rank(s: np.ndarray, r: int) -> float | None:
@@ -255,7 +290,7 @@ class Sequential:
         self.next_look = 0
 
     def checks(self, samples: Samples) -> list[SloCheck]:
-        return [check(samples, s, self.z) for s in self.slos]
+        return [check(samples, s, self.z, self.confidence) for s in self.slos]
 
     def due(self, n: int) -> bool:
         """Does a look fall at n samples?"""
@@ -357,7 +392,7 @@ def probe_result(
     decision: Decision, seconds: float, span: float | None,
 ) -> Probe:  # fmt: skip
     z = seq.z if seq is not None else NormalDist().inv_cdf(0.975)
-    checks = [check(samples, s, z) for s in slos]
+    checks = [check(samples, s, z, seq.confidence if seq is not None else 0.95) for s in slos]
     failed = np.asarray(samples.failed, dtype=bool)
     e2e = np.asarray(samples.values["e2e"], dtype=float)[~failed] if len(samples) else np.empty(0)
     good = sum(1 for i in range(len(samples)) if not samples.failed[i] and _meets(samples, i, slos))
@@ -435,6 +470,7 @@ class LiveProber:
                 samples = Samples()
                 for r in measured:
                     samples.add_record(r)
+                samples.wave = int(load) if spec.process == "closed" else 1
                 if seq is not None:
                     decision = seq.decide(samples)
             if decision is not None:
@@ -548,6 +584,13 @@ def _converged(mode: str, lo: float, hi: float, res: float) -> bool:
     return hi - lo <= res * (lo + hi) * (1 + 1e-9)
 
 
+def _toward(soft: float, hi: float) -> float:
+    """The integer load halfway from the pilot's soft low end up to a failing load (the soft end itself when
+    none lies between)."""
+    mid = math.floor((soft + hi) / 2)
+    return float(mid if soft < mid < hi else soft)
+
+
 def _next_inside(cfg: SearchConfig, probes: Sequence[Probe], lo: float, hi: float) -> float | None:
     """The next load inside (lo, hi): one resolution step beside an undecided probe, else the middle;
     None when every such load was probed already."""
@@ -618,9 +661,14 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
         hi_bound = cfg.max_rate
         hint = None
         x = min(max(x, lo_bound), hi_bound)
+    # the pilot's last pass (a point estimate) is a soft low end: below a failing load the search bisects
+    # towards it before it steps down by the growth factor (each passing probe costs the same ~30 waves)
+    soft = last_ok.load if cfg.mode == "concurrency" and last_ok is not None else None
     estimate = x
     if last_ok is None and first_bad is not None:  # fails already one at a time: confirm at the lowest load
         x = lo_bound
+    elif soft is not None and hi is not None:
+        x = _toward(soft, hi)
 
     # 2. bracket, then bisect; only confident verdicts move the bracket, an undecided probe (the SLO
     # boundary is within its noise) is flanked by probes one resolution step either side
@@ -652,7 +700,10 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
                 if p.requests == 0:  # nothing finished in time: no verdict at all, and no lower load to try
                     break
                 continue  # undecided at the lowest load: probe it again while the budget lasts
-            x = max(lo_bound, x / (cfg.growth if p.confident else 1 + cfg.resolution))
+            if soft is not None and soft < x:
+                x, soft = _toward(soft, x), (soft if _toward(soft, x) > soft else None)
+            else:
+                x = max(lo_bound, x / (cfg.growth if p.confident else 1 + cfg.resolution))
         elif _converged(cfg.mode, lo, hi, cfg.resolution):
             status = "ok"
             break

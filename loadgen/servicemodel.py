@@ -241,6 +241,7 @@ class SimProber:
                 samples = Samples()
                 for x in (tl[k] for k in idx[np.argsort(arrivals[idx], kind="stable")]):
                     samples.add(x.ttft, x.tpot, x.e2e, False)
+                samples.wave = int(load) if mode == "concurrency" else 1
                 if seq is not None:
                     decision = seq.decide(samples)
             if decision is not None:
