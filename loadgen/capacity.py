@@ -263,9 +263,11 @@ def _rank(s: np.ndarray, r: int) -> float | None:
     return float(s[r - 1])
 
 
-def samples_to_hold(slo: SLO, z: float) -> int:
-    """The fewest requests, none missing, whose Wilson bound confirms ``slo`` (independent requests; fewer
-    than this can never pass a probe with confidence: error_rate=1% at 95 % needs several hundred)."""
+def samples_to_hold(slo: SLO, z: float, confidence: float) -> int:
+    """The fewest independent requests, none missing, that can confirm ``slo``: for error_rate its Wilson
+    bound (error_rate=1% at 95 % needs several hundred), for a latency SLO :func:`units_to_see`."""
+    if slo.metric != "error_rate":
+        return math.ceil(units_to_see(slo, confidence))
     return math.ceil(z * z * (1 - slo.allowed) / slo.allowed)
 
 
@@ -277,8 +279,9 @@ class Decision:
 
 
 class Sequential:
-    """When is a probe decided? Looks at sample counts ``first·1.5^k`` (up to ``max_samples``), each at
-    z of ``confidence`` split over the looks (Bonferroni)."""
+    """When is a probe decided? Looks at sample counts ``first·1.5^k`` (up to ``max_samples``) and, in place
+    of the looks left, once at the probe's end (:meth:`end`), each at z of ``confidence`` split over the
+    looks (Bonferroni)."""
 
     def __init__(self, slos: Sequence[SLO], confidence: float = 0.95, first: int = 30, max_samples: int = 2000) -> None:
         self.slos, self.confidence = list(slos), confidence
@@ -302,20 +305,31 @@ class Sequential:
             return None
         while self.next_look < len(self.looks) and len(samples) >= self.looks[self.next_look]:
             self.next_look += 1
-        cs = self.checks(samples)
-        bad = [c.key for c in cs if c.state == "violated"]
-        if bad:
-            return Decision("fail", True, f"{', '.join(bad)} violated")
-        if all(c.state == "holds" for c in cs):
-            return Decision("pass", True, "every SLO holds")
-        if len(samples) >= self.max_samples:
-            return self.point(samples, "sample cap")
-        return None
+        d = _confident(self.checks(samples))
+        if d is None and len(samples) >= self.max_samples:
+            return self.end(samples, "sample cap")
+        return d
 
-    def point(self, samples: Samples, why: str) -> Decision:
-        """The verdict of the point estimates (not confident)."""
+    def end(self, samples: Samples, why: str) -> Decision:
+        """The probe's end at its sample or time cap: one last look at the same z while a look is left and the
+        first look's samples are in (the
+        looks it skips are never taken, so the split over the looks holds), else the verdict of the point
+        estimates (not confident)."""
+        if self.next_look < len(self.looks) and len(samples) >= self.looks[0]:
+            self.next_look = len(self.looks)
+            if (d := _confident(self.checks(samples))) is not None:
+                return d
         bad = [c.key for c, s in zip(self.checks(samples), self.slos, strict=True) if _over(c, s)]
         return Decision("fail" if bad else "pass", False, f"{why}: point estimate" + (f", {', '.join(bad)} over" if bad else ""))
+
+
+def _confident(checks: Sequence[SloCheck]) -> Decision | None:
+    bad = [c.key for c in checks if c.state == "violated"]
+    if bad:
+        return Decision("fail", True, f"{', '.join(bad)} violated")
+    if all(c.state == "holds" for c in checks):
+        return Decision("pass", True, "every SLO holds")
+    return None
 
 
 def _over(c: SloCheck, s: SLO) -> bool:
@@ -476,7 +490,7 @@ class LiveProber:
             if decision is not None:
                 break
             if done:
-                decision = pilot_decision(samples, self.slos) if seq is None else seq.point(samples, "sample/time cap")
+                decision = pilot_decision(samples, self.slos) if seq is None else seq.end(samples, "sample/time cap")
             elif seq is None and len(samples) >= cap:
                 decision = pilot_decision(samples, self.slos)
             elif backlog is not None and (why := backlog.overloaded(now - t0, progress.inflight)):
@@ -584,6 +598,15 @@ def _converged(mode: str, lo: float, hi: float, res: float) -> bool:
     return hi - lo <= res * (lo + hi) * (1 + 1e-9)
 
 
+def _reach(cfg: SearchConfig, slos: Sequence[SLO], throughput: float | None) -> float:
+    """Concurrency mode: the most sessions whose probe can count the waves a latency SLO needs to hold
+    (:func:`units_to_see`) within ``max_probe_s`` at ``throughput`` (unbounded without one)."""
+    need = max((units_to_see(s, cfg.confidence) for s in slos if s.metric != "error_rate"), default=0.0)
+    if cfg.mode != "concurrency" or not throughput or not need:
+        return math.inf
+    return float(max(1, math.floor(throughput * cfg.max_probe_s / need)))
+
+
 def _toward(soft: float, hi: float) -> float:
     """The integer load halfway from the pilot's soft low end up to a failing load (the soft end itself when
     none lies between)."""
@@ -662,13 +685,16 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
         hint = None
         x = min(max(x, lo_bound), hi_bound)
     # the pilot's last pass (a point estimate) is a soft low end: below a failing load the search bisects
-    # towards it before it steps down by the growth factor (each passing probe costs the same ~30 waves)
-    soft = last_ok.load if cfg.mode == "concurrency" and last_ok is not None else None
+    # towards it before it steps down by the growth factor (each passing probe costs the same ~30 waves),
+    # and no higher than the sessions whose waves a probe can count within its time at that throughput
+    soft = None
+    if cfg.mode == "concurrency" and last_ok is not None:
+        soft = min(last_ok.load, _reach(cfg, slos, last_ok.throughput))
     estimate = x
     if last_ok is None and first_bad is not None:  # fails already one at a time: confirm at the lowest load
         x = lo_bound
     elif soft is not None and hi is not None:
-        x = _toward(soft, hi)
+        x = _toward(soft, min(hi, _reach(cfg, slos, last_ok.throughput if last_ok else None) + 1))
 
     # 2. bracket, then bisect; only confident verdicts move the bracket, an undecided probe (the SLO
     # boundary is within its noise) is flanked by probes one resolution step either side
@@ -704,6 +730,8 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
                 x, soft = _toward(soft, x), (soft if _toward(soft, x) > soft else None)
             else:
                 x = max(lo_bound, x / (cfg.growth if p.confident else 1 + cfg.resolution))
+            if not p.confident:  # undecided at its time cap: go where a probe can count enough waves
+                x = max(lo_bound, min(x, _reach(cfg, slos, p.throughput)))
         elif _converged(cfg.mode, lo, hi, cfg.resolution):
             status = "ok"
             break
@@ -741,13 +769,18 @@ def _result(
     if status == "budget" and probes and probes[-1].requests == 0:
         messages[status] += (f"; the last probe finished no request in {probes[-1].seconds:.0f} s: raise --max-probe-s "
                              "(and --budget) for a server this slow")  # fmt: skip
-    measured = max((p.requests for p in probes if p.phase == "search"), default=0)
     z = Sequential(slos, cfg.confidence, cfg.first_look, cfg.max_samples).z
-    short = [f"{s.key}: {samples_to_hold(s, z)}" for s in slos if samples_to_hold(s, z) > measured]
-    if status in ("budget", "unresolved") and measured and short:
-        messages[status] += (f"; confirming an SLO takes at least this many requests in one probe, none missing "
-                             f"({', '.join(short)}), but the probes measured at most {measured}: raise --max-probe-s "
-                             "or relax the SLO")  # fmt: skip
+    searched = [p for p in probes if p.phase == "search"]
+    short = []
+    for s in slos:  # a closed loop's wave of sessions counts once for a latency SLO
+        have = max((p.requests // (int(p.load) if cfg.mode == "concurrency" and s.metric != "error_rate" else 1)
+                    for p in searched), default=0)  # fmt: skip
+        if have < (need := samples_to_hold(s, z, cfg.confidence)):
+            short.append(f"{s.key}: {need}, measured at most {have}")
+    if status in ("budget", "unresolved") and any(p.requests for p in searched) and short:
+        messages[status] += (f"; confirming an SLO takes at least this many independent requests in one probe, none "
+                             f"missing (a closed loop's wave of sessions counts once): {'; '.join(short)}: raise "
+                             "--max-probe-s or relax the SLO")  # fmt: skip
     failing = [p for p in probes if p.verdict == "fail" and p.errors]
     if status == "unreachable" and failing:
         p = failing[-1]

@@ -251,7 +251,7 @@ class SimProber:
             elif backlog is not None and (why := backlog.overloaded(t, int(pending.sum()))):
                 decision = Decision("fail", True, why)
             elif last:
-                decision = seq.point(samples, "time cap") if seq is not None else pilot_decision(samples, self.slos)
+                decision = seq.end(samples, "time cap") if seq is not None else pilot_decision(samples, self.slos)
         done = ends <= t
         span = float(ends[done].max() - arrivals[done].min()) if done.sum() > 1 else None
         return probe_result(index, phase, mode, load, samples, seq, self.slos, decision, t, span)
