@@ -312,9 +312,8 @@ class Sequential:
 
     def end(self, samples: Samples, why: str) -> Decision:
         """The probe's end at its sample or time cap: one last look at the same z while a look is left and the
-        first look's samples are in (the
-        looks it skips are never taken, so the split over the looks holds), else the verdict of the point
-        estimates (not confident)."""
+        first look's samples are in (the looks it skips are never taken, so the split over the looks holds),
+        else the verdict of the point estimates (not confident)."""
         if self.next_look < len(self.looks) and len(samples) >= self.looks[0]:
             self.next_look = len(self.looks)
             if (d := _confident(self.checks(samples))) is not None:
