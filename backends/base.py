@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from contracts import GenRequest
+from workloads.contracts import GenRequest
 
 TokenSource = Literal["usage", "chunk_usage", "token_ids", "tokens_field", "tokenizer", "events", "unknown"]
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from contracts.model import default_model_path
+from reference_server.model_files import default_model_path
 
 LLAMA_SERVER_ENV = "SERVELAB_LLAMA_SERVER"
 
@@ -36,7 +36,7 @@ class LaunchError(RuntimeError):
 
 
 def bundled_model() -> Path:
-    """The bundled GGUF (:func:`contracts.model.default_model_path`), a :class:`LaunchError` when missing."""
+    """The bundled GGUF (:func:`reference_server.model_files.default_model_path`), a :class:`LaunchError` when missing."""
     try:
         return default_model_path()
     except FileNotFoundError as exc:

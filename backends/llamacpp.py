@@ -25,12 +25,15 @@ from backends.base import Delta, HttpCall, ParseState, loads_json
 from backends.native import NativeBackend
 from backends.openai import OpenAIBackend
 from backends.profile import ServerProfile
-from contracts import GenRequest
+from workloads.contracts import GenRequest
 
 LLAMACPP_PROFILE = ServerProfile(
     slots_path="/slots",
     spec_drafted="llamacpp:spec_decode_num_draft_tokens_total",
     spec_accepted="llamacpp:spec_decode_num_accepted_tokens_total",
+    running=("llamacpp:requests_processing",),
+    waiting=("llamacpp:requests_deferred",),
+    kv_usage=("llamacpp:kv_cache_usage_ratio",),
 )
 
 _FINISH = {"limit": "length", "eos": "stop", "word": "stop"}

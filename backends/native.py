@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from backends.base import Backend
-from contracts import Api
+from workloads.contracts import Api
 
 
 class NativeBackend(Backend):

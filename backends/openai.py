@@ -14,7 +14,7 @@ import msgspec
 import orjson
 
 from backends.base import Backend, Delta, HttpCall, ParseState
-from contracts import Api, GenRequest
+from workloads.contracts import Api, GenRequest
 
 PATHS: dict[str, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 _DONE = Delta(done=True)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 # The bundled reference server's speculative-decoding counters.
 REFERENCE_SPEC = ("servelab_spec_draft_tokens_total", "servelab_spec_accepted_tokens_total")
+REFERENCE_KV_BLOCKS = ("servelab_kv_blocks_used", "servelab_kv_blocks_total")
 # vLLM's naming, ``<prefix>:spec_decode_num_..._tokens_total``, which other servers follow.
 _VLLM_SPEC_SUFFIXES = ("spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total")
 
@@ -24,6 +25,12 @@ class ServerProfile:
     health_path: str = "/health"
     spec_drafted: str | None = None
     spec_accepted: str | None = None
+    # the gauges the report draws, by role (the first present wins): requests running and waiting, the KV
+    # cache's usage (a 0..1 ratio or a percentage), or its blocks (used, total) where it counts blocks
+    running: tuple[str, ...] = ()
+    waiting: tuple[str, ...] = ()
+    kv_usage: tuple[str, ...] = ()
+    kv_blocks: tuple[str, str] | None = None
 
     def spec_counters(self, names: set[str]) -> tuple[str, str] | None:
         """Of the counter base ``names`` a server exports, its drafted/accepted pair: the profile's own,
@@ -41,6 +48,11 @@ class ServerProfile:
 
 
 DEFAULT_PROFILE = ServerProfile()
+# The bundled reference server (served through the plain OpenAI backend).
+REFERENCE_PROFILE = ServerProfile(
+    spec_drafted=REFERENCE_SPEC[0], spec_accepted=REFERENCE_SPEC[1], running=("servelab_requests_running",),
+    waiting=("servelab_requests_waiting",), kv_blocks=REFERENCE_KV_BLOCKS,
+)  # fmt: skip
 
 
 def profile_of(backend: object) -> ServerProfile:

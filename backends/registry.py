@@ -15,6 +15,7 @@ import importlib
 from importlib.metadata import entry_points
 
 from backends.base import Backend
+from backends.profile import REFERENCE_PROFILE, ServerProfile, profile_of
 
 ENTRY_POINT_GROUP = "servelab.backends"
 _BUILTIN_MODULES = (
@@ -61,3 +62,9 @@ def get_backend(name: str) -> type[Backend]:
 def available() -> list[str]:
     _load()
     return sorted(_registry)
+
+
+def server_profiles() -> list[ServerProfile]:
+    """Every known server's profile: the bundled reference server's and each registered backend's."""
+    _load()
+    return list(dict.fromkeys([REFERENCE_PROFILE, *(profile_of(cls) for cls in _registry.values())]))

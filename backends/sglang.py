@@ -20,9 +20,12 @@ from backends.base import Delta, HttpCall, ParseState, loads_json
 from backends.native import NativeBackend
 from backends.openai import OpenAIBackend
 from backends.profile import ServerProfile
-from contracts import GenRequest
+from workloads.contracts import GenRequest
 
-SGLANG_PROFILE = ServerProfile(iterations_path=None)
+SGLANG_PROFILE = ServerProfile(
+    iterations_path=None, running=("sglang:num_running_reqs",), waiting=("sglang:num_queue_reqs",),
+    kv_usage=("sglang:token_usage",),
+)
 
 
 class SGLangNativeBackend(NativeBackend):

@@ -18,9 +18,9 @@ from backends.base import Delta, HttpCall, ParseState, loads_json
 from backends.native import NativeBackend
 from backends.openai import OpenAIBackend
 from backends.profile import ServerProfile
-from contracts import GenRequest
+from workloads.contracts import GenRequest
 
-TGI_PROFILE = ServerProfile(iterations_path=None)
+TGI_PROFILE = ServerProfile(iterations_path=None, running=("tgi_batch_current_size",), waiting=("tgi_queue_size",))
 
 
 class TGINativeBackend(NativeBackend):

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 from backends.openai import OpenAIBackend
 from backends.profile import ServerProfile
-from contracts import Api
+from workloads.contracts import Api
 
 
 class VLLMBackend(OpenAIBackend):
@@ -26,6 +26,9 @@ class VLLMBackend(OpenAIBackend):
     server: ClassVar[ServerProfile] = ServerProfile(
         spec_drafted="vllm:spec_decode_num_draft_tokens_total",
         spec_accepted="vllm:spec_decode_num_accepted_tokens_total",
+        running=("vllm:num_requests_running",),
+        waiting=("vllm:num_requests_waiting",),
+        kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
     )
 
     def __init__(

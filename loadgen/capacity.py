@@ -41,10 +41,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from contracts import read_jsonl
 from loadgen import metrics
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, Progress, run_point
+from workloads.contracts import read_jsonl
 
 MODES = ("rate", "concurrency")
 _UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}

@@ -30,9 +30,9 @@ import orjson
 from httpx_aiohttp import AiohttpTransport
 
 from backends.base import Backend, ParseState
-from contracts import GenRequest, RequestRecord
 from loadgen.clock import RunClock
 from loadgen.sse import SSEError, SSEEvent, SSEParser, decode_data
+from workloads.contracts import GenRequest, RequestRecord
 
 CLIENT_KINDS = ("aiohttp", "httpx")
 _ERROR_BODY_LIMIT = 64 * 1024

@@ -33,6 +33,14 @@ A point can end early, and its summary says how (``status``: ``complete``, ``abo
   (recorded as ``cancelled``), and the summary is written with ``summary["interrupted"]`` (the signal,
   the time, finished and cancelled counts). A second signal exits the process at once.
 
+**Workers** (``fleet``, ``bench run --workers N`` / ``--ray``): one process drives ~2,000 req/s; beyond
+that the point's load is split over workers (:class:`Share`): the open-loop schedule is drawn once for the
+seed and dealt out (session ``i`` to worker ``i mod N``, at its time in the one schedule), closed-loop
+concurrency and the request count are partitioned, a session stays on its worker. Each worker
+(:class:`PointWorker`, in this process when there is one, else in a process or Ray actor of
+:mod:`loadgen.fleet`) has its own event loop, client and record file; :func:`run_point` coordinates the
+phases, merges the records onto the run clock and computes the one summary.
+
 Size: one load point's run state (dispatch loop, in-flight set, server-death probe, signal handling, the
 summary that closes it) is shared by every part; sidecars, arrivals, the client and the metrics are already
 their own modules.
@@ -41,28 +49,34 @@ their own modules.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import itertools
 import json
 import os
 import signal
 import sys
 import time
 from collections import deque
-from collections.abc import Coroutine, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field, replace
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, TypeVar
 
+import orjson
+
 from backends.base import Backend
-from contracts import ARRIVAL_PROCESSES, OPEN_LOOP_PROCESSES, GenRequest, RequestRecord, read_jsonl
+from loadgen import fleet as fleet_mod
 from loadgen import metrics
 from loadgen.arrivals import arrival_times
 from loadgen.client import HttpClient, execute, make_client, probe
 from loadgen.clock import RunClock, Sidecar
+from loadgen.fleet import ONE_PROCESS, Fleet
 from loadgen.records import RecordWriter
 from workloads.base import Session, Workload
+from workloads.contracts import ARRIVAL_PROCESSES, OPEN_LOOP_PROCESSES, GenRequest, RequestRecord, read_jsonl
 
 T = TypeVar("T")
 GONE_PROBES = 3  # consecutive failed health probes that mean the server went away
@@ -137,6 +151,37 @@ class LoadSpec:
     def describe(self) -> dict[str, Any]:
         return asdict(self)
 
+    def part(self, share: Share) -> LoadSpec:
+        """One worker's part of this load: its share of the concurrency, the request count and the in-flight
+        bound (the rate stays: the worker takes its sessions' times from the whole schedule)."""
+        if share.count == 1:
+            return self
+        c, n = self.concurrency, self.num_requests
+        return replace(self, concurrency=share.part(c) if c is not None else None,
+                       num_requests=share.part(n) if n is not None else None,
+                       max_inflight=max(1, share.part(self.max_inflight)))  # fmt: skip
+
+    def workers(self, wanted: int) -> int:
+        """How many of ``wanted`` workers get a part: no more than the concurrency or the requests."""
+        n = min(wanted, self.concurrency or wanted) if self.process == "closed" else wanted
+        return min(n, self.num_requests) if self.num_requests is not None else n
+
+
+@dataclass(frozen=True)
+class Share:
+    """Worker ``index`` of ``count``: it runs the sessions whose index in the workload's (seeded) order is
+    ``index`` modulo ``count``, so the workers' sessions together are the single-process run's, each
+    session (all its turns) on one worker."""
+
+    index: int = 0
+    count: int = 1
+
+    def mine(self, session_index: int) -> bool:
+        return session_index % self.count == self.index
+
+    def part(self, total: int) -> int:
+        return total // self.count + (self.index < total % self.count)
+
 
 @dataclass
 class Progress:
@@ -172,10 +217,10 @@ class Progress:
 class _Dispatch:
     def __init__(
         self, backend: Backend, workload: Workload, load: LoadSpec, clock: RunClock, client: HttpClient,
-        writer: RecordWriter, progress: Progress,
+        writer: RecordWriter, progress: Progress, share: Share, signals: Signals | None,
     ) -> None:
         self.backend, self.load, self.clock, self.client = backend, load, clock, client
-        self.writer, self.progress = writer, progress
+        self.writer, self.progress, self.share, self.signals = writer, progress, share, signals
         self.sessions: Iterator[Session] = iter(workload.sessions(load.seed))
         self.n_sessions = 0
         self.measured = 0
@@ -189,14 +234,18 @@ class _Dispatch:
         self.gone_info: dict[str, Any] | None = None
         self._probe: asyncio.Task[None] | None = None
 
-    def next_session(self) -> tuple[Session, bool] | None:
-        if self.stop.is_set() or (self.warming and self.n_sessions >= self.load.warmup):
-            return None
-        sess = next(self.sessions, None)
-        if sess is None:  # workload exhausted: dispatch ends, started sessions go on
-            return None
-        self.n_sessions += 1
-        return sess, self.n_sessions <= self.load.warmup
+    def next_session(self) -> tuple[Session, bool, int] | None:
+        """This worker's next session, whether it is a warm-up, and its index in the workload's order."""
+        while True:
+            if self.stop.is_set() or (self.warming and self.n_sessions >= self.load.warmup):
+                return None
+            sess = next(self.sessions, None)
+            if sess is None:  # workload exhausted: dispatch ends, started sessions go on
+                return None
+            i = self.n_sessions
+            self.n_sessions += 1
+            if self.share.mine(i):
+                return sess, i < self.load.warmup, i
 
     def ticket(self, warmup: bool) -> bool:
         """May one more request start now? Counts it when so."""
@@ -216,9 +265,10 @@ class _Dispatch:
             self.stop.set()  # this is the last one
         return True
 
-    async def session(self, sess: Session, warmup: bool, intended: float, req: GenRequest | None = None) -> None:
+    async def session(self, sess: Session, warmup: bool, index: int, intended: float,
+                      req: GenRequest | None = None) -> None:  # fmt: skip
         req = req or sess.first()
-        sid = f"s{self.n_sessions}"
+        sid = f"s{index + 1}"
         turn = 0
         while True:
             if not self.healthy.is_set():
@@ -280,7 +330,7 @@ class _Dispatch:
     async def closed(self) -> None:
         async def slot() -> None:
             while (item := self.next_session()) is not None:
-                await self.session(item[0], item[1], self.clock.now())
+                await self.session(*item, self.clock.now())
 
         await asyncio.gather(*(slot() for _ in range(self.load.concurrency or 1)))
 
@@ -290,9 +340,13 @@ class _Dispatch:
         if load.process != "trace":
             times = arrival_times(load.process, load.rate or 0.0, load.seed, load.burstiness)
         limit = asyncio.Semaphore(load.max_inflight)
+        pos = self.n_sessions  # session index of the schedule's next time (each phase's starts afresh)
         while (item := self.next_session()) is not None:
-            sess, warmup = item
-            t = next(times) if times is not None else None
+            sess, warmup, i = item
+            t = None
+            if times is not None:  # session i's time in the phase's schedule; the other workers' are skipped
+                t = next(itertools.islice(times, i - pos, None))
+                pos = i + 1
             if sess.at is not None:
                 t = sess.at / load.speedup
             if t is None:
@@ -303,7 +357,7 @@ class _Dispatch:
             first = sess.first()  # built before its send time, so prompt building is not schedule lag
             await _sleep_until(self.clock, intended)
             await limit.acquire()
-            task = asyncio.create_task(self.session(sess, warmup, intended, first))
+            task = asyncio.create_task(self.session(sess, warmup, i, intended, first))
             self.tasks.add(task)
             task.add_done_callback(lambda tk: (self.tasks.discard(tk), limit.release()))
         if self.tasks:
@@ -327,50 +381,49 @@ async def run_point(
     backend: Backend, workload: Workload, load: LoadSpec, out_dir: Path, clock: RunClock,
     sidecars: Sequence[Sidecar] = (), *, point_id: str | None = None, labels: dict[str, Any] | None = None,
     slo: dict[str, float] | None = None, client: HttpClient | None = None, client_kind: str = "aiohttp",
-    progress: Progress | None = None, slo_from: str = "sent",
+    progress: Progress | None = None, slo_from: str = "sent", fleet: Fleet = ONE_PROCESS,
 ) -> dict[str, Any]:
     """Run one load point into ``out_dir``; returns its PointSummary (also written to summary.json).
-    ``slo_from="intended"`` judges the SLOs' TTFT and E2E from the intended send time."""
+    ``slo_from="intended"`` judges the SLOs' TTFT and E2E from the intended send time.
+
+    ``fleet``: the point's load is split over ``fleet.workers`` workers (:class:`Share`; processes on this
+    machine, or Ray actors), each streaming its records to ``workers/w<k>.jsonl``; every warm-up ends before
+    the measured phase starts on all of them at one instant, and their records are merged (sorted by end,
+    on this run clock) into ``requests.jsonl``, from which the one summary is computed. A worker that dies
+    is reported under ``summary["workers"]["lost"]`` and its records up to its death are kept."""
     out_dir.mkdir(parents=True, exist_ok=True)
     progress = progress or Progress()
-    own_client = client is None
-    if client is None:
-        conns = load.concurrency if load.process == "closed" else load.max_inflight
-        client = make_client(client_kind, max_connections=conns or 1, stall_timeout=load.stall_timeout)
-    writer = RecordWriter(out_dir / "requests.jsonl")
     pid = point_id or load.point_id()
     plan = {"point_id": pid, "load": load.describe(), "workload": workload.describe(), "labels": labels or {}}
     (out_dir / "point.json").write_text(json.dumps(plan, indent=1, default=str))  # a killed point's summary needs it
-    d = _Dispatch(backend, workload, load, clock, client, writer, progress)
+    n = load.workers(fleet.workers)
+    single = n == 1 and fleet.ray is None
+    workers = [
+        PointWorker(backend, workload, load.part(sh), sh, out_dir / ("requests.jsonl" if single else f"workers/w{k}.jsonl"),
+                    clock, client_kind, client=client if single else None, progress=progress if single else None)
+        for k, sh in enumerate(Share(k, n) for k in range(n))
+    ]  # fmt: skip
     for sc in sidecars:
         sc.start(clock, out_dir)
-    cpu0, wait0, wall0 = time.process_time(), _cpu_wait(), time.perf_counter()
-    t0 = d.t_start = progress.t_start = clock.now()
+    t0 = progress.t_start = clock.now()
+    coord = _Coordinator(fleet.start(workers), progress, clock)
     try:
-        with _run_gc():
-            early = None
-            if load.warmup:  # its own phase: every warm-up ends before the first measured send
-                d.warming = True
-                early = await _bounded(asyncio.ensure_future(d.dispatch()), d, replace(load, duration=None))
-                d.warming = False
-                d.t_start = progress.t_start = clock.now()
-            if early is None:  # (an interrupt or a dead server during the warm-ups ends the point there)
-                early = await _bounded(asyncio.ensure_future(d.dispatch()), d, load)
+        t_measured, results = await coord.run(None if load.warmup else t0)
+        if not single:
+            await coord.merge([w.path.name for w in workers], out_dir)
     finally:
-        if d._probe is not None:
-            d._probe.cancel()
-        wall = max(time.perf_counter() - wall0, 1e-9)
-        cpu = (time.process_time() - cpu0) / wall
-        wait1 = _cpu_wait()
-        wait = (wait1 - wait0) / wall if wait0 is not None and wait1 is not None else None
-        writer.close()
-        if own_client:
-            await client.aclose()
+        await coord.close()
     records = read_jsonl(out_dir / "requests.jsonl")
     summary: dict[str, Any] = {
-        **plan, "t_start": t0, "t_measured": d.t_start, "t_end": clock.now(), "status": "complete",
+        **plan, "t_start": t0, "t_measured": t_measured, "t_end": clock.now(), "status": "complete",
     }  # fmt: skip
-    summary.update(metrics.summarize(records, load.describe(), slo, client_cpu=cpu, client_wait=wait, slo_from=slo_from))
+    ran = [r for r in results if r is not None and "wall_s" in r]
+    cpu = max((r["cpu_s"] / r["wall_s"] for r in ran), default=None)
+    waits = [r["wait_s"] / r["wall_s"] for r in ran if r["wait_s"] is not None]
+    summary.update(metrics.summarize(records, load.describe(), slo, client_cpu=cpu, client_wait=max(waits, default=None),
+                                     slo_from=slo_from))  # fmt: skip
+    summary["workers"] = coord.describe(results, fleet)
+    early = next((r["early"] for key in ("interrupted", "aborted") for r in ran if key in (r["early"] or {})), None)
     if early is not None:
         summary.update(early)
         summary["status"] = next(iter(early))
@@ -388,19 +441,233 @@ async def run_point(
     return summary
 
 
-async def _bounded(main: asyncio.Future[None], d: _Dispatch, load: LoadSpec) -> dict[str, Any] | None:
+class PointWorker:
+    """One worker's part of a load point: its own HTTP client and dispatch, its records streamed to ``path``.
+
+    The coordinator calls ``warmup`` (the warm-up phase; returns how the point ended early, if it did), then
+    ``measure`` with the common start of the measured phase (this worker's run clock); ``progress_delta``
+    and ``interrupt`` may come meanwhile. It runs in the coordinator's process, or pickled into a worker
+    process or a Ray actor (:mod:`loadgen.fleet`)."""
+
+    def __init__(
+        self, backend: Backend, workload: Workload, load: LoadSpec, share: Share, path: Path, clock: RunClock,
+        client_kind: str, *, client: HttpClient | None = None, progress: Progress | None = None,
+    ) -> None:  # fmt: skip
+        self.backend, self.workload, self.load, self.share, self.path = backend, workload, load, share, path
+        self.clock, self.client_kind, self.client, self.own_client = clock, client_kind, client, client is None
+        self.progress = progress or Progress()
+        self.early: dict[str, Any] | None = None
+        self._d: _Dispatch | None = None
+        self._signals: Signals | None = None
+        self._reported = 0  # TTFTs already passed on by progress_delta
+        self._closed: dict[str, Any] | None = None
+
+    def _sig(self) -> Signals:
+        if self._signals is None:  # the process's own (run_async) or, in a Ray actor, this worker's
+            self._signals = _SIGNALS.get() or Signals()
+        return self._signals
+
+    async def warmup(self) -> dict[str, Any] | None:
+        load = self.load
+        if self.client is None:
+            conns = load.concurrency if load.process == "closed" else load.max_inflight
+            self.client = make_client(self.client_kind, max_connections=conns or 1, stall_timeout=load.stall_timeout)
+        self.writer = RecordWriter(self.path)
+        d = self._d = _Dispatch(self.backend, self.workload, load, self.clock, self.client, self.writer,
+                                self.progress, self.share, self._sig())  # fmt: skip
+        self.cpu0, self.wait0, self.wall0 = time.process_time(), _cpu_wait(), time.perf_counter()
+        d.t_start = self.clock.now()
+        if load.warmup:  # its own phase: every warm-up ends before the first measured send
+            d.warming = True
+            with _run_gc():
+                self.early = await _bounded(asyncio.ensure_future(d.dispatch()), d, None)  # the warm-ups run to their end
+            d.warming = False
+        return self.early
+
+    async def measure(self, t_start: float) -> dict[str, Any]:
+        """The measured phase from ``t_start`` (unless the warm-up phase ended the point: an interrupt or a
+        dead server); returns how it ended and the worker's CPU use."""
+        d = self._d
+        assert d is not None, "warmup() comes first"
+        if self.early is None:
+            await _sleep_until(self.clock, t_start)
+            d.t_start = self.progress.t_start = t_start
+            with _run_gc():
+                self.early = await _bounded(asyncio.ensure_future(d.dispatch()), d, self.load.duration)
+        return {"early": self.early, **await self.close()}
+
+    async def close(self) -> dict[str, Any]:
+        """Close the record file and the client (once); the CPU and wall seconds since ``warmup``."""
+        if self._closed is None:
+            self._closed = {}
+            if self._d is not None:
+                if self._d._probe is not None:
+                    self._d._probe.cancel()
+                wall, wait1 = max(time.perf_counter() - self.wall0, 1e-9), _cpu_wait()
+                wait = wait1 - self.wait0 if self.wait0 is not None and wait1 is not None else None
+                self._closed = {"cpu_s": time.process_time() - self.cpu0, "wait_s": wait, "wall_s": wall}
+                self.writer.close()
+            if self.own_client and self.client is not None:
+                await self.client.aclose()
+        return self._closed
+
+    async def progress_delta(self) -> dict[str, Any]:
+        """The live counters, and the TTFTs and recent requests observed since the last call."""
+        p = self.progress
+        new = len(p.ttft) - self._reported
+        self._reported = len(p.ttft)
+        recent = list(p.recent)[-new:] if new else []
+        counters = {k: getattr(p, k) for k in ("started", "done", "errors", "inflight", "output_tokens", "warmup_done")}
+        return {**counters, "error_kinds": dict(p.error_kinds), "ttft": p.ttft[-new:] if new else [], "recent": recent}
+
+    async def now(self) -> float:
+        return self.clock.now()
+
+    async def interrupt(self, signum: int) -> None:
+        sig = self._sig()
+        if sig.signum is None:
+            sig.signum = signum
+            sig.event.set()
+
+    async def records_bytes(self) -> bytes:
+        return self.path.read_bytes() if self.path.exists() else b""
+
+    def serve_process(self, conn: Connection) -> None:
+        """A worker process's entry point (:mod:`loadgen.fleet`)."""
+        run_async(fleet_mod.serve(self, conn, lambda: self.interrupt(signal.SIGTERM)))
+
+
+class _Coordinator:
+    """The coordinator's side of a point's workers: the phases on all of them, the progress and signals
+    passed between, the records merged."""
+
+    POLL_S = 0.5
+
+    def __init__(self, handles: list[fleet_mod.Handle], progress: Progress, clock: RunClock) -> None:
+        self.handles, self.progress, self.clock = handles, progress, clock
+        self.remote = [h for h in handles if h.remote]
+        self.offsets = [{"offset_s": 0.0, "bound_s": 0.0} for _ in handles]
+        self.latest: dict[int, dict[str, Any]] = {}
+        self.forwarded = False
+
+    async def run(self, t_start: float | None) -> tuple[float, list[dict[str, Any] | None]]:
+        """Clock offsets, the warm-up phase on every worker, then the measured phase from one instant
+        (``t_start`` for one worker in this process without warm-ups: the point's start); returns that
+        instant and each worker's result (None for a worker lost)."""
+        for h in self.handles:
+            with contextlib.suppress(fleet_mod.WorkerLost):
+                self.offsets[h.index] = await fleet_mod.clock_offset(h, self.clock.now)
+        await self._each("warmup", lambda h: ())
+        if self.remote:
+            t_go = self.progress.t_start = self.clock.now() + fleet_mod.START_MARGIN_S
+        else:
+            t_go = self.clock.now() if t_start is None else t_start
+        results = await self._each("measure", lambda h: (t_go + self.offsets[h.index]["offset_s"],))
+        await self._poll()
+        return t_go, results
+
+    async def _each(self, method: str, args: Callable[[fleet_mod.Handle], tuple[Any, ...]]) -> list[Any]:
+        """``method`` on every live worker at once, progress polled and signals forwarded meanwhile."""
+        live = [h for h in self.handles if h.lost is None]
+        calls = [asyncio.ensure_future(h.call(method, *args(h))) for h in live]
+        watch = asyncio.ensure_future(self._watch())
+        try:
+            got = await asyncio.gather(*calls, return_exceptions=True)
+        finally:
+            watch.cancel()
+        out: list[Any] = [None] * len(self.handles)
+        for h, r in zip(live, got, strict=True):
+            if isinstance(r, fleet_mod.WorkerLost):
+                continue
+            if isinstance(r, BaseException):
+                raise r
+            out[h.index] = r
+        return out
+
+    async def _watch(self) -> None:
+        signals = _SIGNALS.get()
+        while self.remote:
+            if signals is not None and signals.signum is not None and not self.forwarded:
+                self.forwarded = True  # a worker process is in its own process group: it hears it once, from here
+                for h in self.remote:
+                    with contextlib.suppress(fleet_mod.WorkerLost):
+                        await h.call("interrupt", signals.signum)
+            await self._poll()
+            with contextlib.suppress(asyncio.TimeoutError):  # a signal is passed on at once
+                await asyncio.wait_for(signals.event.wait() if signals and not self.forwarded else asyncio.sleep(self.POLL_S),
+                                       self.POLL_S)  # fmt: skip
+
+    async def _poll(self) -> None:
+        """The workers' progress into the coordinator's (the one live view)."""
+        if not self.remote:
+            return
+        for h in self.remote:
+            with contextlib.suppress(fleet_mod.WorkerLost):
+                delta = await h.call("progress_delta")
+                self.progress.ttft.extend(delta.pop("ttft"))
+                self.progress.recent.extend(delta.pop("recent"))
+                self.latest[h.index] = delta
+        p = self.progress
+        for key in ("started", "done", "errors", "inflight", "output_tokens", "warmup_done"):
+            setattr(p, key, sum(c[key] for c in self.latest.values()))
+        p.error_kinds = {}
+        for c in self.latest.values():
+            for kind, k in c["error_kinds"].items():
+                p.error_kinds[kind] = p.error_kinds.get(kind, 0) + k
+
+    async def merge(self, names: list[str], out_dir: Path) -> None:
+        """The workers' records, fetched where they do not share this file system (Ray) and put on this
+        run clock, into ``requests.jsonl`` in order of their end (as one process writes them)."""
+        recs: list[dict[str, Any]] = []
+        for h, name in zip(self.handles, names, strict=True):
+            path = out_dir / "workers" / name
+            if not h.local and h.lost is None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(await h.call("records_bytes"))
+            off = self.offsets[h.index]["offset_s"]
+            for r in read_jsonl(path) if path.exists() else []:
+                if off:
+                    r["intended"], r["sent"], r["end"] = r["intended"] - off, r["sent"] - off, r["end"] - off
+                    r["events"] = [[t - off, k] for t, k in r["events"]]
+                recs.append(r)
+        recs.sort(key=lambda r: r["end"])
+        with (out_dir / "requests.jsonl").open("wb") as f:
+            f.writelines(orjson.dumps(r, option=orjson.OPT_APPEND_NEWLINE) for r in recs)
+
+    def describe(self, results: list[dict[str, Any] | None], fleet: Fleet) -> dict[str, Any]:
+        per = []
+        for h, r in zip(self.handles, results, strict=True):
+            per.append({**h.describe(), **self.offsets[h.index], **{k: v for k, v in (r or {}).items() if k != "early"},
+                        "lost": h.lost})  # fmt: skip
+        bound = max(o["bound_s"] for o in self.offsets)
+        note = (f"{len(self.handles)} Ray workers: records put on this machine's run clock by measured offsets, error "
+                f"bound {bound * 1e3:.2f} ms") if fleet.ray is not None else None  # fmt: skip
+        return {
+            **fleet.describe(), "count": len(self.handles), "note": note, "cpu_s": sum(r["cpu_s"] for r in results if r and "cpu_s" in r),
+            "clock_bound_s": bound, "per_worker": per,
+            "lost": [{"index": h.index, "reason": h.lost} for h in self.handles if h.lost is not None],
+        }  # fmt: skip
+
+    async def close(self) -> None:
+        for h in self.handles:
+            if not h.remote:
+                await h.call("close")
+            h.close()
+
+
+async def _bounded(main: asyncio.Future[None], d: _Dispatch, duration: float | None) -> dict[str, Any] | None:
     """Await the dispatch; after ``duration`` (+ drain) cancel what is still in flight. Returns how the
     point ended early (``{"interrupted": ...}`` or ``{"aborted": ...}``), None when it ran its course."""
-    signals = _SIGNALS.get()
+    signals = d.signals
     stoppers = {asyncio.ensure_future(d.gone.wait())}
     if signals is not None:
         stoppers.add(asyncio.ensure_future(signals.event.wait()))
     try:
-        if load.duration is not None:
-            done, _ = await asyncio.wait({main, *stoppers}, timeout=load.duration, return_when=asyncio.FIRST_COMPLETED)
+        if duration is not None:
+            done, _ = await asyncio.wait({main, *stoppers}, timeout=duration, return_when=asyncio.FIRST_COMPLETED)
             if not done:
                 d.stop.set()
-                drain = load.timeout if load.drain is None else load.drain
+                drain = d.load.timeout if d.load.drain is None else d.load.drain
                 await asyncio.wait({main, *stoppers}, timeout=drain, return_when=asyncio.FIRST_COMPLETED)
         else:
             await asyncio.wait({main, *stoppers}, return_when=asyncio.FIRST_COMPLETED)
@@ -437,7 +704,7 @@ async def _cancel(main: asyncio.Future[None], d: _Dispatch) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-@contextmanager
+@contextlib.contextmanager
 def _run_gc() -> Iterator[None]:
     """Fewer cyclic-GC passes while requests run.
 

@@ -30,13 +30,13 @@ from rich.table import Table
 from backends.launcher import ServerProcess, bundled_model, free_port
 from backends.profile import REFERENCE_SPEC
 from backends.registry import get_backend
-from contracts import GenRequest
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, run_async
 from loadgen.results import ResultsDir, lookup, new_run_id
 from loadgen.sidecars.prometheus import parse_metrics
 from loadgen.sweep import PointPlan, run_sweep
 from workloads.base import ArrivalSpec, Session, SingleShot, Workload
+from workloads.contracts import GenRequest
 
 Summary = dict[str, Any]
 

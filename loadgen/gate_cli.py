@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
+from loadgen.exitcodes import UsageError, console, exits
 from loadgen.gate import (
     GateError,
     GateReport,
@@ -20,13 +20,6 @@ from loadgen.gate import (
     save_baseline,
     to_markdown,
 )
-
-console = Console(stderr=True)
-
-
-def _fail(message: str) -> typer.Exit:
-    console.print(f"[red]error[/]: {message}")
-    return typer.Exit(2)
 
 
 def gate(
@@ -66,46 +59,47 @@ def gate(
     run_id: Annotated[str | None, typer.Option(help="--ab: run id (default: gate-<timestamp>).")] = None,
 ) -> None:
     """Compare a candidate with a baseline: exit 0 pass, 1 regression, 2 inconclusive or invalid."""
-    try:
-        rules = [MetricRule.parse(m) for m in metric]
-    except GateError as exc:
-        raise _fail(str(exc)) from None
-    if not 0.5 < confidence < 1:
-        raise _fail(f"--confidence must be in (0.5, 1), got {confidence}")
-    if min_trials < 2:
-        raise _fail("--min-trials must be >= 2 (a bootstrap needs spread)")
-    if ab:
-        baseline, candidate = _run_ab(
-            baseline, candidate, trials, workload, concurrency, num_requests, warmup, seed, backend, model,
-            output_dir, run_id,
-        )  # fmt: skip
-    for side in (baseline, candidate):
-        if Path(side).is_dir() and not (Path(side) / "summary.json").is_file():
-            console.print(f"[yellow]note[/]: {side} has no summary.json (the run ended before writing it): "
-                          "recomputing it from requests.jsonl")  # fmt: skip
-    try:
-        if any(r.metric == "capacity" for r in rules):
-            from loadgen.capacity import gate_capacity
+    with exits():
+        try:
+            rules = [MetricRule.parse(m) for m in metric]
+        except GateError as exc:
+            raise UsageError(str(exc)) from None
+        if not 0.5 < confidence < 1:
+            raise UsageError(f"--confidence must be in (0.5, 1), got {confidence}")
+        if min_trials < 2:
+            raise UsageError("--min-trials must be >= 2 (a bootstrap needs spread)")
+        if ab:
+            baseline, candidate = _run_ab(
+                baseline, candidate, trials, workload, concurrency, num_requests, warmup, seed, backend, model,
+                output_dir, run_id,
+            )  # fmt: skip
+        for side in (baseline, candidate):
+            if Path(side).is_dir() and not (Path(side) / "summary.json").is_file():
+                console.print(f"[yellow]note[/]: {side} has no summary.json (the run ended before writing it): "
+                              "recomputing it from requests.jsonl")  # fmt: skip
+        try:
+            if any(r.metric == "capacity" for r in rules):
+                from loadgen.capacity import gate_capacity
 
-            rep = gate_capacity(baseline, candidate, rules)
-        else:
-            rep = compare(load(baseline), load(candidate), rules, confidence, min_trials, point or None)
-    except GateError as exc:
-        rep = GateReport(
-            "invalid", errors=[str(exc)], baseline=baseline, candidate=candidate, confidence=confidence
-        )
-    print_report(rep)
-    md = to_markdown(rep)
-    if markdown:
-        markdown.parent.mkdir(parents=True, exist_ok=True)
-        markdown.write_text(md, encoding="utf-8")
-    if step_summary := os.environ.get("GITHUB_STEP_SUMMARY"):
-        with open(step_summary, "a", encoding="utf-8") as f:
-            f.write(md)
-    if json_out:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(rep.to_dict(), indent=1) + "\n", encoding="utf-8")
-    raise typer.Exit(rep.exit_code)
+                rep = gate_capacity(baseline, candidate, rules)
+            else:
+                rep = compare(load(baseline), load(candidate), rules, confidence, min_trials, point or None)
+        except GateError as exc:
+            rep = GateReport(
+                "invalid", errors=[str(exc)], baseline=baseline, candidate=candidate, confidence=confidence
+            )
+        print_report(rep)
+        md = to_markdown(rep)
+        if markdown:
+            markdown.parent.mkdir(parents=True, exist_ok=True)
+            markdown.write_text(md, encoding="utf-8")
+        if step_summary := os.environ.get("GITHUB_STEP_SUMMARY"):
+            with open(step_summary, "a", encoding="utf-8") as f:
+                f.write(md)
+        if json_out:
+            json_out.parent.mkdir(parents=True, exist_ok=True)
+            json_out.write_text(json.dumps(rep.to_dict(), indent=1) + "\n", encoding="utf-8")
+        raise typer.Exit(rep.exit_code)
 
 
 def _run_ab(
@@ -116,22 +110,21 @@ def _run_ab(
     from backends.launcher import LaunchError
     from loadgen.ab import run_ab
     from loadgen.engine import LoadSpec
-    from loadgen.exitcodes import UsageError
     from loadgen.results import new_run_id
     from loadgen.targets import load_workload, make_backend
 
     if trials < 2 or concurrency < 1 or num_requests < 1 or warmup < 0:
-        raise _fail("--ab needs --trials >= 2, --concurrency >= 1, --num-requests >= 1, --warmup >= 0")
+        raise UsageError("--ab needs --trials >= 2, --concurrency >= 1, --num-requests >= 1, --warmup >= 0")
     for name, cmd in (("--baseline", baseline_cmd), ("--candidate", candidate_cmd)):
         if "{port}" not in cmd:
-            raise _fail(f"with --ab, {name} is a server command with a {{port}} placeholder, got {cmd!r}")
+            raise UsageError(f"with --ab, {name} is a server command with a {{port}} placeholder, got {cmd!r}")
     try:
         wl = load_workload(workload)
         load_spec = LoadSpec(
             "closed", concurrency=concurrency, num_requests=num_requests, warmup=warmup, seed=seed
         )
     except (UsageError, ValueError) as exc:
-        raise _fail(str(exc)) from None
+        raise UsageError(str(exc)) from None
     config = {
         "command": "gate --ab", "backend": backend, "api": None, "model": model, "workloads": [workload],
         "concurrency": [concurrency], "rate": [], "arrival": "closed", "num_requests": num_requests,
@@ -153,7 +146,7 @@ def _run_ab(
             wl, load_spec, trials, output_dir, rid, config, on_trial=progress,
         )  # fmt: skip
     except (LaunchError, UsageError, ValueError) as exc:
-        raise _fail(str(exc)) from None
+        raise UsageError(str(exc)) from None
     return str(dirs["baseline"]), str(dirs["candidate"])
 
 
@@ -168,12 +161,13 @@ def baseline_save(
     ],
 ) -> None:
     """Write a result's fingerprints and point summaries as a baseline file."""
-    try:
-        doc = save_baseline(result, out)
-    except GateError as exc:
-        raise _fail(str(exc)) from None
-    rs = load(out)
-    for pid, pts in rs.points.items():
-        note = "" if len(pts) >= 5 else "  [yellow](fewer than 5 trials: the gate will say inconclusive)[/]"
-        console.print(f"{pid}: {len(pts)} trial(s){note}")
-    console.print(f"baseline of run {doc.get('run_id')} written to {out}")
+    with exits():
+        try:
+            doc = save_baseline(result, out)
+        except GateError as exc:
+            raise UsageError(str(exc)) from None
+        rs = load(out)
+        for pid, pts in rs.points.items():
+            note = "" if len(pts) >= 5 else "  [yellow](fewer than 5 trials: the gate will say inconclusive)[/]"
+            console.print(f"{pid}: {len(pts)} trial(s){note}")
+        console.print(f"baseline of run {doc.get('run_id')} written to {out}")

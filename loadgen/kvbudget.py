@@ -26,7 +26,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from contracts.model import attention_shape
+from reference_server.model_files import attention_shape
 
 DTYPE_BYTES: dict[str, float] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
 SCALE_BYTES: dict[str, int] = {"int8": 4}  # per KV head and block, for K and for V (see the module docstring)

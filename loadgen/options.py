@@ -13,12 +13,13 @@ from typing import Annotated, Any
 import typer
 
 from backends.launcher import GridPoint, LaunchError, server_grid
-from contracts import APIS, ARRIVAL_PROCESSES, OPEN_LOOP_PROCESSES
 from loadgen import metrics
 from loadgen.client import CLIENT_KINDS
 from loadgen.exitcodes import UsageError
+from loadgen.fleet import Fleet
 from loadgen.sidecars import telemetry
 from workloads.base import Workload
+from workloads.contracts import APIS, ARRIVAL_PROCESSES, OPEN_LOOP_PROCESSES
 
 _UNITS = {"ms": 1e-3, "s": 1.0, "us": 1e-6}
 
@@ -96,6 +97,8 @@ class RunOptions:
     max_error_rate: float = 0.05
     wait_for_server: float = 0.0
     slo_from: str = "sent"
+    workers: int = field(default=1, metadata=_incomparable())
+    ray: str | None = field(default=None, metadata=_incomparable())
     # how the run is carried out, not what it measures: not in run.json
     output_dir: Path = field(default=Path("results"), metadata=_not_config())
     run_id: str | None = field(default=None, metadata=_not_config())
@@ -125,6 +128,8 @@ class RunOptions:
             raise UsageError("--max-error-rate must be within 0..1 and --wait-for-server >= 0")
         if self.url is not None and not re.match(r"^https?://", self.url):
             raise UsageError(f"--url must start with http:// or https://, got {self.url!r}")
+        if self.workers < 1:
+            raise UsageError(f"--workers must be >= 1, got {self.workers}")
         if self.poll_hz < 0:
             raise UsageError("--poll-hz must be >= 0 (0 turns the server-state poller off)")
         try:
@@ -161,6 +166,9 @@ class RunOptions:
         if opts.arrival in OPEN_LOOP_PROCESSES and opts.concurrency and not opts.rate:
             raise UsageError(f"--arrival {opts.arrival} needs --rate")
         return opts
+
+    def fleet(self) -> Fleet:
+        return Fleet(self.workers, self.ray)
 
     def config(self) -> dict[str, Any]:
         """The ``config`` of ``run.json``."""
@@ -205,4 +213,8 @@ PollHz = Annotated[float, typer.Option(help="Server-state poller rate (/metrics,
 TelemetryHz = Annotated[float, typer.Option(help="Telemetry rate (NVML GPUs, host, server process), Hz; 0 = off.")]
 TokenizerOpt = Annotated[str | None, typer.Option(
     help="tokenizer.json of the target model for exact prompt lengths (default: the bundled model's).")]
+Workers = Annotated[int, typer.Option(help="Load processes on this machine (or Ray actors with --ray), each with "
+                                      "its own event loop and HTTP client; the load of each point is split over them.")]
+Ray = Annotated[str | None, typer.Option(help="Run the workers as Ray actors: 'local' (start Ray here), 'auto' or "
+                                         "a cluster address (needs pip install 'servelab[ray]').")]
 TelemetryUrl = Annotated[str | None, typer.Option(help="Prometheus URL of a DCGM/node exporter on the server's host.")]

@@ -1,7 +1,7 @@
 """The crash-safe JSONL writer of per-request records.
 
-One :class:`contracts.RequestRecord` per request (fields in docs/architecture.md), read back with
-:func:`contracts.read_jsonl`. :class:`RecordWriter`
+One :class:`workloads.contracts.RequestRecord` per request (fields in docs/architecture.md), read back with
+:func:`workloads.contracts.read_jsonl`. :class:`RecordWriter`
 appends each record as one line with a single unbuffered ``write()`` as the request ends, so a killed run leaves
 a valid ``requests.jsonl`` holding every finished request.
 """
@@ -13,7 +13,7 @@ from typing import IO
 
 import orjson
 
-from contracts import RequestRecord
+from workloads.contracts import RequestRecord
 
 
 class RecordWriter:

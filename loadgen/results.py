@@ -14,7 +14,6 @@ import json
 import os
 import platform
 import re
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -24,8 +23,8 @@ from typing import Any
 
 import pandas as pd
 
-from contracts import read_jsonl
 from loadgen import metrics
+from workloads.contracts import read_jsonl
 
 PACKAGES = ("servelab", "torch", "httpx", "httpx-aiohttp", "aiohttp", "uvloop", "numpy", "pandas", "transformers")
 _SECRET_KEY = re.compile(r"(api[_-]?key|authorization|token(?!izer)|secret|password)", re.I)
@@ -50,7 +49,7 @@ def scrub(obj: Any) -> Any:
 
 
 def environment() -> dict[str, Any]:
-    """CPU model, cores, memory, OS, Python, package versions, GPUs (via nvidia-smi when present)."""
+    """CPU model, cores, memory, OS, Python, package versions, GPUs (through NVML, when present)."""
     env: dict[str, Any] = {
         "cpu_model": _cpu_model(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
         "python": sys.version.split()[0], "hostname_hash": fingerprint(platform.node()),
@@ -69,7 +68,9 @@ def environment() -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             continue
     env["packages"] = versions
-    env["gpus"] = _gpus()
+    from loadgen.sidecars.gpu import gpu_inventory  # here, not at the top: pynvml only for a run's header
+
+    env["gpus"] = gpu_inventory()
     return env
 
 
@@ -81,15 +82,6 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
-
-
-def _gpus() -> list[str]:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10, check=True).stdout  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return [line.strip() for line in out.splitlines() if line.strip()]
 
 
 def sweep_row(summary: dict[str, Any]) -> dict[str, Any]:

@@ -1,5 +1,7 @@
 """``bench run`` and ``bench sweep``: load points against one server (or a grid of started ones) into one
-results directory, a summary table, a report, and an exit code that says whether every point passed."""
+results directory, a summary table, a report, and an exit code that says whether every point passed.
+
+Size: the two commands' option lists (typer needs each spelled out) and the one body they share."""
 
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from loadgen.options import (
     NumRequests,
     OutputDir,
     PollHz,
+    Ray,
     Repeat,
     RunId,
     RunOptions,
@@ -49,6 +52,7 @@ from loadgen.options import (
     Url,
     WaitForServer,
     Warmup,
+    Workers,
     WorkloadOpt,
     parse_list,
 )  # fmt: skip
@@ -79,7 +83,7 @@ def run(
     client: Client = "aiohttp", timeout: Timeout = 600.0, stall_timeout: StallTimeout = 60.0,
     speedup: Speedup = 1.0, poll_hz: PollHz = 10.0, telemetry_hz: TelemetryHz = 10.0,
     telemetry_url: TelemetryUrl = None, tokenizer: TokenizerOpt = None, max_error_rate: MaxErrorRate = 0.05,
-    slo_from: SloFrom = "sent",
+    slo_from: SloFrom = "sent", workers: Workers = 1, ray: Ray = None,
 ) -> None:  # fmt: skip
     """Run one load point (closed loop at --concurrency or open loop at --rate)."""
     if concurrency is not None and rate is not None:
@@ -96,7 +100,7 @@ def run(
         continuous_usage=continuous_usage, extra_body=extra_body, client=client, timeout=timeout,
         stall_timeout=stall_timeout, speedup=speedup, default_num_requests=100, poll_hz=poll_hz,
         telemetry_hz=telemetry_hz, telemetry_url=telemetry_url, tokenizer=tokenizer, max_error_rate=max_error_rate,
-        slo_from=slo_from,
+        slo_from=slo_from, workers=workers, ray=ray,
     ))  # fmt: skip
 
 
@@ -117,7 +121,7 @@ def sweep(
     grid: Annotated[list[str] | None, typer.Option(help="Server grid axis NAME=V1,V2 (repeat for a product).")] = None,
     server_timeout: Annotated[float, typer.Option(help="Seconds to wait for a started server's health.")] = 300.0,
     tokenizer: TokenizerOpt = None, max_error_rate: MaxErrorRate = 0.05, wait_for_server: WaitForServer = 0.0,
-    slo_from: SloFrom = "sent",
+    slo_from: SloFrom = "sent", workers: Workers = 1, ray: Ray = None,
 ) -> None:  # fmt: skip
     """Run a list of load points (concurrencies and/or rates × workloads) into one results directory."""
 
@@ -135,7 +139,7 @@ def sweep(
             stall_timeout=stall_timeout, speedup=speedup, default_num_requests=32, poll_hz=poll_hz,
             server=server, grid=[axis for g in grid or [] for axis in g.split()], server_timeout=server_timeout,
             telemetry_hz=telemetry_hz, telemetry_url=telemetry_url, tokenizer=tokenizer,
-            max_error_rate=max_error_rate, wait_for_server=wait_for_server, slo_from=slo_from,
+            max_error_rate=max_error_rate, wait_for_server=wait_for_server, slo_from=slo_from, workers=workers, ray=ray,
         ))  # fmt: skip
 
     guard(body)
@@ -187,6 +191,7 @@ def execute(opts: RunOptions) -> ExitCode:
                                    slo_from=opts.slo_from, client_kind=opts.client,
                                    live=display.points(todo, where), previous=previous or [],
                                    wait_for_server=0 if gp else opts.wait_for_server,
+                                   fleet=opts.fleet(),
                                    run_extra={"backend_detection": {"requested": opts.backend, **det.describe()}}))  # fmt: skip
 
     log = results.path / "server.log" if opts.url is None and not opts.server else None  # the embedded server's
@@ -227,6 +232,8 @@ def execute(opts: RunOptions) -> ExitCode:
 def point_outcome(s: dict[str, Any], max_error_rate: float, log: Path | None = None) -> tuple[ExitCode, str | None]:
     """A point's exit code and the line that explains it (None when it passed)."""
     pid = s["point_id"]
+    if lost := (s.get("workers") or {}).get("lost"):  # first: the figures miss what dead workers would have sent
+        return ExitCode.FAILED, f"[red]worker lost[/] {pid}: " + "; ".join(w["reason"] for w in lost)
     if s.get("status") == "interrupted":
         i = s["interrupted"]
         code = ExitCode.INTERRUPTED if i["signal"] == "SIGINT" else ExitCode.TERMINATED
@@ -273,6 +280,7 @@ def notes(s: dict[str, Any]) -> list[str]:
     """What a reader of the table must know about a point: no steady state, unsteady load, cancelled requests."""
     thr, n = s["throughput"]["steady"], s["counts"]
     out = [f"no steady state: {thr['reason']}"] if thr.get("reason") else []
+    out += [w["note"]] if (w := s.get("workers") or {}).get("note") else []
     out += [thr["note"]] if thr.get("note") else []
     if n.get("incomplete"):
         out.append(f"{n['incomplete']} request(s) cancelled by the harness (run end or interrupt): counted as "

@@ -24,6 +24,7 @@ from backends.base import Backend
 from loadgen.client import probe
 from loadgen.clock import RunClock, Sidecar
 from loadgen.engine import LoadSpec, Progress, interrupted_by, run_point
+from loadgen.fleet import ONE_PROCESS, Fleet
 from loadgen.results import ResultsDir
 from workloads.base import Workload
 
@@ -72,7 +73,7 @@ async def run_sweep(
     slo: dict[str, float] | None = None, slo_from: str = "sent", client_kind: str = "aiohttp",
     live: Callable[[PointPlan, Progress], AbstractContextManager[Any]] | None = None,
     run_extra: dict[str, Any] | None = None, previous: Sequence[dict[str, Any]] = (),
-    wait_for_server: float = 0.0,
+    wait_for_server: float = 0.0, fleet: Fleet = ONE_PROCESS,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Run ``plans`` in order; returns the PointSummaries (also in summary.json / sweep.csv).
 
@@ -93,7 +94,7 @@ async def run_sweep(
             s = await run_point(
                 backend, plan.workload, plan.load, results.point_dir(plan.point_id), clock, scs,
                 point_id=plan.point_id, labels=plan.labels, slo=slo, slo_from=slo_from, client_kind=client_kind,
-                progress=progress,
+                progress=progress, fleet=fleet,
             )  # fmt: skip
         s["trial"] = plan.trial
         summaries.append(s)

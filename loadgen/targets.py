@@ -25,7 +25,7 @@ from workloads.base import Workload
 
 
 def load_workload(name: str, tokenizer: str | None = None) -> Workload:
-    from workloads import load_workload as _load
+    from workloads.loader import load_workload as _load
 
     try:
         return _load(name, tokenizer=tokenizer)

@@ -26,7 +26,7 @@ from typing import Annotated, Any
 
 import typer
 
-from contracts import read_jsonl
+from workloads.contracts import read_jsonl
 
 US = 1e6  # trace timestamps are microseconds
 _SLICE_COLORS = {"queued": "grey", "waiting for first token": "yellow", "streaming": "good"}

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from contracts.model import default_model_path
 from reference_server.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from reference_server.engine import Engine
 from reference_server.kv_cache import kv_dtype_name
+from reference_server.model_files import default_model_path
 from reference_server.scheduler import ScheduledBatch
 from reference_server.sequence import SamplingParams
 

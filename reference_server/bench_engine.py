@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from contracts.model import default_model_path
 from reference_server.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from reference_server.engine import Engine
+from reference_server.model_files import default_model_path
 from reference_server.sequence import SamplingParams
 
 

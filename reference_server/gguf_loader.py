@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 import torch
 
-from contracts.model import attention_shape
+from reference_server.model_files import attention_shape
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import torch
 
 from reference_server.config import DEFAULT_CPU_KV_BLOCKS, EngineConfig
 from reference_server.cuda_graphs import DecodeGraphs, graph_buckets
+from reference_server.fused_decode import FusedDecode
 from reference_server.gguf_loader import ModelSpec, load_gguf
 from reference_server.kv_cache import LayerKV, allocate, block_bytes, capacity_line, pick_kv_dtype
 from reference_server.model import AttnBatch, LlamaModel, PagedAttention, PagedBatch, PrefillGroup
@@ -174,6 +175,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # the pool's blocks, and the memory it stands for (kv_capacity compares the dtypes in it)
         kv_block = block_bytes(spec, self.block_size, self.kv_dtype)
+        self.fused = None  # (set below: a CUDA pool is sized by a forward pass first)
         if config.num_kv_blocks is not None or self.device.type == "cuda":
             self.num_blocks = config.num_kv_blocks or self._blocks_from_memory(config)
             self.kv_pool_bytes = self.num_blocks * kv_block
@@ -181,6 +183,9 @@ class ModelRunner:
             self.kv_pool_bytes = DEFAULT_CPU_KV_BLOCKS * block_bytes(spec, self.block_size, self.dtype)
             self.num_blocks = self.kv_pool_bytes // kv_block
         self.kv_caches = self._allocate_kv(self.num_blocks + self.use_graphs)  # + the graphs' scratch block
+        # small decode steps of the quantised CPU model: one native call (fused_decode.py)
+        self.fused: FusedDecode | None = (FusedDecode(self.model, self.kv_caches, self.native)
+                      if self.native is not None and FusedDecode.available(self.model, self.native) else None)
         if self.use_graphs:
             with torch.inference_mode():
                 self.graphs = DecodeGraphs(
@@ -310,6 +315,8 @@ class ModelRunner:
             logits = self.graphs.run(ids, pos, attn)
             if logits is not None:
                 return logits
+        if self.fused is not None and FusedDecode.serves(attn, len(ids), rows):
+            return self.fused(ids, pos, attn, num_layers)
         rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
         return self.model(ids, pos, self.kv_caches, attn, rows_t, num_layers)
 

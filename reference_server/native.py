@@ -8,6 +8,8 @@
 * RMSNorm, RoPE + the K/V cache write, and SiLU-and-multiply, each in one call instead of 2-6 small
   PyTorch kernels (at 16 rows the dispatch, not the arithmetic, is their cost: RMSNorm 10 vs 35 us here).
 * Greedy argmax over the logits rows (``torch.argmax`` took 0.68 ms for 16 x 49152 float32 here).
+* Weight-only quantised linears (quant.py), and with them a whole decode step in one call
+  (``decode_forward``, fused_decode.py): the kernels above, op by op, in one OpenMP region.
 
 They need an x86-64 CPU with AVX512-BF16 (the bf16 model dtype's own condition) and a C compiler (``$CC``,
 else ``cc``). The shared object is cached under ``$SERVELAB_CACHE/native`` (default
@@ -36,6 +38,31 @@ if TYPE_CHECKING:
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
+
+
+class QMat(ctypes.Structure):
+    """A quantised weight (quant.QuantWeight) as ``decode_forward`` reads it (csrc/cpu_kernels.c: qmat)."""
+
+    _fields_ = [("qw", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("minv", ctypes.c_void_p),
+                ("n", ctypes.c_int32), ("k", ctypes.c_int32), ("bits", ctypes.c_int32), ("group", ctypes.c_int32)]
+
+
+class QLayer(ctypes.Structure):
+    """One decoder layer: norms, quantised linears and its KV cache (csrc/cpu_kernels.c: qlayer)."""
+
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p), ("qkv", QMat), ("o", QMat),
+                ("gate_up", QMat), ("down", QMat), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p)]
+
+
+class QModel(ctypes.Structure):
+    """The whole model for ``decode_forward`` (csrc/cpu_kernels.c: qmodel)."""
+
+    _fields_ = [(name, ctypes.c_int32) for name in ("n_layers", "hidden", "inter", "n_heads", "n_kv_heads", "head_dim",
+                                                    "vocab", "num_blocks", "block_size")] + [
+        ("eps", ctypes.c_float), ("rope_len", ctypes.c_int64), ("embed", ctypes.c_void_p),
+        ("rope_cos", ctypes.c_void_p), ("rope_sin", ctypes.c_void_p), ("norm", ctypes.c_void_p), ("head", QMat),
+        ("layers", ctypes.POINTER(QLayer))]
 
 
 class CpuKernels:
@@ -67,6 +94,9 @@ class CpuKernels:
         self._qlinear = lib.qlinear_bf16
         self._qlinear.restype = ctypes.c_int
         self._qlinear.argtypes = [ptr, ctypes.c_int64, ptr, ptr, ptr, ptr, ctypes.c_int64, ptr] + [ctypes.c_int] * 5
+        self._decode = lib.decode_forward
+        self._decode.restype = ctypes.c_int
+        self._decode.argtypes = [ctypes.POINTER(QModel)] + [ptr] * 5 + [ctypes.c_int] * 3 + [ptr]
         self._qdequant = lib.qdequant_bf16
         self._qdequant.restype = ctypes.c_int
         self._qdequant.argtypes = [ptr] * 4 + [ctypes.c_int] * 4
@@ -143,6 +173,23 @@ class CpuKernels:
                            0 if residual is None else residual.stride(0), out.data_ptr(), m, w.n, k, w.bits, w.group)
         if rc != 0:
             raise ValueError(f"qlinear: {w.bits}-bit weights in groups of {w.group} unsupported")
+        return out
+
+    def decode_forward(self, model: QModel, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+                       tables: torch.Tensor, lens: torch.Tensor, num_layers: int) -> torch.Tensor:
+        """Float32 logits [B, vocab] of a decode step through the first ``num_layers`` layers of ``model``:
+        ``ids``, ``pos``, ``slots``, ``lens`` [B] and ``tables`` [B, n] int64, as :meth:`paged_attention`;
+        each sequence's new K/V is written into the cache. The same kernels, op by op, as the per-op calls."""
+        b = ids.shape[0]
+        if not (all(t.dtype == torch.int64 and t.is_contiguous() and t.shape == (b,) for t in (ids, pos, slots, lens))
+                and tables.dtype == torch.int64 and tables.is_contiguous() and tables.dim() == 2
+                and tables.shape[0] == b):
+            raise ValueError("decode_forward: unexpected tensor layout or dtype")
+        out = torch.empty((b, model.vocab), dtype=torch.float32)
+        if self._decode(ctypes.byref(model), ids.data_ptr(), pos.data_ptr(), slots.data_ptr(), tables.data_ptr(),
+                        lens.data_ptr(), b, tables.shape[1], num_layers, out.data_ptr()) != 0:
+            raise ValueError("decode_forward: a token, position, slot or context length out of range, or shapes "
+                             "the kernels do not handle")
         return out
 
     def qdequant(self, w: QuantWeight) -> torch.Tensor:

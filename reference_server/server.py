@@ -706,7 +706,7 @@ def build_parser(prog: str = "python -m reference_server") -> argparse.ArgumentP
 
 def serve(argv: list[str] | None = None, prog: str = "python -m reference_server") -> None:
     """Parse ``argv``, load the model, then serve until interrupted (``python -m reference_server``)."""
-    from contracts.model import default_model_path
+    from reference_server.model_files import default_model_path
 
     args = build_parser(prog).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

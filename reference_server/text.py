@@ -9,7 +9,7 @@ import jinja2
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from contracts.model import read_gguf_metadata, tokenizer_from_gguf
+from reference_server.model_files import read_gguf_metadata, tokenizer_from_gguf
 
 _CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"

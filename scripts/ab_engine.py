@@ -40,7 +40,7 @@ def _engine(pkg: str, concurrency: int) -> tuple[Any, Any]:
     config = importlib.import_module(f"{pkg}.config")
     engine = importlib.import_module(f"{pkg}.engine")
     sequence = importlib.import_module(f"{pkg}.sequence")
-    model = importlib.import_module("contracts.model").default_model_path()
+    model = importlib.import_module("reference_server.model_files").default_model_path()
     e = engine.Engine(config.EngineConfig(model=model, threads=2, enable_prefix_caching=False,
                                           max_num_seqs=max(64, concurrency)))
     return e, sequence

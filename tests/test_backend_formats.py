@@ -17,9 +17,9 @@ from backends.registry import available, get_backend
 from backends.sglang import SGLangBackend, SGLangNativeBackend
 from backends.tgi import TGIBackend, TGINativeBackend
 from backends.vllm import VLLMBackend
-from contracts import GenRequest
 from loadgen.sidecars.poller import reconcile
 from loadgen.sidecars.prometheus import parse_metrics
+from workloads.contracts import GenRequest
 
 
 def run(backend, events):

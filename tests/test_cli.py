@@ -65,7 +65,7 @@ def test_bench_run_replays_a_whole_trace_by_default(null_server, tmp_path):
 
 
 def test_tokenizer_option_uses_the_given_file_and_rejects_bad_ones(null_server, tmp_path):
-    from contracts.model import default_model_path, tokenizer_from_gguf
+    from reference_server.model_files import default_model_path, tokenizer_from_gguf
 
     good = tmp_path / "tokenizer.json"
     tokenizer_from_gguf(default_model_path()).save(str(good))

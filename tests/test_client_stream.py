@@ -7,9 +7,9 @@ import pytest
 
 from backends.base import ParseState
 from backends.openai import OpenAIBackend
-from contracts import GenRequest, RequestRecord
 from loadgen.client import StreamReader
 from loadgen.clock import RunClock
+from workloads.contracts import GenRequest, RequestRecord
 
 
 class GeneralOnly(OpenAIBackend):

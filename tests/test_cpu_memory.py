@@ -20,7 +20,7 @@ from reference_server.config import EngineConfig
 from reference_server.cpu_memory import CACHE_ENV
 from reference_server.engine import Engine
 from reference_server.sequence import SamplingParams
-from contracts.model import default_model_path
+from reference_server.model_files import default_model_path
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",

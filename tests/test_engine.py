@@ -7,12 +7,12 @@ import pytest
 
 from backends.launcher import free_port
 from backends.openai import OpenAIBackend
-from contracts import GenRequest, read_jsonl
 from loadgen import metrics
 from loadgen.calibrate import FixedWorkload
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, run_point
 from workloads.base import ArrivalSpec, Session, SingleShot, Workload
+from workloads.contracts import GenRequest, read_jsonl
 
 
 def ns(**kw):

@@ -8,8 +8,8 @@ import pytest
 from backends.base import ParseState
 from backends.openai import OpenAIBackend
 from backends.registry import get_backend
-from contracts import GenRequest
 from loadgen.results import ResultsDir, environment, fingerprint, scrub, sweep_row
+from workloads.contracts import GenRequest
 
 
 def test_openai_bodies_completions_and_chat():

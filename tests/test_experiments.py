@@ -1,7 +1,7 @@
 """Experiment definitions: seeded traffic, exact filler lengths, verdicts computed from the table."""
 
-from contracts.model import default_model_path, tokenizer_from_gguf
 from loadgen.experiments import EXPERIMENTS, _comparison, _markdown, batching, filler
+from reference_server.model_files import default_model_path, tokenizer_from_gguf
 
 
 def test_filler_has_exact_token_count():

@@ -8,11 +8,11 @@ import pytest
 import torch
 from test_reference_engine import _codec, _weights
 
-from contracts.model import default_model_path
 from reference_server.config import DEFAULT_CPU_KV_BLOCKS, EngineConfig
 from reference_server.cuda_graphs import MAX_GRAPH_BATCH, graph_buckets, pick_bucket
 from reference_server.engine import Engine
 from reference_server.kv_cache import block_bytes as kv_block_bytes
+from reference_server.model_files import default_model_path
 from reference_server.model_runner import ModelRunner, kv_blocks_for_memory
 from reference_server.scheduler import ScheduledBatch
 from reference_server.sequence import SamplingParams, Sequence

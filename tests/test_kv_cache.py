@@ -13,7 +13,6 @@ import torch
 from test_native_kernels import _logit_errors, dense_attention, dense_engine, kernels
 from test_reference_engine import _codec, _weights, run_greedy
 
-from contracts.model import default_model_path
 from reference_server.config import DEFAULT_CPU_KV_BLOCKS, EngineConfig
 from reference_server.engine import Engine
 from reference_server.kv_cache import (
@@ -26,6 +25,7 @@ from reference_server.kv_cache import (
     pick_kv_dtype,
     quantize_into,
 )
+from reference_server.model_files import default_model_path
 from reference_server.model_runner import ModelRunner
 
 CPU = torch.device("cpu")

@@ -81,8 +81,8 @@ def test_each_kv_dtype_in_the_same_memory():
 
 
 def _smollm2_spec():  # noqa: ANN202
-    from contracts.model import default_model_path
     from reference_server.gguf_loader import gguf_reader, read_spec
+    from reference_server.model_files import default_model_path
 
     return read_spec(gguf_reader(default_model_path()))
 

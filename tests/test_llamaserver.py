@@ -25,12 +25,12 @@ from backends.launcher import (
 from backends.llamacpp import LlamaCppBackend, LlamaCppNativeBackend
 from backends.openai import OpenAIBackend
 from backends.profile import profile_of
-from contracts import GenRequest, read_jsonl
 from loadgen.cli import app
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, run_async, run_point
 from loadgen.sidecars.poller import ServerStatePoller
 from workloads.base import SingleShot, Workload
+from workloads.contracts import GenRequest, read_jsonl
 
 pytestmark = pytest.mark.llamaserver
 # -t 1: with -t 2 llama.cpp's two threads meet at a barrier every op; when the 2 cores are shared with

@@ -13,11 +13,11 @@ import pytest
 import torch
 from test_reference_engine import PROMPTS, _codec, _weights, capture_logits, dense_position_logits
 
-from contracts.model import default_model_path
 from reference_server import native
 from reference_server.config import EngineConfig
 from reference_server.engine import Engine
 from reference_server.model import RMSNorm
+from reference_server.model_files import default_model_path
 from reference_server.model_runner import ModelRunner, pick_kernels
 from reference_server.sequence import SamplingParams
 

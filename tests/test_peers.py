@@ -1,8 +1,8 @@
-"""Peer agreement with vLLM's `bench serve` (``-m vllm``; excluded from the default run: ~25 minutes).
+"""Peer agreement with vLLM's `bench serve` (``-m vllm``; excluded from the default run: ~20 minutes).
 
-Runs scripts/compare_peers.py: vLLM's `bench serve` and `bench run`, interleaved over three rounds on the
-same server and traffic (random 32-token prompts, exactly 128 output tokens, c = 1/4/16) against the
-reference server and llama-server; TTFT, TPOT and ITL medians and output tok/s must agree within 3 %
+Runs scripts/compare_peers.py: vLLM's `bench serve` and `bench run` at the same time on the same server
+(paired: each at c/2, at c = 1 taking turns), three rounds, the same traffic (32-token prompts from a fresh
+seed per run, exactly 128 output tokens, c = 1/4/16) against the reference server and llama-server; TTFT, TPOT and ITL medians and output tok/s must agree within 3 %
 (docs/metrics.md, "Agreement with vLLM's bench serve") and no request may fail.
 """
 

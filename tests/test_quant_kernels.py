@@ -11,9 +11,9 @@ import torch
 from test_native_kernels import _logit_errors, dense_engine
 from test_reference_engine import _weights
 
-from contracts.model import default_model_path
 from reference_server import native
 from reference_server.config import EngineConfig
+from reference_server.model_files import default_model_path
 from reference_server.model_runner import ModelRunner
 from reference_server.quant import (
     NATIVE_MAX_ROWS,

@@ -8,11 +8,11 @@ import functools
 import pytest
 import torch
 
-from contracts.model import default_model_path
 from reference_server.block_manager import BlockManager
 from reference_server.config import EngineConfig
 from reference_server.engine import Engine
 from reference_server.gguf_loader import load_gguf
+from reference_server.model_files import default_model_path
 from reference_server.model_runner import ModelRunner
 from reference_server.scheduler import ScheduledBatch, Scheduler
 from reference_server.sequence import SamplingParams, Sequence

@@ -18,9 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from contracts.model import default_model_path
 from reference_server.config import EngineConfig
 from reference_server.engine import Engine
+from reference_server.model_files import default_model_path
 
 CONTEXT = 64
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 import transformers
 
-from contracts.model import default_model_path
 from reference_server.config import EngineConfig
 from reference_server.engine import Engine
+from reference_server.model_files import default_model_path
 from reference_server.sequence import SamplingParams, Sequence
 
 

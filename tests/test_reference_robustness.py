@@ -13,11 +13,11 @@ import time
 import httpx
 import pytest
 
-from contracts.model import default_model_path
 from reference_server import text as text_mod
 from reference_server.block_manager import BlockManager
 from reference_server.config import EngineConfig
 from reference_server.engine import Engine
+from reference_server.model_files import default_model_path
 from reference_server.policies import PriorityPolicy, SjfPolicy
 from reference_server.sampler import sample
 from reference_server.sequence import SamplingParams, Sequence

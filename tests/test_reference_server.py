@@ -10,9 +10,9 @@ import time
 import httpx
 import pytest
 
-from contracts.model import default_model_path
 from reference_server.config import EngineConfig
 from reference_server.engine import Engine
+from reference_server.model_files import default_model_path
 
 
 @pytest.fixture(scope="module")

@@ -181,7 +181,9 @@ def test_report_with_plotly_from_the_cdn(run_dir, tmp_path):
 def test_timeline_rows_share_one_x_axis_and_follow_the_data(run_dir):
     run = load_run(run_dir)
     fig = figures.timeline(run, run.points[1])
-    assert {t["xaxis"] for t in fig["data"]} == {"x"}  # one shared axis: zooming one row zooms all
+    # linked x axes, zooming one row zooms all: every row's axis is the bottom one or matches it
+    layout = fig["layout"]
+    assert len({layout["xaxis" + t["xaxis"][1:]].get("matches", t["xaxis"]) for t in fig["data"]}) == 1
     titles = [a["text"] for a in fig["layout"]["annotations"]]
     for expected in (
         "requests (client)",
@@ -382,3 +384,24 @@ def test_sweep_has_a_curve_per_workload_and_load_kind(run_dir, tmp_path):
         "full rag concurrency": [1, 4, 16],
         "full chat rate": [2.0, 5.0],
     }
+
+
+@pytest.mark.parametrize("backend", ["openai", "vllm", "llamacpp", "sglang", "tgi"])
+def test_server_series_read_each_servers_names_from_its_profile(backend):
+    """The report knows no vendor by name: every server's gauges, named on its backend's profile (the bundled
+    reference server's included, which counts KV blocks), become the timeline's running / waiting / KV rows."""
+    from backends.profile import REFERENCE_PROFILE, profile_of
+    from backends.registry import get_backend
+    from loadgen.report.load import PointData
+
+    profile = REFERENCE_PROFILE if backend == "openai" else profile_of(get_backend(backend))
+    metrics: dict[str, float] = {profile.running[0]: 3.0, profile.waiting[0]: 2.0}
+    if profile.kv_usage:
+        metrics[profile.kv_usage[0]] = 0.25
+    if profile.kv_blocks:
+        metrics |= {profile.kv_blocks[0]: 48.0, profile.kv_blocks[1]: 192.0}
+    rows = [{"t": 1.0, "metrics": metrics}, {"t": 2.0, "metrics": metrics}]
+    srv = figures._server_series(PointData("p", {}, requests_from_records([]), server_state=rows))
+    assert srv["running"][1].tolist() == [3.0, 3.0] and srv["waiting"][1].tolist() == [2.0, 2.0]
+    kv = srv["kv"][1].tolist() if "kv" in srv else None
+    assert kv == ([25.0, 25.0] if profile.kv_usage or profile.kv_blocks else None)

@@ -17,12 +17,12 @@ import pytest
 from support.signals import sigint_default
 
 from backends.openai import OpenAIBackend
-from contracts import read_jsonl
 from loadgen.calibrate import FixedWorkload
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, run_async, run_point
 from loadgen.exitcodes import ExitCode
 from loadgen.nullserver import NullServerProcess
+from workloads.contracts import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 WAVES = """

@@ -5,9 +5,9 @@ from dataclasses import replace
 
 import pytest
 
-from contracts.model import default_model_path
 from reference_server.config import EngineConfig
 from reference_server.engine import Engine
+from reference_server.model_files import default_model_path
 from reference_server.model_runner import ModelRunner
 from reference_server.sequence import SamplingParams, SeqStatus
 

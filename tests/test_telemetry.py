@@ -14,8 +14,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 
 from loadgen.clock import RunClock
 from loadgen.metrics import add_energy_per_token, joules_per_output_token
+from loadgen.results import environment
 from loadgen.sidecars.exporters import exporter_record
-from loadgen.sidecars.gpu import NO_GPU_LINE, GpuProbe, open_gpus
+from loadgen.sidecars.gpu import NO_GPU_LINE, GpuProbe, gpu_inventory, open_gpus
 from loadgen.sidecars.telemetry import RemoteTelemetry, TelemetrySampler, summarize
 
 
@@ -74,6 +75,19 @@ def test_server_exit_mid_run_keeps_host_series(tmp_path, busy_server):
     with_server = [r for r in sampler.records if "server_cpu_pct" in r]
     assert with_server and len(with_server) < len(sampler.records)
     assert all("cpu_pct" in r for r in sampler.records[1:])
+
+
+def test_run_json_gpus_come_from_nvml_in_nvidia_smis_form():
+    """``environment()["gpus"]`` is the NVML inventory: nothing without a driver, else the very lines of
+    ``nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader``."""
+    inventory = gpu_inventory()
+    assert environment()["gpus"] == inventory
+    if not _nvml_available():
+        assert inventory == []
+        return
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True, timeout=30, check=True).stdout  # fmt: skip
+    assert inventory == [line.strip() for line in smi.splitlines() if line.strip()]
 
 
 @pytest.mark.skipif(

@@ -6,7 +6,7 @@ import unicodedata
 
 import pytest
 
-from contracts.model import default_model_path, read_gguf_metadata, tokenizer_from_gguf
+from reference_server.model_files import default_model_path, read_gguf_metadata, tokenizer_from_gguf
 
 SAMPLES = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",

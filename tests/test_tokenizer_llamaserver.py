@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from backends.launcher import ServerProcess, free_port, render_command
-from contracts.model import default_model_path, tokenizer_from_gguf
-from workloads import load_workload
+from reference_server.model_files import default_model_path, tokenizer_from_gguf
+from workloads.loader import load_workload
 from workloads.text import DATA
 
 pytestmark = pytest.mark.llamaserver

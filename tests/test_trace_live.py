@@ -24,13 +24,13 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from contracts import RequestRecord
 from loadgen.cli import app
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, Progress
 from loadgen.live import LiveDisplay
 from loadgen.sweep import PointPlan
 from loadgen.trace import US, build_trace, check
+from workloads.contracts import RequestRecord
 
 # "short" requests finish; "long" ones (with a slowed engine) run past --timeout: errors show up live
 WORKLOAD = """

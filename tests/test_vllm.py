@@ -17,10 +17,10 @@ from test_robust_runs import default_cli_run
 from backends.launcher import ServerProcess, free_port
 from backends.profile import profile_of
 from backends.vllm import VLLMBackend
-from contracts import read_jsonl
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, run_async, run_point
 from loadgen.sidecars.poller import ServerStatePoller
+from workloads.contracts import read_jsonl
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from backends.openai import OpenAIBackend
-from contracts import read_jsonl
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, run_point
-from workloads import load_workload
+from workloads.contracts import read_jsonl
+from workloads.loader import load_workload
 from workloads.spec import WorkloadError
 from workloads.text import DATA, load_tokenizer
 from workloads.traces import BLOCK_TOKENS, read_azure, read_mooncake

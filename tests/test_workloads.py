@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from workloads import builtin_names, load_workload
 from workloads.cli import app
+from workloads.loader import builtin_names, load_workload
 from workloads.spec import WorkloadError
 from workloads.text import CHATML_USER, builder_for, load_tokenizer
 

@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from contracts import GenRequest
+from workloads.contracts import GenRequest
 
 
 class Session(ABC):

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from workloads import BUILTIN_DIR, builtin_names, load_spec_for, load_workload
+from workloads.loader import BUILTIN_DIR, builtin_names, load_spec_for, load_workload
 from workloads.spec import WorkloadError, WorkloadSpec
 from workloads.synthetic import spec_dict
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from contracts import APIS, ARRIVAL_PROCESSES
 from workloads.base import ArrivalSpec
+from workloads.contracts import APIS, ARRIVAL_PROCESSES
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -24,8 +24,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from contracts import GenRequest
 from workloads.base import Session, SingleShot, Workload
+from workloads.contracts import GenRequest
 from workloads.spec import ClassSpec, Dist, WorkloadSpec
 from workloads.text import CHATML_SYSTEM, CHATML_USER, DATA, PromptBuilder, builder_for
 

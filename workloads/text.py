@@ -25,7 +25,7 @@ _ATTEMPTS = 64
 @lru_cache(maxsize=8)
 def load_tokenizer(spec: str = "bundled") -> Tokenizer:
     """``bundled`` (the reference server's GGUF), a ``.gguf`` file, or a ``tokenizer.json`` file."""
-    from contracts.model import default_model_path, tokenizer_from_gguf
+    from reference_server.model_files import default_model_path, tokenizer_from_gguf
 
     if spec == "bundled":
         return tokenizer_from_gguf(default_model_path())
@@ -66,6 +66,14 @@ class PromptBuilder:
         ]
 
         # Recent encodings: heads (shared prefixes, templates) recur, and a filled prompt is counted again.
+        self._ids = lru_cache(maxsize=256)(self._encode)
+
+    def __getstate__(self) -> dict[str, object]:
+        """Picklable (a load worker process gets its workload pickled): the encoding cache is rebuilt."""
+        return {k: v for k, v in self.__dict__.items() if k != "_ids"}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
         self._ids = lru_cache(maxsize=256)(self._encode)
 
     def _encode(self, text: str) -> tuple[int, ...]:

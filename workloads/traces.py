@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from contracts import GenRequest
 from workloads.base import Session, SingleShot, Workload
+from workloads.contracts import GenRequest
 from workloads.spec import WorkloadError, WorkloadSpec
 from workloads.text import PromptBuilder, builder_for
 

@@ -3,8 +3,8 @@
 Each builder returns ``None`` when it has no data, so that an absent optional series (no server-state
 poller, no telemetry, no per-iteration record) leaves its chart out instead of drawing an empty one.
 
-Size: every chart of the report, one builder each; the next step (issue 21) is plotly.subplots instead of the
-hand-computed layout, which shrinks it.
+Size: every chart of the report, one builder each (the grids are ``plotly.subplots`` layouts; each server's
+metric names are on its backend's profile, ``backends.profile``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ import re
 from typing import Any
 
 import numpy as np
+from plotly.subplots import make_subplots
 
+from backends.registry import server_profiles
 from loadgen.report import series
 from loadgen.report.load import PointData, Requests, RunData
 from loadgen.results import leaves
@@ -23,29 +25,20 @@ PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e
 GANTT_MAX_ROWS = 500  # denser than the panel's pixel rows already; SVG cost grows with it
 MAX_STEPS_EXACT = 3000
 
-# Server metric names per server, by role (first present wins). Ratios (0..1) are scaled to percent.
-RUNNING = ("vllm:num_requests_running", "llamacpp:requests_processing", "tgi_batch_current_size",
-           "sglang:num_running_reqs", "servelab_requests_running")  # fmt: skip
-WAITING = ("vllm:num_requests_waiting", "llamacpp:requests_deferred", "tgi_queue_size",
-           "sglang:num_queue_reqs", "servelab_requests_waiting")  # fmt: skip
-KV_RATIO = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "llamacpp:kv_cache_usage_ratio",
-            "sglang:token_usage")  # fmt: skip
-KV_BLOCKS = ("servelab_kv_blocks_used", "servelab_kv_blocks_total")  # the reference server: used / total
-# Any other server (e.g. the bundled reference server): names that end like these.
+# A server without a profile: names that end like these. (Each known server's names are on its profile.)
 GENERIC = {"running": r"(requests_running|running_reqs|requests_processing)$",
            "waiting": r"(requests_waiting|queue_reqs|queue_size|requests_deferred)$",
            "kv": r"kv_cache_usage(_perc|_ratio)?$"}  # fmt: skip
 
 
 def _line(x: Any, y: Any, name: str, color: str, **kw: Any) -> dict[str, Any]:
-    """A line trace on the timeline's shared x axis (its row's y axis is set by :func:`_stack`)."""
+    """A line trace of a timeline row (its row's axes are set by :func:`_stack`)."""
     return {
         "type": "scatter",
         "mode": "lines",
         "x": x,
         "y": y,
         "name": name,
-        "xaxis": "x",
         "line": {"color": color, "width": 1.5, **kw.pop("line", {})},
         **kw,
     }
@@ -74,7 +67,9 @@ def _server_series(point: PointData) -> dict[str, tuple[np.ndarray, np.ndarray]]
     rows = [r for r in point.server_state if isinstance(r.get("t"), (int, float))]
     with_metrics = [r for r in rows if isinstance(r.get("metrics"), dict)]
     present = sorted({k.split("{", 1)[0] for r in with_metrics[:1] for k in r["metrics"]})
-    for role, names in (("running", RUNNING), ("waiting", WAITING), ("kv", KV_RATIO)):
+    profiles = server_profiles()
+    for role, attr in (("running", "running"), ("waiting", "waiting"), ("kv", "kv_usage")):
+        names = list(dict.fromkeys(n for p in profiles for n in getattr(p, attr)))
         generic = [n for n in present if re.search(GENERIC[role], n) and n not in names]
         for name in (*names, *generic):
             pts = [(r["t"], v) for r in with_metrics if (v := _family(r["metrics"], name)) is not None]
@@ -82,10 +77,10 @@ def _server_series(point: PointData) -> dict[str, tuple[np.ndarray, np.ndarray]]
                 t, v = _pairs(pts)
                 out[role] = (t, v * 100 if role == "kv" and np.nanmax(v) <= 1.0 else v)
                 break
-    if "kv" not in out:
+    for used, total in [p.kv_blocks for p in profiles if p.kv_blocks]:  # a server that counts KV blocks
         pts = [(r["t"], 100 * u / tot) for r in with_metrics
-               if (u := _family(r["metrics"], KV_BLOCKS[0])) is not None and (tot := _family(r["metrics"], KV_BLOCKS[1]))]  # fmt: skip
-        if pts:
+               if (u := _family(r["metrics"], used)) is not None and (tot := _family(r["metrics"], total))]  # fmt: skip
+        if pts and "kv" not in out:
             out["kv"] = _pairs(pts)
     if "running" not in out:
         slots = [(r["t"], float(sum(1 for s in r["slots"] if s.get("busy")))) for r in rows if r.get("slots")]
@@ -224,7 +219,7 @@ def timeline(run: RunData, point: PointData) -> Fig | None:
     if it is not None:
         exact = len(it["t"]) <= MAX_STEPS_EXACT
         traces = [
-            {"type": "bar", "x": it["t"], "y": it[k], "name": f"{k} tokens/step", "xaxis": "x",
+            {"type": "bar", "x": it["t"], "y": it[k], "name": f"{k} tokens/step",
              "marker": {"color": c, "line": {"width": 0}}}
             if exact
             else _line(x, series.binned_mean(it["t"], it[k], edges), f"{k} tokens/step (mean)", c,
@@ -236,7 +231,7 @@ def timeline(run: RunData, point: PointData) -> Fig | None:
         pre = it["preempted"] > 0
         if pre.any():
             traces.append({"type": "scatter", "mode": "markers", "x": it["t"][pre], "y": (it["prefill"] + it["decode"])[pre],
-                           "name": "preemption", "xaxis": "x", "text": it["preempted"][pre],
+                           "name": "preemption", "text": it["preempted"][pre],
                            "hovertemplate": "%{text} preempted<extra></extra>",
                            "marker": {"symbol": "triangle-down", "color": "#000", "size": 8}})  # fmt: skip
         title = (
@@ -347,58 +342,43 @@ _ROW_UNITS = (("requests (client)", "requests"), ("server batch", "requests"), (
               ("KV cache", "percent of the pool"), ("utilisation", "percent busy"), ("output tokens/s", "tokens/s"))  # fmt: skip
 
 
+def _axis(k: int) -> str:
+    """The suffix of panel ``k``'s axes (row-major from 1) in a ``plotly.subplots`` grid: "", "2", ..."""
+    return "" if k == 1 else str(k)
+
+
+def _subplots(rows: int, cols: int, titles: list[str] | None = None, **kw: Any) -> dict[str, Any]:
+    """The layout of a ``plotly.subplots`` grid as plain data: panel k on axes ``x{k}``/``y{k}`` (see
+    :func:`_axis`) with their domains, and each title bold at its panel's top left. plotly.js's own look,
+    as every chart of the report (the Python template is dropped)."""
+    bold = [f"<b>{title}</b>" for title in titles] if titles else None
+    layout: dict[str, Any] = make_subplots(rows=rows, cols=cols, subplot_titles=bold, **kw).to_plotly_json()["layout"]
+    layout.pop("template", None)
+    for k, ann in enumerate(layout.setdefault("annotations", []), 1):
+        ann.update(x=layout[f"xaxis{_axis(k)}"]["domain"][0], xanchor="left", font={"size": 11})
+    return layout
+
+
 def _stack(rows: list[tuple[str, list[dict[str, Any]], float]], title: str) -> Fig:
-    """Rows stacked on one x axis: each row its own y axis with a domain slice."""
-    gap = 0.035
-    total = sum(h for _, _, h in rows)
-    usable = 1 - gap * (len(rows) - 1)
-    layout: dict[str, Any] = {
-        "title": {"text": title, "x": 0.01},
-        "height": 170 * total + 120,
-        "hovermode": "x",
-        "margin": {"l": 60, "r": 230, "t": 50, "b": 40},
-        "xaxis": {"anchor": f"y{len(rows)}", "title": {"text": "run clock (s)"}},
-        "barmode": "stack",
-        "bargap": 0,
-        "annotations": [],
-    }
+    """Rows stacked on linked x axes (zooming one row zooms all): each row its own y axis and legend."""
+    layout = _subplots(len(rows), 1, [t for t, _, _ in rows], shared_xaxes=True, vertical_spacing=0.035,
+                       row_heights=[h for _, _, h in rows])  # fmt: skip
+    layout.update(title={"text": title, "x": 0.01}, height=170 * sum(h for _, _, h in rows) + 120, hovermode="x",
+                  margin={"l": 60, "r": 230, "t": 50, "b": 40}, barmode="stack", bargap=0)  # fmt: skip
     data: list[dict[str, Any]] = []
-    top = 1.0
-    for i, (row_title, traces, h) in enumerate(rows, 1):
-        height = usable * h / total
-        name = "y" if i == 1 else f"y{i}"
-        layout["yaxis" if i == 1 else f"yaxis{i}"] = {
-            "domain": [max(top - height, 0), top],
-            "anchor": "x",
-            "rangemode": "tozero",
-            "automargin": True,
-            "title": {"text": next((u for start, u in _ROW_UNITS if row_title.startswith(start)), ""),
-                      "font": {"size": 10}},
-        }  # fmt: skip
-        layout["annotations"].append(
-            {
-                "text": f"<b>{row_title}</b>",
-                "xref": "paper",
-                "yref": "paper",
-                "x": 0,
-                "y": top,
-                "xanchor": "left",
-                "yanchor": "bottom",
-                "showarrow": False,
-                "font": {"size": 11},
-            }
-        )
-        legend = "legend" if i == 1 else f"legend{i}"  # a legend beside each row, not one long list
-        layout[legend] = {"x": 1.01, "xanchor": "left", "y": top, "yanchor": "top", "font": {"size": 10},
-                          "tracegroupgap": 2}  # fmt: skip
-        for t in traces:
-            t["yaxis"] = name
-            t["legend"] = legend
-            data.append(t)
-        top -= height + gap
-    last = "yaxis" if len(rows) == 1 else f"yaxis{len(rows)}"
-    layout[last]["autorange"] = "reversed"  # Gantt: first request at the top
-    layout[last]["title"] = {"text": "request (send order)"}
+    for i, (row_title, traces, _) in enumerate(rows, 1):
+        k = _axis(i)
+        yaxis = layout[f"yaxis{k}"]
+        yaxis.update(rangemode="tozero", automargin=True,
+                     title={"text": next((u for start, u in _ROW_UNITS if row_title.startswith(start)), ""),
+                            "font": {"size": 10}})  # fmt: skip
+        # a legend beside each row, not one long list
+        layout[f"legend{k}"] = {"x": 1.01, "xanchor": "left", "y": yaxis["domain"][1], "yanchor": "top",
+                                "font": {"size": 10}, "tracegroupgap": 2}  # fmt: skip
+        data += [{**t, "xaxis": f"x{k}", "yaxis": f"y{k}", "legend": f"legend{k}"} for t in traces]
+    last = _axis(len(rows))
+    layout[f"yaxis{last}"].update(autorange="reversed", title={"text": "request (send order)"})  # Gantt: first on top
+    layout[f"xaxis{last}"]["title"] = {"text": "run clock (s)"}
     return {"data": data, "layout": layout}
 
 
@@ -414,28 +394,13 @@ def distributions(point: PointData) -> Fig | None:
     panels = [("time to first token, TTFT (s)", "ttft"), ("inter-token latency, ITL (s)", "itl"),
               ("time per output token, TPOT (s)", "tpot"), ("end-to-end latency (s)", "e2e")]  # fmt: skip
     data: list[dict[str, Any]] = []
-    layout: dict[str, Any] = {
-        "title": {"text": f"{point.point_id}: latency distributions (CDF)", "x": 0.01},
-        "height": 560,
-        "margin": {"l": 60, "r": 20, "t": 60, "b": 50},
-        "annotations": [],
-        "hovermode": "closest",
-    }
+    layout = _subplots(2, 2, horizontal_spacing=0.06, vertical_spacing=0.12)
+    layout.update(title={"text": f"{point.point_id}: latency distributions (CDF)", "x": 0.01}, height=560,
+                  margin={"l": 60, "r": 20, "t": 60, "b": 50}, hovermode="closest")  # fmt: skip
     for p, (label, key) in enumerate(panels):
-        ax = "" if p == 0 else str(p + 1)
-        col, row = p % 2, p // 2
-        layout[f"xaxis{ax}"] = {
-            "domain": [col * 0.53, col * 0.53 + 0.47],
-            "anchor": f"y{ax}",
-            "title": {"text": label},
-            "rangemode": "tozero",
-        }
-        layout[f"yaxis{ax}"] = {
-            "domain": [0.56 - row * 0.56, 1.0 - row * 0.56],
-            "anchor": f"x{ax}",
-            "range": [0, 1.02],
-            "title": {"text": "fraction of requests" if col == 0 else ""},
-        }
+        ax = _axis(p + 1)
+        layout[f"xaxis{ax}"].update(title={"text": label}, rangemode="tozero")
+        layout[f"yaxis{ax}"].update(range=[0, 1.02], title={"text": "fraction of requests" if p % 2 == 0 else ""})
         for g, (gname, cls) in enumerate(groups):
             if key == "itl":
                 v = lat["itl"] if cls is None else lat["itl"][lat["itl_cls"] == cls]
@@ -565,19 +530,11 @@ def sweep(runs: list[RunData]) -> Fig | None:
         load = [x["load"] for x in rows]
         text = [x["point_id"] for x in rows]
         common = {"type": "scatter", "mode": "lines+markers", "legendgroup": name, "text": text}
-        if any(x["throughput"] is not None for x in rows):
-            labels.setdefault("throughput", rows[0]["throughput_key"] or "throughput")
-            data.append(
-                {
-                    **common,
-                    "x": load,
-                    "y": [x["throughput"] for x in rows],
-                    "name": name,
-                    "xaxis": "x",
-                    "yaxis": "y",
-                    "line": {"color": color},
-                }
-            )
+        for key, ax in (("throughput", ""), ("goodput", "3")):  # vs load; the legend on the first panel
+            if any(x[key] is not None for x in rows):
+                labels.setdefault(key, rows[0][f"{key}_key"] or key)
+                data.append({**common, "x": load, "y": [x[key] for x in rows], "name": name, "xaxis": f"x{ax}",
+                             "yaxis": f"y{ax}", "showlegend": key == "throughput", "line": {"color": color}})  # fmt: skip
         for q, dash in (("p50", "solid"), ("p99", "dash")):
             pts = [x for x in rows if x["throughput"] is not None and x[q] is not None]
             if not pts:
@@ -619,20 +576,6 @@ def sweep(runs: list[RunData]) -> Fig | None:
                             },
                         }
                     )
-        if any(x["goodput"] is not None for x in rows):
-            labels.setdefault("goodput", rows[0]["goodput_key"] or "goodput")
-            data.append(
-                {
-                    **common,
-                    "x": load,
-                    "y": [x["goodput"] for x in rows],
-                    "name": name,
-                    "xaxis": "x3",
-                    "yaxis": "y3",
-                    "showlegend": False,
-                    "line": {"color": color},
-                }
-            )
     if not data:
         return None
     load_t, thr_t = axis_title(labels.get("load")), axis_title(labels.get("throughput"))
@@ -642,39 +585,16 @@ def sweep(runs: list[RunData]) -> Fig | None:
          f"latency vs throughput ({LINE_STYLES})"),
         ("x3", "y3", load_t, axis_title(labels.get("goodput")), "goodput vs load"),
     ]  # fmt: skip
-    layout: dict[str, Any] = {
-        "title": {"text": "sweep", "x": 0.01},
-        "height": 440,
-        "annotations": [],
-        "margin": {"l": 60, "r": 20, "t": 70, "b": 60},
-        "hovermode": "closest",
-        "legend": {"title": {"text": f"colour: run / curve<br>{LINE_STYLES}"}},
-    }
     used = [a for a in axes if any(t["xaxis"] == a[0] for t in data)]  # no empty panel (e.g. no --slo)
-    step = 1.0 / len(used)
-    for j, (xa, ya, xt, yt, title) in enumerate(used):
-        sx = xa[1:]
-        layout[f"xaxis{sx}"] = {
-            "domain": [j * step, j * step + step * 0.82],
-            "anchor": ya,
-            "title": {"text": xt or ""},
-            "rangemode": "tozero",
-        }
-        layout[f"yaxis{sx}"] = {
-            "domain": [0, 0.9],
-            "anchor": xa,
-            "title": {"text": yt or ""},
-            "rangemode": "tozero",
-        }
-        layout["annotations"].append(
-            {
-                "text": f"<b>{title}</b>",
-                "xref": "paper",
-                "yref": "paper",
-                "x": j * step,
-                "y": 0.93,
-                "xanchor": "left",
-                "showarrow": False,
-            }
-        )
+    layout = _subplots(1, len(used), [title for *_, title in used], horizontal_spacing=0.18 / len(used))
+    layout.update(title={"text": "sweep", "x": 0.01}, height=440, margin={"l": 60, "r": 20, "t": 90, "b": 60},
+                  hovermode="closest", legend={"title": {"text": f"colour: run / curve<br>{LINE_STYLES}"}})  # fmt: skip
+    panel: dict[str, str] = {}
+    for j, (xa, _ya, xt, yt, _title) in enumerate(used, 1):
+        panel[xa] = _axis(j)
+        layout[f"xaxis{_axis(j)}"].update(title={"text": xt or ""}, rangemode="tozero")
+        layout[f"yaxis{_axis(j)}"].update(title={"text": yt or ""}, rangemode="tozero")
+    for t in data:  # the traces were drawn for all three panels; renumber them onto the panels kept
+        k = panel[t["xaxis"]]
+        t["xaxis"], t["yaxis"] = f"x{k}", f"y{k}"
     return {"data": data, "layout": layout}

@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-import contracts
 from loadgen import metrics
 from loadgen.results import read_summary
+from workloads import contracts
 
 
 class ReportInputError(ValueError):

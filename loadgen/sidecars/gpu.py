@@ -1,4 +1,5 @@
-"""GPUs through NVML: the only module that imports ``pynvml`` (telemetry asks it for its probes)."""
+"""GPUs through NVML: the only module that imports ``pynvml`` and the one place that detects GPUs
+(telemetry asks it for its probes, ``run.json``'s environment for its inventory)."""
 
 from __future__ import annotations
 
@@ -104,3 +105,14 @@ def open_gpus() -> tuple[list[GpuProbe], str]:
 def host_gpus() -> tuple[list[GpuProbe], str]:
     """:func:`open_gpus` once per process (NVML init is slow-ish and the devices do not change)."""
     return open_gpus()
+
+
+def gpu_inventory() -> list[str]:
+    """One line per GPU of this host, ``name, total memory MiB, driver`` (the form of ``nvidia-smi
+    --query-gpu=name,memory.total,driver_version --format=csv,noheader``); empty without a usable driver."""
+    probes, _ = host_gpus()
+    try:
+        driver = str(pynvml.nvmlSystemGetDriverVersion()) if probes else ""
+        return [f"{p.name}, {int(pynvml.nvmlDeviceGetMemoryInfo(p.handle).total) // 2**20} MiB, {driver}" for p in probes]
+    except pynvml.NVMLError:
+        return []

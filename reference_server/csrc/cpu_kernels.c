@@ -91,16 +91,22 @@ static inline __m512 kv_f32x16(const void *cache, size_t idx, int i8) {
  * scores and its V scale its softmax weights). tables: [B, max_blocks] block ids; lens: [B] context
  * lengths (the new token included, its K/V already written). q comes scaled by 1/sqrt(D).
  * Returns 0, or -1 when the shapes are outside what this kernel handles (nothing is written then). */
-static inline __attribute__((always_inline)) int paged_decode_attention(
-    const uint16_t *q, int64_t q_stride, const void *k_cache, const void *v_cache, const float *k_scale,
-    const float *v_scale, const int64_t *tables, const int64_t *lens, uint16_t *out, int B, int H, int KVH, int D,
-    int NB, int BS, int max_blocks, const int i8) {
+static int attention_check(const int64_t *lens, int B, int H, int KVH, int D, int BS, int max_blocks) {
     if (B < 0 || KVH < 1 || H % KVH || H / KVH > MAXG || D % 32 || D > MAXD || BS % TILE || BS < TILE) return -1;
     for (int b = 0; b < B; b++)
         if (lens[b] < 1 || lens[b] > (int64_t)max_blocks * BS) return -1;
+    return 0;
+}
+
+/* The work of paged_decode_attention (shapes checked by attention_check), shared out over the calling
+ * parallel region's threads (an orphaned omp for: run by one thread outside a parallel region). */
+static inline __attribute__((always_inline)) void attention_items(
+    const uint16_t *q, int64_t q_stride, const void *k_cache, const void *v_cache, const float *k_scale,
+    const float *v_scale, const int64_t *tables, const int64_t *lens, uint16_t *out, int B, int H, int KVH, int D,
+    int NB, int BS, int max_blocks, const int i8) {
     const int G = H / KVH, nd = D / 16;
     const size_t esize = i8 ? 1 : 2;
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1)
     for (int item = 0; item < B * KVH; item++) {
         const int b = item / KVH, h = item % KVH;
         const uint16_t *qh = q + (size_t)b * q_stride + (size_t)h * G * D;
@@ -162,27 +168,32 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
                 _mm256_storeu_si256((__m256i *)(o + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][c], inv)));
         }
     }
-    return 0;
 }
 
 int paged_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
                                 const uint16_t *v_cache, const int64_t *tables, const int64_t *lens,
                                 uint16_t *out, int B, int H, int KVH, int D, int NB, int BS, int max_blocks) {
-    return paged_decode_attention(q, q_stride, k_cache, v_cache, NULL, NULL, tables, lens, out, B, H, KVH, D, NB, BS,
-                                  max_blocks, 0);
+    if (attention_check(lens, B, H, KVH, D, BS, max_blocks)) return -1;
+#pragma omp parallel
+    attention_items(q, q_stride, k_cache, v_cache, NULL, NULL, tables, lens, out, B, H, KVH, D, NB, BS, max_blocks, 0);
+    return 0;
 }
 
 int paged_decode_attention_i8(const uint16_t *q, int64_t q_stride, const int8_t *k_cache, const int8_t *v_cache,
                               const float *k_scale, const float *v_scale, const int64_t *tables, const int64_t *lens,
                               uint16_t *out, int B, int H, int KVH, int D, int NB, int BS, int max_blocks) {
-    return paged_decode_attention(q, q_stride, k_cache, v_cache, k_scale, v_scale, tables, lens, out, B, H, KVH, D, NB,
-                                  BS, max_blocks, 1);
+    if (attention_check(lens, B, H, KVH, D, BS, max_blocks)) return -1;
+#pragma omp parallel
+    attention_items(q, q_stride, k_cache, v_cache, k_scale, v_scale, tables, lens, out, B, H, KVH, D, NB, BS,
+                    max_blocks, 1);
+    return 0;
 }
 
 /* RMSNorm: out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w, in float32, rounded to bf16 once (as PyTorch's
  * bf16 LayerNorm/RMSNorm on CPU). x: [T, N] with row stride x_stride; w, out: contiguous. */
-void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint16_t *out, int T, int N, float eps) {
-#pragma omp parallel for if (T >= 64)
+static void rms_norm_rows(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint16_t *out, int T, int N,
+                          float eps) {
+#pragma omp for
     for (int t = 0; t < T; t++) {
         const uint16_t *xr = x + (size_t)t * x_stride;
         uint16_t *o = out + (size_t)t * N;
@@ -198,19 +209,27 @@ void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint1
     }
 }
 
+void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint16_t *out, int T, int N, float eps) {
+#pragma omp parallel if (T >= 64)
+    rms_norm_rows(x, x_stride, w, out, T, N, eps);
+}
+
 /* RoPE on the Q and K heads of the fused QKV matmul output, and the new K/V into the cache, in one pass.
  * qkv: [T, (H + 2 KVH) * D] contiguous; Q heads are rotated in place, K heads rotated into the cache, V
  * heads copied into it. cos, sin: [T, D] for each row's position (rotate-half form, the sign of the first
  * half folded into sin: x' = x * cos + roll(x, D/2) * sin). Caches: [KVH, cache_tokens, D]; slots: [T].
  * Without caches (NULL: an int8 cache, written by kv_write_int8) the K heads are rotated in place.
  * Returns 0, or -1 (nothing written) when a slot is outside the cache. */
-int rope_write_kv_bf16(uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, const int64_t *slots,
-                       uint16_t *k_cache, uint16_t *v_cache, int T, int H, int KVH, int D, int64_t cache_tokens) {
-    if (D % 2 || D > MAXD) return -1;
-    for (int t = 0; t < T && k_cache; t++)
+static int slots_check(const int64_t *slots, int T, int64_t cache_tokens) {
+    for (int t = 0; t < T; t++)
         if (slots[t] < 0 || slots[t] >= cache_tokens) return -1;
+    return 0;
+}
+
+static void rope_rows(uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, const int64_t *slots,
+                      uint16_t *k_cache, uint16_t *v_cache, int T, int H, int KVH, int D, int64_t cache_tokens) {
     const int half = D / 2;
-#pragma omp parallel for if (T >= 64)
+#pragma omp for
     for (int t = 0; t < T; t++) {
         uint16_t *row = qkv + (size_t)t * (H + 2 * KVH) * D;
         const uint16_t *c = cos + (size_t)t * D, *s = sin + (size_t)t * D;
@@ -228,6 +247,13 @@ int rope_write_kv_bf16(uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, 
             memcpy(v_cache + ((size_t)h * cache_tokens + (size_t)slots[t]) * D, row + (size_t)(H + KVH + h) * D,
                    (size_t)D * sizeof(uint16_t));
     }
+}
+
+int rope_write_kv_bf16(uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, const int64_t *slots,
+                       uint16_t *k_cache, uint16_t *v_cache, int T, int H, int KVH, int D, int64_t cache_tokens) {
+    if (D % 2 || D > MAXD || (k_cache && slots_check(slots, T, cache_tokens))) return -1;
+#pragma omp parallel if (T >= 64)
+    rope_rows(qkv, cos, sin, slots, k_cache, v_cache, T, H, KVH, D, cache_tokens);
     return 0;
 }
 
@@ -239,11 +265,9 @@ int rope_write_kv_bf16(uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, 
  * the scale to cover its rows when it must and re-rounds the block's earlier rows (offsets below the
  * run's first) to the new scale, so every element stays within half a step of the value written, plus
  * half a step per raise. Returns -1 (nothing written) when a slot is outside the cache. */
-int kv_write_int8(const uint16_t *src, int64_t src_stride, const int64_t *slots, int8_t *cache, float *scales, int T,
-                  int KVH, int D, int NB, int BS) {
-    for (int t = 0; t < T; t++)
-        if (slots[t] < 0 || slots[t] >= (int64_t)NB * BS) return -1;
-#pragma omp parallel for if (T * KVH >= 64)
+static void kv_write_rows(const uint16_t *src, int64_t src_stride, const int64_t *slots, int8_t *cache, float *scales,
+                          int T, int KVH, int D, int NB, int BS) {
+#pragma omp for
     for (int h = 0; h < KVH; h++) {
         for (int t = 0; t < T;) {
             const int64_t blk = slots[t] / BS;
@@ -281,14 +305,20 @@ int kv_write_int8(const uint16_t *src, int64_t src_stride, const int64_t *slots,
             t = e;
         }
     }
+}
+
+int kv_write_int8(const uint16_t *src, int64_t src_stride, const int64_t *slots, int8_t *cache, float *scales, int T,
+                  int KVH, int D, int NB, int BS) {
+    if (slots_check(slots, T, (int64_t)NB * BS)) return -1;
+#pragma omp parallel if (T * KVH >= 64)
+    kv_write_rows(src, src_stride, slots, cache, scales, T, KVH, D, NB, BS);
     return 0;
 }
 
 /* SwiGLU activation: out[t] = silu(gate[t]) * up[t] for gate_up [T, 2 I] = [gate | up], in float32.
  * Returns -1 (nothing written) unless I is a multiple of 16. */
-int silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int T, int I) {
-    if (I % 16) return -1;
-#pragma omp parallel for if (T >= 64)
+static void silu_rows(const uint16_t *gate_up, uint16_t *out, int T, int I) {
+#pragma omp for
     for (int t = 0; t < T; t++) {
         const uint16_t *g = gate_up + (size_t)t * 2 * I, *u = g + I;
         uint16_t *o = out + (size_t)t * I;
@@ -300,6 +330,12 @@ int silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int T, int I) {
             _mm256_storeu_si256((__m256i *)(o + i), (__m256i)_mm512_cvtneps_pbh(r));
         }
     }
+}
+
+int silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int T, int I) {
+    if (I % 16) return -1;
+#pragma omp parallel if (T >= 64)
+    silu_rows(gate_up, out, T, I);
     return 0;
 }
 
@@ -422,42 +458,90 @@ static inline __attribute__((always_inline)) void direct_tile(const uint16_t *x,
         for (int j = 0; j < QNR; j++) res[m * QNR + j] = _mm512_reduce_add_ps(acc[m][j]);
 }
 
-static void qlinear_direct(const uint16_t *x, int64_t x_stride, const uint8_t *qw, const float *scale,
-                           const float *minv, const uint16_t *residual, int64_t res_stride, uint16_t *out, int M,
-                           int N, int K, int bits, int group) {
+/* One output element: float32 sum v (+ the residual), rounded to bf16 into out, or (out_f32) widened back
+ * to float32 (the bf16 logits as float, in one pass). */
+static inline void store_out(float v, const uint16_t *residual, int64_t res_stride, uint16_t *out, float *out_f32,
+                             int m, int N, int n) {
+    if (residual) v += bf16_to_f32(residual[(size_t)m * res_stride + n]);
+    const uint16_t r = f32_to_bf16(v);
+    if (out_f32)
+        out_f32[(size_t)m * N + n] = bf16_to_f32(r);
+    else
+        out[(size_t)m * N + n] = r;
+}
+
+/* The work of qlinear_bf16 (arguments checked), shared out over the calling parallel region's threads. The
+ * residual may be the output itself (in place: each element is read, then written, by the same thread). */
+static void qlinear_rows(const uint16_t *x, int64_t x_stride, const uint8_t *qw, const float *scale,
+                         const float *minv, const uint16_t *residual, int64_t res_stride, uint16_t *out,
+                         float *out_f32, int M, int N, int K, int bits, int group) {
     const int Kp = (K + 31) / 32 * 32, nblk = Kp / 32, bb = bits * 4, ngroups = (Kp + group - 1) / group;
-    const int per = group / 32, ntiles = (N + QNR - 1) / QNR;
+    const int ntiles = (N + QNR - 1) / QNR;
     const __mmask32 tail = K % 32 ? (__mmask32)((1u << (K % 32)) - 1u) : (__mmask32)0xffffffffu;
-    float *sx = malloc((size_t)M * ngroups * sizeof(float)); /* sum of x over each group */
-    for (int m = 0; m < M; m++)
-        for (int g = 0; g < ngroups; g++) {
-            float t = 0.f;
-            for (int k = g * group; k < K && k < (g + 1) * group; k++) t += bf16_to_f32(x[(size_t)m * x_stride + k]);
-            sx[m * ngroups + g] = t;
-        }
-    const float bias = bits == 4 ? 128.f : 0.f;
-#pragma omp parallel for schedule(static)
-    for (int t = 0; t < ntiles; t++) {
-        const int n0 = t * QNR, nr = N - n0 < QNR ? N - n0 : QNR;
-        float res[QDIRECT * QNR];
-        if (M == 1)
-            direct_tile(x, x_stride, qw, scale, n0, N, nblk, bb, ngroups, per, tail, bits, 1, res);
-        else if (M == 2)
-            direct_tile(x, x_stride, qw, scale, n0, N, nblk, bb, ngroups, per, tail, bits, 2, res);
-        else
-            direct_tile(x, x_stride, qw, scale, n0, N, nblk, bb, ngroups, per, tail, bits, 3, res);
-        for (int j = 0; j < nr; j++) {
-            const size_t n = (size_t)(n0 + j);
-            for (int m = 0; m < M; m++) {
-                float v = res[m * QNR + j];
-                for (int g = 0; g < ngroups; g++)
-                    v += (minv[n * ngroups + g] - bias * scale[n * ngroups + g]) * sx[m * ngroups + g];
-                if (residual) v += bf16_to_f32(residual[(size_t)m * res_stride + n]);
-                out[(size_t)m * N + n] = f32_to_bf16(v);
+    if (M <= QDIRECT) {
+        const int per = group / 32;
+        float sx[QDIRECT * ngroups]; /* sum of x over each group (every thread its own) */
+        for (int m = 0; m < M; m++)
+            for (int g = 0; g < ngroups; g++) {
+                float t = 0.f;
+                for (int k = g * group; k < K && k < (g + 1) * group; k++) t += bf16_to_f32(x[(size_t)m * x_stride + k]);
+                sx[m * ngroups + g] = t;
+            }
+        const float bias = bits == 4 ? 128.f : 0.f;
+#pragma omp for schedule(static)
+        for (int t = 0; t < ntiles; t++) {
+            const int n0 = t * QNR, nr = N - n0 < QNR ? N - n0 : QNR;
+            float res[QDIRECT * QNR];
+            if (M == 1)
+                direct_tile(x, x_stride, qw, scale, n0, N, nblk, bb, ngroups, per, tail, bits, 1, res);
+            else if (M == 2)
+                direct_tile(x, x_stride, qw, scale, n0, N, nblk, bb, ngroups, per, tail, bits, 2, res);
+            else
+                direct_tile(x, x_stride, qw, scale, n0, N, nblk, bb, ngroups, per, tail, bits, 3, res);
+            for (int j = 0; j < nr; j++) {
+                const size_t n = (size_t)(n0 + j);
+                for (int m = 0; m < M; m++) {
+                    float v = res[m * QNR + j];
+                    for (int g = 0; g < ngroups; g++)
+                        v += (minv[n * ngroups + g] - bias * scale[n * ngroups + g]) * sx[m * ngroups + g];
+                    store_out(v, residual, res_stride, out, out_f32, m, N, (int)n);
+                }
             }
         }
+        return;
     }
-    free(sx);
+    uint16_t *tile = aligned_alloc(64, (size_t)QNR * Kp * sizeof(uint16_t));
+#pragma omp for schedule(static)
+    for (int t = 0; t < ntiles; t++) {
+        const int n0 = t * QNR, nr = N - n0 < QNR ? N - n0 : QNR;
+        dequant_rows(qw, scale, minv, n0, nr, Kp, bits, group, tile);
+        for (int r = nr; r < QNR; r++) memset(tile + (size_t)r * Kp, 0, (size_t)Kp * sizeof(uint16_t));
+        for (int m0 = 0; m0 < M; m0 += QMR) {
+            const int mr = M - m0 < QMR ? M - m0 : QMR;
+            __m512 acc[QMR * QNR];
+            for (int i = 0; i < QMR * QNR; i++) acc[i] = _mm512_setzero_ps();
+            for (int k = 0; k < Kp; k += 32) {
+                const __mmask32 mask = k + 32 > K ? tail : (__mmask32)0xffffffffu;
+                __m512bh w[QNR];
+                for (int j = 0; j < QNR; j++) w[j] = (__m512bh)_mm512_loadu_si512(tile + (size_t)j * Kp + k);
+                for (int i = 0; i < QMR; i++) {
+                    if (i >= mr) break;
+                    const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + (size_t)(m0 + i) * x_stride + k);
+                    for (int j = 0; j < QNR; j++) acc[i * QNR + j] = _mm512_dpbf16_ps(acc[i * QNR + j], xv, w[j]);
+                }
+            }
+            float res[QMR * QNR];
+            _mm512_storeu_ps(res, sum16(acc)); /* lane i * QNR + j = out[m0 + i, n0 + j] */
+            for (int i = 0; i < mr; i++)
+                for (int j = 0; j < nr; j++)
+                    store_out(res[i * QNR + j], residual, res_stride, out, out_f32, m0 + i, N, n0 + j);
+        }
+    }
+    free(tile);
+}
+
+static int qlinear_check(int M, int N, int K, int bits, int group) {
+    return (bits != 4 && bits != 8) || group < 32 || group % 32 || M < 0 || N < 1 || K < 1 ? -1 : 0;
 }
 
 /* x: [M, K] bf16, row stride x_stride; residual: NULL or [M, N] bf16 with row stride res_stride; out: [M, N]
@@ -465,47 +549,9 @@ static void qlinear_direct(const uint16_t *x, int64_t x_stride, const uint8_t *q
  * Returns 0, or -1 for an unsupported layout (nothing written). */
 int qlinear_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *qw, const float *scale, const float *minv,
                  const uint16_t *residual, int64_t res_stride, uint16_t *out, int M, int N, int K, int bits, int group) {
-    if ((bits != 4 && bits != 8) || group < 32 || group % 32 || M < 0 || N < 1 || K < 1) return -1;
-    if (M <= QDIRECT) {
-        qlinear_direct(x, x_stride, qw, scale, minv, residual, res_stride, out, M, N, K, bits, group);
-        return 0;
-    }
-    const int Kp = (K + 31) / 32 * 32, ntiles = (N + QNR - 1) / QNR;
-    const __mmask32 tail = K % 32 ? (__mmask32)((1u << (K % 32)) - 1u) : (__mmask32)0xffffffffu;
+    if (qlinear_check(M, N, K, bits, group)) return -1;
 #pragma omp parallel
-    {
-        uint16_t *tile = aligned_alloc(64, (size_t)QNR * Kp * sizeof(uint16_t));
-#pragma omp for schedule(static)
-        for (int t = 0; t < ntiles; t++) {
-            const int n0 = t * QNR, nr = N - n0 < QNR ? N - n0 : QNR;
-            dequant_rows(qw, scale, minv, n0, nr, Kp, bits, group, tile);
-            for (int r = nr; r < QNR; r++) memset(tile + (size_t)r * Kp, 0, (size_t)Kp * sizeof(uint16_t));
-            for (int m0 = 0; m0 < M; m0 += QMR) {
-                const int mr = M - m0 < QMR ? M - m0 : QMR;
-                __m512 acc[QMR * QNR];
-                for (int i = 0; i < QMR * QNR; i++) acc[i] = _mm512_setzero_ps();
-                for (int k = 0; k < Kp; k += 32) {
-                    const __mmask32 mask = k + 32 > K ? tail : (__mmask32)0xffffffffu;
-                    __m512bh w[QNR];
-                    for (int j = 0; j < QNR; j++) w[j] = (__m512bh)_mm512_loadu_si512(tile + (size_t)j * Kp + k);
-                    for (int i = 0; i < QMR; i++) {
-                        if (i >= mr) break;
-                        const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + (size_t)(m0 + i) * x_stride + k);
-                        for (int j = 0; j < QNR; j++) acc[i * QNR + j] = _mm512_dpbf16_ps(acc[i * QNR + j], xv, w[j]);
-                    }
-                }
-                float res[QMR * QNR];
-                _mm512_storeu_ps(res, sum16(acc)); /* lane i * QNR + j = out[m0 + i, n0 + j] */
-                for (int i = 0; i < mr; i++)
-                    for (int j = 0; j < nr; j++) {
-                        float v = res[i * QNR + j];
-                        if (residual) v += bf16_to_f32(residual[(size_t)(m0 + i) * res_stride + n0 + j]);
-                        out[(size_t)(m0 + i) * N + n0 + j] = f32_to_bf16(v);
-                    }
-            }
-        }
-        free(tile);
-    }
+    qlinear_rows(x, x_stride, qw, scale, minv, residual, res_stride, out, NULL, M, N, K, bits, group);
     return 0;
 }
 
@@ -524,5 +570,101 @@ int qdequant_bf16(const uint8_t *qw, const float *scale, const float *minv, uint
         }
         free(row);
     }
+    return 0;
+}
+
+/* The whole decode step of a Llama model with quantised linears, in one call and one parallel region: B
+ * sequences with one new token each through the first n_layers layers, then the final norm and the head.
+ * Each op is the very kernel the per-op entry points above run (same arithmetic, same roundings), shared out
+ * over the region's threads with a barrier between ops; what this saves is the Python and dispatch work
+ * around ~10 small calls per layer and the start of a parallel region for each. */
+typedef struct {
+    const uint8_t *qw;
+    const float *scale, *minv;
+    int32_t n, k, bits, group;
+} qmat;
+
+typedef struct {
+    const uint16_t *attn_norm, *ffn_norm;
+    qmat qkv, o, gate_up, down;
+    void *k_cache, *v_cache;  /* [KVH, NB, BS, D] bf16, or int8 with the scales below */
+    float *k_scale, *v_scale; /* [KVH, NB] float32 for an int8 cache, else NULL */
+} qlayer;
+
+typedef struct {
+    int32_t n_layers, hidden, inter, n_heads, n_kv_heads, head_dim, vocab, num_blocks, block_size;
+    float eps;
+    int64_t rope_len;                               /* positions in the rope tables */
+    const uint16_t *embed, *rope_cos, *rope_sin, *norm; /* [vocab, hidden], [rope_len, D] x 2, [hidden] */
+    qmat head;
+    const qlayer *layers;
+} qmodel;
+
+static void qmat_rows(const qmat *w, const uint16_t *x, int64_t x_stride, const uint16_t *residual, int64_t res_stride,
+                      uint16_t *out, float *out_f32, int M) {
+    qlinear_rows(x, x_stride, w->qw, w->scale, w->minv, residual, res_stride, out, out_f32, M, w->n, w->k, w->bits,
+                 w->group);
+}
+
+/* ids, pos, slots, lens: [B]; tables: [B, max_blocks] (as paged_decode_attention); logits: [B, vocab] float32,
+ * the head's bf16 outputs widened. Returns 0, or -1 (nothing computed) for shapes or indices out of range. */
+int decode_forward(const qmodel *m, const int64_t *ids, const int64_t *pos, const int64_t *slots,
+                   const int64_t *tables, const int64_t *lens, int B, int max_blocks, int n_layers, float *logits) {
+    const int H = m->n_heads, KVH = m->n_kv_heads, D = m->head_dim, hid = m->hidden, I = m->inter;
+    const int qkv_w = (H + 2 * KVH) * D;
+    const int64_t cache_tokens = (int64_t)m->num_blocks * m->block_size;
+    if (B < 1 || n_layers < 0 || n_layers > m->n_layers || I % 16 || D % 2 || D > MAXD
+        || attention_check(lens, B, H, KVH, D, m->block_size, max_blocks) || slots_check(slots, B, cache_tokens)
+        || qlinear_check(B, m->head.n, m->head.k, m->head.bits, m->head.group))
+        return -1;
+    for (int b = 0; b < B; b++)
+        if (ids[b] < 0 || ids[b] >= m->vocab || pos[b] < 0 || pos[b] >= m->rope_len) return -1;
+    for (int l = 0; l < n_layers; l++) {
+        const qlayer *L = &m->layers[l];
+        const qmat *ws[4] = {&L->qkv, &L->o, &L->gate_up, &L->down};
+        for (int i = 0; i < 4; i++)
+            if (qlinear_check(B, ws[i]->n, ws[i]->k, ws[i]->bits, ws[i]->group)) return -1;
+    }
+    /* x, the normed x, qkv, attention out, gate|up, silu(gate) * up; cos, sin */
+    const size_t n_act = (size_t)B * (2 * hid + qkv_w + H * D + 3 * I + 2 * D);
+    uint16_t *buf = malloc(n_act * sizeof(uint16_t));
+    if (!buf) return -1;
+    uint16_t *x = buf, *h = x + (size_t)B * hid, *qkv = h + (size_t)B * hid, *att = qkv + (size_t)B * qkv_w;
+    uint16_t *gu = att + (size_t)B * H * D, *act = gu + (size_t)B * 2 * I, *cs = act + (size_t)B * I;
+    uint16_t *sn = cs + (size_t)B * D;
+    for (int b = 0; b < B; b++) {
+        memcpy(x + (size_t)b * hid, m->embed + (size_t)ids[b] * hid, (size_t)hid * sizeof(uint16_t));
+        memcpy(cs + (size_t)b * D, m->rope_cos + (size_t)pos[b] * D, (size_t)D * sizeof(uint16_t));
+        memcpy(sn + (size_t)b * D, m->rope_sin + (size_t)pos[b] * D, (size_t)D * sizeof(uint16_t));
+    }
+#pragma omp parallel
+    {
+        for (int l = 0; l < n_layers; l++) {
+            const qlayer *L = &m->layers[l];
+            rms_norm_rows(x, hid, L->attn_norm, h, B, hid, m->eps);
+            qmat_rows(&L->qkv, h, hid, NULL, 0, qkv, NULL, B);
+            if (L->k_scale) { /* int8 cache: Q and K rotated in place, then K and V quantised into it */
+                rope_rows(qkv, cs, sn, slots, NULL, NULL, B, H, KVH, D, cache_tokens);
+                kv_write_rows(qkv + (size_t)H * D, qkv_w, slots, L->k_cache, L->k_scale, B, KVH, D, m->num_blocks,
+                              m->block_size);
+                kv_write_rows(qkv + (size_t)(H + KVH) * D, qkv_w, slots, L->v_cache, L->v_scale, B, KVH, D,
+                              m->num_blocks, m->block_size);
+                attention_items(qkv, qkv_w, L->k_cache, L->v_cache, L->k_scale, L->v_scale, tables, lens, att, B, H,
+                                KVH, D, m->num_blocks, m->block_size, max_blocks, 1);
+            } else {
+                rope_rows(qkv, cs, sn, slots, L->k_cache, L->v_cache, B, H, KVH, D, cache_tokens);
+                attention_items(qkv, qkv_w, L->k_cache, L->v_cache, NULL, NULL, tables, lens, att, B, H, KVH, D,
+                                m->num_blocks, m->block_size, max_blocks, 0);
+            }
+            qmat_rows(&L->o, att, (int64_t)H * D, x, hid, x, NULL, B);
+            rms_norm_rows(x, hid, L->ffn_norm, h, B, hid, m->eps);
+            qmat_rows(&L->gate_up, h, hid, NULL, 0, gu, NULL, B);
+            silu_rows(gu, act, B, I);
+            qmat_rows(&L->down, act, I, x, hid, x, NULL, B);
+        }
+        rms_norm_rows(x, hid, m->norm, h, B, hid, m->eps);
+        qmat_rows(&m->head, h, hid, NULL, 0, NULL, logits, B);
+    }
+    free(buf);
     return 0;
 }

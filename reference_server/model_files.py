@@ -1,7 +1,9 @@
 """The bundled model: where it is installed, its GGUF metadata, and its tokenizer.
 
 Shared by the reference server (its default model), the workload generator (prompts of exact token
-lengths) and the KV-budget planner, so it lives in the neutral :mod:`contracts` package.
+lengths), the server launcher and the KV-budget planner. It lives in the reference server, which imports
+nothing of the harness; the harness may import this one pure module (it imports nothing of the project and
+no torch: ``tests/test_architecture.py`` checks both).
 
 The tokenizer is rebuilt from GGUF metadata as a Hugging Face ``tokenizers.Tokenizer``.
 

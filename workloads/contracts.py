@@ -1,10 +1,10 @@
-"""The contracts every layer shares: the request and record types, the enums, one JSONL reader.
+"""What crosses a layer boundary: the request and record types, the enums, the one JSONL reader.
 
-This package is neutral ground: ``workloads``, ``backends``, ``loadgen`` and ``reference_server`` import it,
-and it imports none of them (``tests/test_architecture.py`` checks that). Data flows
-workload -> arrivals -> dispatcher -> backend -> records -> metrics -> report; what crosses a layer
-boundary is defined here, once. :mod:`contracts.model` is the bundled model (its path, its GGUF metadata,
-its tokenizer), shared by the reference server, the workload generator and the KV-budget planner.
+Workloads are the pipeline's first stage (workload -> arrivals -> dispatcher -> backend -> records ->
+metrics -> report), so every later layer may import this module; it imports nothing of the project
+(``tests/test_architecture.py`` checks both, and that importing it loads no heavy package). The bundled
+model's facts (path, GGUF metadata, tokenizer) live in :mod:`reference_server.model_files`, because the
+reference server imports nothing of the harness.
 """
 
 from __future__ import annotations

@@ -1,0 +1,168 @@
+"""`--workers N`: one load point split over worker processes, against the null server on loopback."""
+
+import asyncio
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from support.signals import sigint_default
+
+from backends.openai import OpenAIBackend
+from loadgen import metrics
+from loadgen.calibrate import FixedWorkload
+from loadgen.clock import RunClock
+from loadgen.engine import LoadSpec, Share, run_point
+from loadgen.exitcodes import ExitCode
+from loadgen.fleet import Fleet
+from loadgen.run_cli import point_outcome
+from loadgen.targets import load_workload
+from workloads.contracts import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+async def point(url, out, load, workers, wl=None, **body):
+    wl = wl or FixedWorkload(max_tokens=4, extra_bodies=[{"nullserver": body}] if body else [{}])
+    s = await run_point(OpenAIBackend(url, model="null"), wl, load, out, RunClock(), fleet=Fleet(workers))
+    return s, read_jsonl(out / "requests.jsonl")
+
+
+def test_share_deals_sessions_and_parts():
+    shares = [Share(k, 3) for k in range(3)]
+    assert [[i for i in range(10) if s.mine(i)] for s in shares] == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
+    assert [s.part(10) for s in shares] == [4, 3, 3] and sum(s.part(7) for s in shares) == 7
+    load = LoadSpec("closed", concurrency=5, num_requests=11)
+    assert [load.part(s).concurrency for s in shares] == [2, 2, 1]
+    assert load.workers(8) == 5 and LoadSpec("poisson", rate=5, num_requests=2).workers(4) == 2
+
+
+async def test_open_loop_schedule_is_the_single_process_one(null_server, tmp_path):
+    """For one seed, two workers send the measured requests at the same intended times (from the start of
+    the measured phase) as one process does, each request once: the schedule was dealt, not redrawn."""
+    load = LoadSpec("poisson", rate=150, num_requests=80, warmup=6, seed=7)
+    runs = {}
+    for n in (1, 2):
+        s, recs = await point(null_server, tmp_path / str(n), load, n)
+        assert s["counts"]["errors"] == 0 and s["counts"]["ok"] == 80 and s["workers"]["count"] == n
+        measured = [r for r in recs if not r["warmup"]]
+        runs[n] = (sorted(round(r["intended"] - s["t_measured"], 9) for r in measured),
+                   sorted(r["id"] for r in measured), sorted(r["id"] for r in recs if r["warmup"]))  # fmt: skip
+    assert runs[1] == runs[2]
+    w = [read_jsonl(tmp_path / "2" / "workers" / f"w{k}.jsonl") for k in (0, 1)]
+    assert [len(x) for x in w] == [43, 43]  # 3 warm-ups + 40 measured each, dealt alternately
+    assert {int(r["id"][1:]) % 2 for r in w[1]} == {1}
+
+
+async def test_closed_loop_concurrency_is_the_requested_total(null_server, tmp_path):
+    s, recs = await point(null_server, tmp_path, LoadSpec("closed", concurrency=6, num_requests=150), 2,
+                          itl=0.005)  # fmt: skip
+    assert s["counts"]["errors"] == 0 and s["counts"]["ok"] == 150
+    assert [w["lost"] for w in s["workers"]["per_worker"]] == [None, None]
+    edges = sorted([(r["sent"], 1) for r in recs] + [(r["end"], -1) for r in recs], key=lambda e: (e[0], e[1]))
+    inflight = peak = 0
+    for _, d in edges:
+        inflight += d
+        peak = max(peak, inflight)
+    assert peak == 6  # 3 slots per worker, never more in flight together
+    assert s["client"]["requested_concurrency"] == 6 and s["client"]["achieved_concurrency"] > 0.8 * 6
+
+
+async def test_multi_turn_sessions_stay_on_one_worker_in_order(null_server, tmp_path):
+    wl = load_workload("multiturn-chat", None)
+    s, recs = await point(null_server, tmp_path, LoadSpec("closed", concurrency=4, num_requests=40), 2, wl=wl)
+    assert s["counts"]["errors"] == 0 and s["counts"]["ok"] == 40
+    where = {}
+    for k in (0, 1):
+        for r in read_jsonl(tmp_path / "workers" / f"w{k}.jsonl"):
+            assert where.setdefault(r["session"], k) == k  # a session's turns all on one worker
+    turns = defaultdict(list)
+    for r in sorted(recs, key=lambda r: r["sent"]):
+        turns[r["session"]].append(r)
+    assert any(len(t) > 1 for t in turns.values()) and len(set(where.values())) == 2
+    for t in turns.values():
+        assert [r["turn"] for r in t] == list(range(len(t)))
+        assert all(a["end"] <= b["sent"] for a, b in zip(t, t[1:], strict=False))  # the next turn after the last answer
+
+
+async def test_killed_worker_is_reported_and_records_kept(null_server, tmp_path):
+    """SIGKILL one of two workers mid-point: the other runs its share to the end, the dead one's records up
+    to its death are kept in the merged file, the summary names it, and the point's exit code is non-zero."""
+    load = LoadSpec("closed", concurrency=4, num_requests=300, timeout=30)
+    task = asyncio.ensure_future(point(null_server, tmp_path, load, 2, itl=0.01))
+    w1 = tmp_path / "workers" / "w1.jsonl"
+    for _ in range(1200):
+        if w1.exists() and w1.read_bytes().count(b"\n") >= 10:
+            break
+        await asyncio.sleep(0.05)
+    (victim,) = [p for p in multiprocessing.active_children() if p.name == "bench-worker-1"]
+    os.kill(victim.pid, signal.SIGKILL)
+    s, recs = await task
+    before = len(read_jsonl(w1))
+    assert before >= 10 and s["counts"]["errors"] == 0
+    assert [w["index"] for w in s["workers"]["lost"]] == [1] and "SIGKILL" in s["workers"]["lost"][0]["reason"]
+    assert len(read_jsonl(tmp_path / "workers" / "w0.jsonl")) == 150 and len(recs) == 150 + before
+    code, message = point_outcome(s, 0.05)
+    assert code == ExitCode.FAILED and "worker 1" in message
+
+
+def test_bench_run_summary_is_the_one_recomputed_from_the_merged_records(null_server, tmp_path):
+    """`bench run --workers 2`: one summary, equal to the metrics recomputed from the merged requests.jsonl."""
+    args = ["run", "--url", null_server, "--rate", "120", "--num-requests", "90", "--workers", "2", "--seed", "3",
+            "--output-dir", str(tmp_path), "--run-id", "w2", "--poll-hz", "0", "--telemetry-hz", "0"]  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", "from loadgen.cli import main; main()", *args], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    (s,) = json.loads((tmp_path / "w2" / "summary.json").read_text())["points"]
+    assert s["counts"]["errors"] == 0 and s["counts"]["ok"] == 90 and s["workers"]["count"] == 2
+    recs = read_jsonl(tmp_path / "w2" / "points" / s["point_id"] / "requests.jsonl")
+    again = json.loads(json.dumps(metrics.summarize(recs, s["load"]), default=str))
+    for key, value in again.items():
+        if key != "client":
+            assert s[key] == value, key
+    cpu = ("cpu", "cpu_wait", "limited", "warnings")  # the client's CPU use is not in the records
+    assert {k: v for k, v in s["client"].items() if k not in cpu} == {k: v for k, v in again["client"].items() if k not in cpu}
+
+
+def test_ctrl_c_stops_every_worker_and_leaves_one_summary(null_server, tmp_path):
+    """SIGINT to `bench run --workers 2` (the coordinator only, as a terminal's Ctrl-C is, the workers being in
+    their own process group): passed on to both workers, which cancel what is in flight; exit 130 with the
+    merged records and one summary marked interrupted."""
+    args = ["run", "--url", null_server, "--concurrency", "4", "--num-requests", "100000", "--workers", "2",
+            "--output-dir", str(tmp_path), "--run-id", "sig", "--poll-hz", "0", "--telemetry-hz", "0",
+            "--extra-body", '{"nullserver": {"itl": 0.01}}']  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", "from loadgen.cli import main; main()", *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=sigint_default)  # fmt: skip
+    point_dir = tmp_path / "sig" / "points" / "c004"
+    deadline = time.monotonic() + 120
+    while not all((point_dir / "workers" / f"w{k}.jsonl").exists() for k in (0, 1)) or sum(
+        (point_dir / "workers" / f"w{k}.jsonl").read_bytes().count(b"\n") for k in (0, 1)) < 20:  # fmt: skip
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode() if proc.stdout else ""
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == ExitCode.INTERRUPTED, out.decode()
+    (point,) = json.loads((tmp_path / "sig" / "summary.json").read_text())["points"]
+    recs = read_jsonl(point_dir / "requests.jsonl")
+    i = point["interrupted"]
+    assert point["status"] == "interrupted" and point["workers"]["lost"] == [] and i["finished"] >= 20
+    assert i["finished"] + i["cancelled"] == len(recs) and 1 <= i["cancelled"] <= 4
+    assert {r["error"]["kind"] for r in recs if r["error"]} == {"cancelled"}
+
+
+async def test_calibrate_reports_the_ceiling_per_worker_count(tmp_path):
+    from loadgen.calibrate import calibrate
+
+    res = await calibrate(tmp_path, concurrency=8, events=4, num_requests=200, rate=40, duration=1, workers=(1, 2))
+    rows = res["scaling"]
+    assert [r["workers"] for r in rows] == [1, 2] and res["closed"] == rows[0]
+    for r in rows:
+        assert r["errors"] == 0 and r["requests"] == 200 and r["req_per_s"] > 0 and r["cpu_ms_per_request"] > 0
+        assert r["cores_busy"] > 0 and isinstance(r["cores_limit"], bool)
+    assert rows[0]["efficiency"] == 1.0 and rows[1]["efficiency"] == rows[1]["req_per_s"] / (2 * rows[0]["req_per_s"])
+    assert res["open"]["errors"] == 0 and json.loads((tmp_path / "calibrate.json").read_text())["scaling"] == rows

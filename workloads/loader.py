@@ -1,0 +1,93 @@
+"""Loading a workload: a built-in name, a workload file or a trace, overrides applied.
+
+    from workloads.loader import load_workload
+    wl = load_workload("chat-short")                       # a built-in (workloads/builtin/*.toml)
+    wl = load_workload("my.toml", rate=8.0)                # a workload file, arrival overridden
+    wl = load_workload("trace.jsonl")                      # a Mooncake trace (.csv: Azure trace)
+    for session in wl.sessions(seed=0): ...
+
+Overrides (``None`` values are ignored, so CLI options can be passed straight through): ``tokenizer``,
+``api``, ``process``, ``rate``, ``concurrency``, ``burstiness``, ``limit`` (trace rows), ``name``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from workloads.base import ArrivalSpec, Workload
+from workloads.contracts import APIS, ARRIVAL_PROCESSES
+from workloads.spec import TraceSpec, WorkloadError, WorkloadSpec, load_spec
+
+BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
+OVERRIDES = ("tokenizer", "api", "process", "rate", "concurrency", "burstiness", "limit", "name")
+
+def builtin_names() -> list[str]:
+    return sorted(p.stem for p in BUILTIN_DIR.glob("*.toml"))
+
+
+def load_spec_for(name_or_path: str, **overrides: Any) -> WorkloadSpec:
+    """The validated spec for a built-in name, a ``.toml`` file or a trace file, overrides applied."""
+    path = Path(name_or_path)
+    if path.suffix in (".jsonl", ".csv"):
+        if not path.is_file():
+            raise WorkloadError(name_or_path, "", "trace file not found")
+        fmt = "azure" if path.suffix == ".csv" else "mooncake"
+        spec = WorkloadSpec(name=path.stem, source=str(path), arrival=ArrivalSpec(process="trace"),
+                            trace=TraceSpec(path=path, format=fmt))  # fmt: skip
+    elif path.suffix == ".toml" or path.is_file():
+        if not path.is_file():
+            raise WorkloadError(name_or_path, "", "workload file not found")
+        spec = load_spec(path)
+    elif (BUILTIN_DIR / f"{name_or_path}.toml").is_file():
+        spec = load_spec(BUILTIN_DIR / f"{name_or_path}.toml")
+    else:
+        raise WorkloadError(
+            name_or_path,
+            "",
+            f"no such workload: not a file, and not a built-in ({', '.join(builtin_names())})",
+        )
+    return apply_overrides(spec, **overrides)
+
+
+def apply_overrides(spec: WorkloadSpec, **overrides: Any) -> WorkloadSpec:
+    given = {k: v for k, v in overrides.items() if v is not None}
+    unknown = sorted(set(given) - set(OVERRIDES))
+    if unknown:
+        raise TypeError(f"unknown workload override(s) {unknown}; known: {', '.join(OVERRIDES)}")
+    src = "override"
+    if "api" in given and given["api"] not in APIS:
+        raise WorkloadError(src, "api", f"expected one of {', '.join(APIS)}, got {given['api']!r}")
+    if "process" in given and given["process"] not in ARRIVAL_PROCESSES:
+        raise WorkloadError(
+            src, "process", f"expected one of {', '.join(ARRIVAL_PROCESSES)}, got {given['process']!r}"
+        )
+    for key in ("rate", "burstiness"):
+        if key in given and not (isinstance(given[key], (int, float)) and given[key] > 0):
+            raise WorkloadError(src, key, f"expected a number > 0, got {given[key]!r}")
+    if "concurrency" in given and not (isinstance(given["concurrency"], int) and given["concurrency"] >= 1):
+        raise WorkloadError(src, "concurrency", f"expected an integer >= 1, got {given['concurrency']!r}")
+    arrival = replace(
+        spec.arrival, **{k: given[k] for k in ("process", "rate", "concurrency", "burstiness") if k in given}
+    )
+    spec = replace(spec, arrival=arrival, **{k: given[k] for k in ("tokenizer", "api", "name") if k in given})
+    if given.get("api") == "chat":  # the server applies its own chat template
+        spec = replace(spec, classes=tuple(replace(c, template="none") for c in spec.classes))
+    if "limit" in given:
+        if spec.trace is None:
+            raise WorkloadError(spec.source, "limit", "only applies to trace workloads")
+        spec = replace(spec, trace=replace(spec.trace, limit=int(given["limit"])))
+    return spec
+
+
+def load_workload(name_or_path: str, **overrides: Any) -> Workload:
+    """A ready :class:`Workload`; raises :class:`WorkloadError` (file, key, expected) on bad input."""
+    spec = load_spec_for(name_or_path, **overrides)
+    if spec.trace is not None:
+        from workloads.traces import TraceWorkload
+
+        return TraceWorkload(spec)
+    from workloads.synthetic import SyntheticWorkload
+
+    return SyntheticWorkload(spec)
