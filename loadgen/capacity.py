@@ -153,26 +153,49 @@ def correlation_time(series: np.ndarray) -> float:
 
 @dataclass
 class Samples:
-    """Per-request outcomes of a probe, in completion order: the SLO metrics (NaN when undefined, e.g.
-    TPOT of a one-token answer) and whether the request failed."""
+    """Per-request outcomes of a probe, in send order: the SLO metrics (NaN when undefined, e.g. TPOT of a
+    one-token answer), whether the request failed, and when it was sent and ended (s)."""
 
     values: dict[str, list[float]] = field(default_factory=lambda: {m: [] for m in metrics.SLO_KEYS})
     failed: list[bool] = field(default_factory=list)
+    sent: list[float] = field(default_factory=list)
+    end: list[float] = field(default_factory=list)
     wave: int = 1  # requests that move together: a closed loop's sessions (1: open-loop arrivals)
+    rate: float | None = None  # the open-loop arrival rate (None: a closed loop)
 
-    def add(self, ttft: float | None, tpot: float | None, e2e: float | None, failed: bool) -> None:
+    def add(self, ttft: float | None, tpot: float | None, e2e: float | None, failed: bool,
+            sent: float = math.nan, end: float = math.nan) -> None:  # fmt: skip
         for m, v in zip(metrics.SLO_KEYS, (ttft, tpot, e2e), strict=True):
             self.values[m].append(math.nan if v is None else v)
         self.failed.append(failed)
+        self.sent.append(sent)
+        self.end.append(end)
 
     def add_record(self, r: dict[str, Any]) -> None:
         """A ``requests.jsonl`` record, with the metric definitions of :mod:`loadgen.metrics`."""
         ok = r["error"] is None
         self.add(metrics.ttft(r) if ok else None, metrics.tpot(r) if ok else None, metrics.e2e(r) if ok else None,
-                 not ok)  # fmt: skip
+                 not ok, r["sent"], r["end"])  # fmt: skip
 
     def __len__(self) -> int:
         return len(self.failed)
+
+    def backlog(self) -> np.ndarray:
+        """The requests in flight (sent, not ended) that each request finds when it is sent."""
+        sent, end = np.asarray(self.sent), np.sort(np.asarray(self.end))
+        return np.arange(sent.size) - np.searchsorted(end, sent, side="right")
+
+    def steady(self) -> Samples:
+        """The requests from the first one that finds as many requests in flight as the probe's second half
+        finds on average (the crossing-the-mean rule of simulation output analysis): a probe starts on an
+        idle server (its warm-up is drained), and the requests that fill it are faster than the steady state.
+        All of them without send and end times."""
+        if len(self) < 2 or np.isnan(self.sent).any() or np.isnan(self.end).any():
+            return self
+        backlog = self.backlog()
+        k = int(np.argmax(backlog >= backlog[len(self) // 2 :].mean()))
+        return Samples({m: v[k:] for m, v in self.values.items()}, self.failed[k:], self.sent[k:], self.end[k:],
+                       self.wave, self.rate)  # fmt: skip
 
 @dataclass
 class SloCheck:
@@ -271,6 +294,30 @@ def samples_to_hold(slo: SLO, z: float, confidence: float) -> int:
     return math.ceil(z * z * (1 - slo.allowed) / slo.allowed)
 
 
+def backlog_growth(samples: Samples, z: float, resolution: float) -> str | None:
+    """Has an open-loop probe's server kept up with its arrivals? None when it has, else why not yet.
+
+    The backlog each request finds when it is sent (requests sent before it and not ended) is stationary at a
+    rate the server sustains; it climbs while the server fills from idle (a probe starts on an idle server:
+    its warm-up is drained) and keeps climbing above the sustainable rate. Latencies can lag that climb (a
+    TTFT SLO breaks only once the slots are full and a queue forms), so a latency verdict on the first
+    requests alone would pass any rate. Kept up: the backlog's mean over the probe's second half exceeds
+    the first half's by less than ``resolution`` of the arrivals over half the probe (what the rate
+    ``(1 + resolution)`` times the sustainable one would add), at ``z`` with batch-means errors."""
+    if samples.rate is None:
+        return None  # a closed loop's sessions bound its backlog
+    backlog = samples.backlog()
+    a, b = backlog[: backlog.size // 2], backlog[backlog.size // 2 :]
+    if a.size < 2:
+        return "too few requests to see the backlog"
+    se = math.sqrt(sum(float(x.var()) * correlation_time(x) / x.size for x in (a, b)))
+    growth = float(b.mean() - a.mean())
+    allowed = resolution * samples.rate * (samples.sent[-1] - samples.sent[0]) / 2
+    if growth + z * se > allowed:
+        return f"backlog still growing (+{growth:.1f} in flight from the first half to the second)"
+    return None
+
+
 @dataclass
 class Decision:
     verdict: str  # "pass" | "fail"
@@ -283,8 +330,9 @@ class Sequential:
     of the looks left, once at the probe's end (:meth:`end`), each at z of ``confidence`` split over the
     looks (Bonferroni)."""
 
-    def __init__(self, slos: Sequence[SLO], confidence: float = 0.95, first: int = 30, max_samples: int = 2000) -> None:
-        self.slos, self.confidence = list(slos), confidence
+    def __init__(self, slos: Sequence[SLO], confidence: float = 0.95, first: int = 30, max_samples: int = 2000,
+                 resolution: float = 0.05) -> None:  # fmt: skip
+        self.slos, self.confidence, self.resolution = list(slos), confidence, resolution
         self.looks = [first]
         while self.looks[-1] < max_samples:
             self.looks.append(min(max_samples, math.ceil(self.looks[-1] * 1.5)))
@@ -293,7 +341,9 @@ class Sequential:
         self.next_look = 0
 
     def checks(self, samples: Samples) -> list[SloCheck]:
-        return [check(samples, s, self.z, self.confidence) for s in self.slos]
+        """Each SLO on the probe's steady state (:meth:`Samples.steady`)."""
+        steady = samples.steady()
+        return [check(steady, s, self.z, self.confidence) for s in self.slos]
 
     def due(self, n: int) -> bool:
         """Does a look fall at n samples?"""
@@ -305,7 +355,7 @@ class Sequential:
             return None
         while self.next_look < len(self.looks) and len(samples) >= self.looks[self.next_look]:
             self.next_look += 1
-        d = _confident(self.checks(samples))
+        d = self.confident(samples)
         if d is None and len(samples) >= self.max_samples:
             return self.end(samples, "sample cap")
         return d
@@ -316,19 +366,23 @@ class Sequential:
         else the verdict of the point estimates (not confident)."""
         if self.next_look < len(self.looks) and len(samples) >= self.looks[0]:
             self.next_look = len(self.looks)
-            if (d := _confident(self.checks(samples))) is not None:
+            if (d := self.confident(samples)) is not None:
                 return d
         bad = [c.key for c, s in zip(self.checks(samples), self.slos, strict=True) if _over(c, s)]
-        return Decision("fail" if bad else "pass", False, f"{why}: point estimate" + (f", {', '.join(bad)} over" if bad else ""))
+        unsteady = backlog_growth(samples, self.z, self.resolution) if not bad else None
+        return Decision("fail" if bad else "pass", False, f"{why}: point estimate" + (f", {', '.join(bad)} over" if bad else "")
+                        + (f"; {unsteady}" if unsteady else ""))  # fmt: skip
 
-
-def _confident(checks: Sequence[SloCheck]) -> Decision | None:
-    bad = [c.key for c in checks if c.state == "violated"]
-    if bad:
-        return Decision("fail", True, f"{', '.join(bad)} violated")
-    if all(c.state == "holds" for c in checks):
-        return Decision("pass", True, "every SLO holds")
-    return None
+    def confident(self, samples: Samples) -> Decision | None:
+        """A confident verdict: an SLO violated fails; every SLO holding passes once the server has kept up
+        with the load (:func:`backlog_growth`). None: more samples."""
+        checks = self.checks(samples)
+        bad = [c.key for c in checks if c.state == "violated"]
+        if bad:
+            return Decision("fail", True, f"{', '.join(bad)} violated")
+        if all(c.state == "holds" for c in checks) and backlog_growth(samples, self.z, self.resolution) is None:
+            return Decision("pass", True, "every SLO holds")
+        return None
 
 
 def _over(c: SloCheck, s: SLO) -> bool:
@@ -404,8 +458,7 @@ def probe_result(
     index: int, phase: str, mode: str, load: float, samples: Samples, seq: Sequential | None, slos: Sequence[SLO],
     decision: Decision, seconds: float, span: float | None,
 ) -> Probe:  # fmt: skip
-    z = seq.z if seq is not None else NormalDist().inv_cdf(0.975)
-    checks = [check(samples, s, z, seq.confidence if seq is not None else 0.95) for s in slos]
+    checks = seq.checks(samples) if seq is not None else [check(samples, s, NormalDist().inv_cdf(0.975)) for s in slos]
     failed = np.asarray(samples.failed, dtype=bool)
     e2e = np.asarray(samples.values["e2e"], dtype=float)[~failed] if len(samples) else np.empty(0)
     good = sum(1 for i in range(len(samples)) if not samples.failed[i] and _meets(samples, i, slos))
@@ -483,7 +536,7 @@ class LiveProber:
                 samples = Samples()
                 for r in measured:
                     samples.add_record(r)
-                samples.wave = int(load) if spec.process == "closed" else 1
+                samples.wave, samples.rate = (int(load), None) if spec.process == "closed" else (1, load)
                 if seq is not None:
                     decision = seq.decide(samples)
             if decision is not None:
@@ -646,7 +699,7 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
 
     async def run(mode: str, load: float, phase: str) -> Probe:
         nonlocal spent
-        seq = Sequential(slos, cfg.confidence, cfg.first_look, cfg.max_samples) if phase == "search" else None
+        seq = Sequential(slos, cfg.confidence, cfg.first_look, cfg.max_samples, cfg.resolution) if phase == "search" else None
         p = await prober.probe(mode, load, seq, min(cfg.max_probe_s, max(1.0, cfg.budget_s - spent)), len(probes), phase)
         probes.append(p)
         spent += p.seconds
@@ -813,7 +866,7 @@ async def linear_sweep(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, s
     probes: list[Probe] = []
     x = step
     while True:
-        seq = Sequential(slos, cfg.confidence, cfg.first_look, cfg.max_samples)
+        seq = Sequential(slos, cfg.confidence, cfg.first_look, cfg.max_samples, cfg.resolution)
         p = await prober.probe(cfg.mode, x, seq, cfg.max_probe_s, len(probes), "sweep")
         probes.append(p)
         if p.verdict == "fail" or x >= (cfg.max_concurrency if cfg.mode == "concurrency" else cfg.max_rate):
