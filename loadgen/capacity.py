@@ -652,11 +652,12 @@ def _converged(mode: str, lo: float, hi: float, res: float) -> bool:
 
 def _reach(cfg: SearchConfig, slos: Sequence[SLO], throughput: float | None) -> float:
     """Concurrency mode: the most sessions whose probe can count the waves a latency SLO needs to hold
-    (:func:`units_to_see`) within ``max_probe_s`` at ``throughput`` (unbounded without one)."""
+    (:func:`units_to_see`) within ``max_probe_s`` at ``throughput``, after the first wave (on the idle server,
+    not judged: :meth:`Samples.steady`); unbounded without a throughput."""
     need = max((units_to_see(s, cfg.confidence) for s in slos if s.metric != "error_rate"), default=0.0)
     if cfg.mode != "concurrency" or not throughput or not need:
         return math.inf
-    return float(max(1, math.floor(throughput * cfg.max_probe_s / need)))
+    return float(max(1, math.floor(throughput * cfg.max_probe_s / (need + 1))))
 
 
 def _toward(soft: float, hi: float) -> float:

@@ -129,6 +129,30 @@ def test_a_latency_far_under_its_slo_passes_on_its_margin():
     assert samples_to_hold(slo, 2.64, 0.95) == 30
 
 
+# The live known-answer server: 8 slots, prefill 3 ms + 0.075 ms/token, decode step 3 ms + 6 ms per occupied slot.
+# Its latencies sit tens of ms from the SLOs of the live tests below, so a loaded machine's scheduling delay
+# does not move the answer; the statistics at p90/p99 and the seed counts are the virtual-time tests' job.
+LIVE = ServiceModel(slots=8, prefill_base=0.003, prefill_per_token=0.000075, decode_base=0.003, decode_per_seq=0.006)
+
+
+def test_a_rate_above_the_capacity_does_not_pass_on_an_idle_servers_first_requests():
+    """A probe starts on an idle server (its warm-up is drained). At 9 % above the true capacity (ttft_p90=60ms:
+    22.2 req/s with constant arrivals, above what 8 busy slots serve) the first 30 requests all meet the SLO,
+    since the queue forms only once the slots have filled: a verdict on them was a confirmed pass (the false
+    pass [24.19, 25.53] of a live search). The backlog those requests find keeps growing, so neither constant
+    arrivals nor 10 seeds of Poisson arrivals confirm a pass there; 10 % below the capacity a probe does."""
+    slos = parse_slos("ttft_p90=60ms")
+    truth = true_capacity(LIVE, (60, 8), slos, "rate", "constant", requests=3000)
+    first = simulate(LIVE, [(60, 8)] * 30, arrivals=(np.arange(30) / (1.09 * truth)).tolist())
+    assert max(x.ttft for x in first) < 0.06
+    cases = [("constant", 0, 1.09, False), ("constant", 0, 0.9, True)]
+    cases += [("poisson", seed, 1.09, False) for seed in range(10)]
+    for process, seed, share, passes in cases:
+        prober = SimProber(LIVE, (60, 8), slos, seed=seed, process=process)
+        p = run_async(prober.probe("rate", share * truth, Sequential(slos, 0.95, 30, 2000), 30, 0, "search"))
+        assert (p.verdict == "pass" and p.confident) == passes, (process, seed, share, p.verdict, p.reason)
+
+
 SIM_CASES = [
     ("concurrency", "poisson", "tpot_p90=9.5ms"),
     ("concurrency", "poisson", "e2e_p90=150ms,error_rate=1%"),
@@ -156,10 +180,6 @@ def test_search_interval_contains_the_true_capacity_in_virtual_time(mode, proces
     assert float(np.median(cost)) <= 0.5 * lin[0], (cost, lin[0])
 
 
-# The live known-answer server: 8 slots, prefill 3 ms + 0.075 ms/token, decode step 3 ms + 6 ms per occupied slot.
-# Its latencies sit tens of ms from the SLOs below, so a loaded machine's scheduling delay does not move the
-# answer; the statistics at p90/p99 and the seed counts are the virtual-time tests' job above.
-LIVE = ServiceModel(slots=8, prefill_base=0.003, prefill_per_token=0.000075, decode_base=0.003, decode_per_seq=0.006)
 LIVE_WL = FixedWorkload(max_tokens=8, prompt="w " * 60)
 LIVE_CASES = [
     ("concurrency", "constant", "tpot_p50=30ms"),  # TPOT = 3 + 6c ms: capacity 4 (27 ms; 5 sessions: 33 ms)
