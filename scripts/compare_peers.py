@@ -13,13 +13,15 @@ exactly 128 output tokens (EOS ignored), greedy.
 * ``paired`` (the default, for even c): both tools at once, each at c / 2 with the same number of
   requests, so the server runs c streams and both clients measure the *same* batches. Each tool does its
   own start-up and then waits at a barrier just before its clock starts (vLLM: where serve.benchmark reads
-  the server's metrics the last time before it; ours: where the closed loop's slots start); both are let go together, so
-  their first requests arrive mixed. This cancels what makes two runs on this machine differ: the
+  the server's metrics the last time before it; ours: where the closed loop's slots start); both are let go
+  together, and their first waves go in pairs (one request of each tool, into a busy server), so that every
+  engine step holds both tools alike. This cancels what makes two runs on this machine differ: the
   servers' speed drifts 10-40 % within minutes on 2 shared cores, and in a closed loop of equal-length
   requests the way the first wave splits over engine steps persists for the whole run (docs/metrics.md).
   At c = 1 the two take turns instead: each waits for its turn before a request (before vLLM's request
   function takes its start time, before our session's intended time) and hands it over when the request
-  ends, so they alternate request by request and the server sees one stream, as at c = 1.
+  ends (the next one starts ``SETTLE_S`` later), so they alternate request by request and the server sees one
+  stream, as at c = 1.
 * ``interleaved`` (and odd c > 1): one tool after the other, the order alternating between rounds, each at c.
 
 Then it compares the medians over rounds of each tool's TTFT p50, TPOT p50, ITL p50 and output tok/s
@@ -50,6 +52,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -64,10 +67,18 @@ from backends.launcher import ServerProcess, bundled_model, free_port, llama_ser
 from workloads.loader import load_workload  # noqa: E402
 
 PROMPT, OUTPUT = 32, 128
-# Requests per tool and concurrency: 6-16 waves, so that one wave's TTFT does not set the median.
-REQUESTS = {1: 10, 4: 32, 16: 96}
+# Requests per tool and concurrency: 12-24 waves, so that one wave's TTFT does not set the median (at c = 1 each
+# request is one tool's alone: its TTFT varies most).
+REQUESTS = {1: 24, 4: 32, 16: 96}
 FIGURES = ("ttft_ms", "tpot_ms", "itl_ms", "output_tok_s")
 NULL_PACE = {"ttft": 0.05, "itl": 0.01}  # the null server's stream: TTFT 50 ms, then a token every 10 ms
+# Paired: the first wave released in pairs this far apart, so that each engine step's group holds as many
+# requests of one tool as of the other (a closed loop of equal requests keeps its first wave's groups: docs/metrics.md).
+STAGGER_S = 0.1
+PRIMER = "The server is busy with this request while the first pair of requests arrives. " * 2
+# Taking turns (c = 1): a request starts this long after the other tool's ended, once that tool's own work after
+# its request (records, its next task) is done and cannot slow the next prefill on the shared cores.
+SETTLE_S = 0.05
 CHILDREN: list[subprocess.Popen[str]] = []  # every client started, so that none outlives the script
 WORKLOAD = f"""description = "Peer agreement: {PROMPT}-token prompts, exactly {OUTPUT} output tokens."
 api = "completions"
@@ -78,25 +89,28 @@ output = {OUTPUT}
 ignore_eos = true
 temperature = 0.0
 """
-# Shared by both drivers: the start barrier and, at c = 1, the turn each tool takes before a request (so the
-# two alternate request by request and the server sees one stream). FIFOs under PEERS_GATE (unset: neither):
-# a tool waits for a byte without using the CPU (with a file polled every 0.5 ms, vLLM's requests ran 3x slower).
+# Shared by both drivers: the start barrier, then the gate each request of the first wave (or, at c = 1, every
+# request: the turn) passes before its start time is taken. FIFOs under PEERS_GATE (unset: neither): a tool waits
+# for a byte without using the CPU (with a file polled every 0.5 ms, vLLM's requests ran 3x slower).
 GATE = """
 import asyncio
 import os
 gate, me, other = os.environ.get("PEERS_GATE", ""), os.environ.get("PEERS_ME", ""), os.environ.get("PEERS_OTHER", "")
-turns = os.environ.get("PEERS_TURNS") == "1"
+turns, wave = os.environ.get("PEERS_TURNS") == "1", int(os.environ.get("PEERS_WAVE", "0"))
+settle = float(os.environ.get("PEERS_SETTLE_S", "0"))
 # this tool's own FIFOs stay open from the start, so a byte given before it waits is kept
-mine = {name: os.open(gate + "." + name + "-" + me, os.O_RDWR) for name in ("go", "turn")} if gate else {}
+mine = {name: os.open(gate + "." + name + "-" + me, os.O_RDWR) for name in ("go", "turn", "wave")} if gate else {}
+calls, in_line = [0], asyncio.Lock()  # one reader per FIFO at a time: waiters take their bytes in order
 async def take(name):
-    loop = asyncio.get_running_loop()
-    ready = loop.create_future()
-    loop.add_reader(mine[name], ready.set_result, None)
-    try:
-        await ready
-    finally:
-        loop.remove_reader(mine[name])
-    os.read(mine[name], 1)
+    async with in_line:
+        loop = asyncio.get_running_loop()
+        ready = loop.create_future()
+        loop.add_reader(mine[name], ready.set_result, None)
+        try:
+            await ready
+        finally:
+            loop.remove_reader(mine[name])
+        os.read(mine[name], 1)
 def give(name):
     fd = os.open(gate + "." + name, os.O_RDWR)
     os.write(fd, b"x")
@@ -104,14 +118,23 @@ def give(name):
 async def at_barrier():
     open(gate + "." + me, "w").close()  # after its FIFOs are open
     await take("go")
-def taking_turns(send):
-    async def in_turn(*args, **kwargs):
-        await take("turn")
+def gated(send, timed=lambda args: args):
+    # turns: every request waits for its turn, then settles (the other client's work after its request ends);
+    # otherwise the first wave's requests wait for their pair's release. `timed` restarts the request's clock.
+    async def run(*args, **kwargs):
+        k, calls[0] = calls[0], calls[0] + 1
+        if turns or k < wave:
+            if k == wave - 1 and not turns:  # the first wave's earlier requests are at the gate already
+                open(gate + ".waiting-" + me, "w").close()
+            await take("turn" if turns else "wave")
+            await asyncio.sleep(settle if turns else 0)
+            args = timed(args)
         try:
             return await send(*args, **kwargs)
         finally:
-            give("turn-" + other)
-    return in_turn
+            if turns:
+                give("turn-" + other)
+    return run
 """
 VLLM_DRIVER = GATE + """
 import sys
@@ -132,8 +155,8 @@ if gate:  # serve.benchmark reads the server's metrics once just before its cloc
             await at_barrier()
         return got
     serve.fetch_diffusion_metrics = fetch_then_wait
-if turns:  # the turn is taken before the request function takes its start time
-    serve.ASYNC_REQUEST_FUNCS["openai"] = taking_turns(serve.ASYNC_REQUEST_FUNCS["openai"])
+if gate:  # the gate is passed before the request function takes its start time
+    serve.ASYNC_REQUEST_FUNCS["openai"] = gated(serve.ASYNC_REQUEST_FUNCS["openai"])
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 p = FlexibleArgumentParser()
 serve.add_cli_args(p)
@@ -148,11 +171,9 @@ if gate:  # the closed loop's slots start here, the point set up (its rates coun
         await at_barrier()
         return await closed(self)
     engine._Dispatch.closed = wait_then_run
-if turns:  # the turn is taken before the session's intended time (the wait for it is not the server's)
-    session = engine._Dispatch.session
-    async def from_now(self, *args):  # the closed loop's slots pass the intended time last
-        return await session(self, *args[:-1], self.clock.now())
-    engine._Dispatch.session = taking_turns(from_now)
+if gate:  # the gate is passed before the session's intended time (the wait for it is not the server's)
+    # the closed loop's slots pass the intended time last
+    engine._Dispatch.session = gated(engine._Dispatch.session, lambda a: (*a[:-1], a[0].clock.now()))
 sys.argv[0] = "bench"
 cli.main()
 """
@@ -260,23 +281,64 @@ def wait_for(what: str, ready: Callable[[], bool], procs: list[subprocess.Popen[
         time.sleep(0.001)
 
 
-def paired(tools: tuple[Tool, Tool], gate: Path, turns: bool) -> dict[str, dict[str, float]]:
-    """Both clients at once: each waits at the barrier just before its clock starts, both are let go together;
-    with ``turns`` they alternate request by request, ``tools[0]`` first."""
-    at = {name: gate.with_name(f"{gate.name}.{name}") for t in tools for name in (t.name, f"go-{t.name}", f"turn-{t.name}")}
+def paired(tools: tuple[Tool, Tool], gate: Path, per_tool: int, turns: bool, url: str, model: str
+           ) -> dict[str, dict[str, float]]:  # fmt: skip
+    """Both clients at once: each waits at the barrier just before its clock starts, both are let go together.
+    With ``turns`` they alternate request by request, ``tools[0]`` first, each request starting ``SETTLE_S`` after
+    the other's ended; otherwise their first waves go in pairs (one request of each tool), ``STAGGER_S`` apart,
+    into a busy server."""
+    kinds = ("", "go-", "turn-", "wave-", "waiting-")
+    names = [kind + t.name for t in tools for kind in kinds]
+    at = {name: gate.with_name(f"{gate.name}.{name}") for name in names}
     for name, path in at.items():
         path.unlink(missing_ok=True)
-        if name.startswith(("go-", "turn-")):
+        if name.startswith(("go-", "turn-", "wave-")):
             os.mkfifo(path)
     for me, other in (tools, tools[::-1]):
-        me.env.update(PEERS_GATE=str(gate), PEERS_ME=me.name, PEERS_OTHER=other.name, PEERS_TURNS=str(int(turns)))
+        me.env.update(PEERS_GATE=str(gate), PEERS_ME=me.name, PEERS_OTHER=other.name, PEERS_TURNS=str(int(turns)),
+                      PEERS_WAVE=str(per_tool), PEERS_SETTLE_S=str(SETTLE_S))  # fmt: skip
     procs = [t.start() for t in tools]
     wait_for("both clients at the barrier", lambda: all(at[t.name].exists() for t in tools), procs, 600)
-    if turns:
-        give(at[f"turn-{tools[0].name}"])
     for t in tools:
         give(at[f"go-{t.name}"])
-    return {t.name: t.result(p) for t, p in zip(tools, procs, strict=True)}
+    primer = None
+    if turns:
+        give(at[f"turn-{tools[0].name}"])
+    else:  # released only once both first waves wait at their gates (our client took 7.7 ms longer to get there)
+        wait_for("both first waves at their gates", lambda: all(at[f"waiting-{t.name}"].exists() for t in tools),
+                 procs, 600)  # fmt: skip
+        primer = keep_busy(url, model)
+        for k in range(per_tool):
+            for t in tools if k % 2 == 0 else tools[::-1]:
+                give(at[f"wave-{t.name}"])
+            time.sleep(STAGGER_S)
+    got = {t.name: t.result(p) for t, p in zip(tools, procs, strict=True)}
+    if primer:
+        primer.join()
+    return got
+
+
+def keep_busy(url: str, model: str) -> threading.Thread:
+    """Start a short request of our own and return once the server streams it: an idle engine steps as soon as
+    one request arrives, so the first pair, arriving a fraction of a millisecond apart, would be split over two
+    steps, and in a closed loop of equal requests that split lasts the whole run (seen: vLLM's first request
+    prefilled alone at 47 ms, ours joined the next step at 100 ms, and every wave after kept that order)."""
+    streaming = threading.Event()
+
+    def run() -> None:
+        body = {"model": model, "prompt": PRIMER, "max_tokens": 8, "ignore_eos": True, "temperature": 0.0,
+                "stream": True}  # fmt: skip
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                for _ in r.iter_bytes():
+                    streaming.set()
+        finally:
+            streaming.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    streaming.wait(60)
+    return thread
 
 
 def give(fifo: Path) -> None:
@@ -345,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
                     bench = bench_tool(url, per_tool, n, seed(rnd, c, "bench"), workload, args.out / f"{tag}-bench")
                     order = (vllm, bench) if rnd % 2 == 0 else (bench, vllm)  # who goes first alternates
                     if pair:
-                        got = paired(order, args.out / f"{tag}.gate", turns=c == 1)
+                        got = paired(order, args.out / f"{tag}.gate", per_tool, c == 1, url, model)
                     else:
                         got = {t.name: t.result(t.start()) for t in order}
                     for tool, figs in got.items():
