@@ -153,26 +153,49 @@ def correlation_time(series: np.ndarray) -> float:
 
 @dataclass
 class Samples:
-    """Per-request outcomes of a probe, in completion order: the SLO metrics (NaN when undefined, e.g.
-    TPOT of a one-token answer) and whether the request failed."""
+    """Per-request outcomes of a probe, in send order: the SLO metrics (NaN when undefined, e.g. TPOT of a
+    one-token answer), whether the request failed, and when it was sent and ended (s)."""
 
     values: dict[str, list[float]] = field(default_factory=lambda: {m: [] for m in metrics.SLO_KEYS})
     failed: list[bool] = field(default_factory=list)
+    sent: list[float] = field(default_factory=list)
+    end: list[float] = field(default_factory=list)
+    wave: int = 1  # requests that move together: a closed loop's sessions (1: open-loop arrivals)
+    rate: float | None = None  # the open-loop arrival rate (None: a closed loop)
 
-    def add(self, ttft: float | None, tpot: float | None, e2e: float | None, failed: bool) -> None:
+    def add(self, ttft: float | None, tpot: float | None, e2e: float | None, failed: bool,
+            sent: float = math.nan, end: float = math.nan) -> None:  # fmt: skip
         for m, v in zip(metrics.SLO_KEYS, (ttft, tpot, e2e), strict=True):
             self.values[m].append(math.nan if v is None else v)
         self.failed.append(failed)
+        self.sent.append(sent)
+        self.end.append(end)
 
     def add_record(self, r: dict[str, Any]) -> None:
         """A ``requests.jsonl`` record, with the metric definitions of :mod:`loadgen.metrics`."""
         ok = r["error"] is None
         self.add(metrics.ttft(r) if ok else None, metrics.tpot(r) if ok else None, metrics.e2e(r) if ok else None,
-                 not ok)  # fmt: skip
+                 not ok, r["sent"], r["end"])  # fmt: skip
 
     def __len__(self) -> int:
         return len(self.failed)
 
+    def backlog(self) -> np.ndarray:
+        """The requests in flight (sent, not ended) that each request finds when it is sent."""
+        sent, end = np.asarray(self.sent), np.sort(np.asarray(self.end))
+        return np.arange(sent.size) - np.searchsorted(end, sent, side="right")
+
+    def steady(self) -> Samples:
+        """The requests from the first one that finds as many requests in flight as the probe's second half
+        finds on average (the crossing-the-mean rule of simulation output analysis): a probe starts on an
+        idle server (its warm-up is drained), and the requests that fill it are faster than the steady state.
+        All of them without send and end times."""
+        if len(self) < 2 or np.isnan(self.sent).any() or np.isnan(self.end).any():
+            return self
+        backlog = self.backlog()
+        k = int(np.argmax(backlog >= backlog[len(self) // 2 :].mean()))
+        return Samples({m: v[k:] for m, v in self.values.items()}, self.failed[k:], self.sent[k:], self.end[k:],
+                       self.wave, self.rate)  # fmt: skip
 
 @dataclass
 class SloCheck:
@@ -185,40 +208,75 @@ class SloCheck:
     share_lo: float
     share_hi: float
     value: float | None  # the percentile (point estimate); error_rate: the observed share
-    value_lo: float | None  # order-statistic interval of the percentile (None: unbounded)
-    value_hi: float | None
+    value_lo: float | None  # the percentile's lower bound (order statistic), None: unbounded
+    value_hi: float | None  # its upper bound (lognormal tolerance limit), None: none yet
     state: str  # "holds" | "violated" | "open"
 
 
-def check(samples: Samples, slo: SLO, z: float) -> SloCheck:
+def check(samples: Samples, slo: SLO, z: float, confidence: float = 0.95) -> SloCheck:
+    """One SLO's state at ``z`` (one-sided, per side). Violated: the Wilson interval of the share of misses
+    lies above the allowed share. Holds: for error_rate, when that interval lies below it; for a latency SLO,
+    when its percentile's upper bound (:func:`lognormal_upper`) is under the limit, at most half the allowed
+    share of requests missed it, and the probe holds enough independent requests that a slow mode hitting
+    the allowed share would have shown itself at ``confidence`` (:func:`units_to_see`)."""
     failed = np.asarray(samples.failed, dtype=bool)
-    n = int(failed.size)
     if slo.metric == "error_rate":
-        miss = failed
-        value, vlo, vhi = (float(miss.mean()) if n else None), None, None
+        miss, vals = failed, np.empty(0)
+        value, vlo, vhi = (float(miss.mean()) if miss.size else None), None, None
     else:
         raw = np.asarray(samples.values[slo.metric], dtype=float)
         vals = np.where(failed, math.inf, raw)
         vals = vals[~np.isnan(vals)]  # undefined (one-token TPOT) cannot miss
         miss = vals > slo.limit
-        value, vlo, vhi = _quantile_interval(np.sort(vals), slo.quantile, z)
     n, k = int(miss.size), int(miss.sum())
-    # misses cluster as the latencies do; with no miss yet, the latencies' own clustering stands in
-    finite = vals[np.isfinite(vals)] if slo.metric != "error_rate" else np.empty(0)
-    tau = max(correlation_time(miss), correlation_time(finite) if finite.size == n else 1.0)
+    # misses cluster as the latencies do (with no miss yet, the latencies' own clustering stands in), and
+    # requests that overlap share their latency: a closed loop's wave shares one prefill step (a failure
+    # shared by overlapping requests shows in the failures' own correlation time)
+    finite = vals[np.isfinite(vals)]
+    wave = samples.wave if slo.metric != "error_rate" else 1
+    tau = max(correlation_time(miss), correlation_time(finite) if finite.size == n else 1.0, wave)
     lo, hi = wilson_eff(k, n, z, tau)
-    state = "holds" if hi <= slo.allowed else "violated" if lo > slo.allowed else "open"
+    if slo.metric == "error_rate":
+        holds = hi <= slo.allowed
+    else:
+        value, vlo = _quantile_lower(vals, slo.quantile, z, tau)
+        vhi = lognormal_upper(vals, slo.quantile, z, n / tau)
+        margin = k == 0 and n / tau >= units_to_see(slo, confidence) and vhi is not None and vhi <= slo.limit
+        holds = hi <= slo.allowed or margin
+    state = "violated" if lo > slo.allowed else "holds" if holds else "open"
     return SloCheck(slo.key, slo.limit, n, k, lo, hi, value, vlo, vhi, state)
 
 
-def _quantile_interval(s: np.ndarray, q: float, z: float) -> tuple[float | None, float | None, float | None]:
-    """Point estimate and distribution-free (order-statistic, normal approximation) interval of the q-quantile."""
-    n = s.size
+def units_to_see(slo: SLO, confidence: float) -> float:
+    """Independent requests (``n / tau``) a latency SLO needs before it can hold: with this many, a slow mode
+    that hits the allowed share of them is missing from the probe with a chance of at most ``1 -
+    confidence`` (``(1 - allowed)^u <= exp(-allowed·u)``), whatever the latency model (p90 at 95 %: 30)."""
+    return math.log(1 / (1 - confidence)) / slo.allowed
+
+
+def _quantile_lower(vals: np.ndarray, q: float, z: float, tau: float) -> tuple[float | None, float | None]:
+    """Point estimate of the q-quantile and its lower bound: the order statistic the Wilson lower bound on the
+    miss share points at (normal approximation, the rank spread widened by the correlation time)."""
+    n = vals.size
     if n == 0:
-        return None, None, None
+        return None, None
+    s = np.sort(vals)
     point = float(np.percentile(s, q * 100)) if np.isfinite(s).all() else _rank(s, math.ceil(q * n))
-    spread = z * math.sqrt(n * q * (1 - q))
-    return point, _rank(s, math.floor(n * q - spread)), _rank(s, math.ceil(n * q + spread) + 1)
+    return point, _rank(s, math.floor(n * q - z * math.sqrt(n * q * (1 - q) * tau)))
+
+
+def lognormal_upper(vals: np.ndarray, q: float, z: float, n_eff: float) -> float | None:
+    """Upper confidence bound of the q-quantile of ``vals`` under a lognormal model: the one-sided tolerance
+    limit ``exp(mean + k·sd)`` of the log latencies, ``k`` for ``n_eff`` independent samples at ``z``
+    (Natrella's approximation of the noncentral-t factor). None when the model cannot say (a failed request,
+    too few effective samples)."""
+    a = 1 - z * z / (2 * (n_eff - 1)) if n_eff > 1 else 0.0
+    if vals.size < 2 or a <= 0 or not np.isfinite(vals).all() or vals.min() <= 0:
+        return None
+    zp = NormalDist().inv_cdf(q)
+    k = (zp + math.sqrt(max(0.0, zp * zp - a * (zp * zp - z * z / n_eff)))) / a
+    logs = np.log(vals)
+    return float(math.exp(logs.mean() + k * logs.std(ddof=1)))
 
 
 def _rank(s: np.ndarray, r: int) -> float | None:
@@ -228,10 +286,36 @@ def _rank(s: np.ndarray, r: int) -> float | None:
     return float(s[r - 1])
 
 
-def samples_to_hold(slo: SLO, z: float) -> int:
-    """The fewest requests, none missing, whose Wilson bound confirms ``slo`` (independent requests; fewer
-    than this can never pass a probe with confidence: error_rate=1% at 95 % needs several hundred)."""
+def samples_to_hold(slo: SLO, z: float, confidence: float) -> int:
+    """The fewest independent requests, none missing, that can confirm ``slo``: for error_rate its Wilson
+    bound (error_rate=1% at 95 % needs several hundred), for a latency SLO :func:`units_to_see`."""
+    if slo.metric != "error_rate":
+        return math.ceil(units_to_see(slo, confidence))
     return math.ceil(z * z * (1 - slo.allowed) / slo.allowed)
+
+
+def backlog_growth(samples: Samples, z: float, resolution: float) -> str | None:
+    """Has an open-loop probe's server kept up with its arrivals? None when it has, else why not yet.
+
+    The backlog each request finds when it is sent (requests sent before it and not ended) is stationary at a
+    rate the server sustains; it climbs while the server fills from idle (a probe starts on an idle server:
+    its warm-up is drained) and keeps climbing above the sustainable rate. Latencies can lag that climb (a
+    TTFT SLO breaks only once the slots are full and a queue forms), so a latency verdict on the first
+    requests alone would pass any rate. Kept up: the backlog's mean over the probe's second half exceeds
+    the first half's by less than ``resolution`` of the arrivals over half the probe (what the rate
+    ``(1 + resolution)`` times the sustainable one would add), at ``z`` with batch-means errors."""
+    if samples.rate is None:
+        return None  # a closed loop's sessions bound its backlog
+    backlog = samples.backlog()
+    a, b = backlog[: backlog.size // 2], backlog[backlog.size // 2 :]
+    if a.size < 2:
+        return "too few requests to see the backlog"
+    se = math.sqrt(sum(float(x.var()) * correlation_time(x) / x.size for x in (a, b)))
+    growth = float(b.mean() - a.mean())
+    allowed = resolution * samples.rate * (samples.sent[-1] - samples.sent[0]) / 2
+    if growth + z * se > allowed:
+        return f"backlog still growing (+{growth:.1f} in flight from the first half to the second)"
+    return None
 
 
 @dataclass
@@ -242,11 +326,13 @@ class Decision:
 
 
 class Sequential:
-    """When is a probe decided? Looks at sample counts ``first·1.5^k`` (up to ``max_samples``), each at
-    z of ``confidence`` split over the looks (Bonferroni)."""
+    """When is a probe decided? Looks at sample counts ``first·1.5^k`` (up to ``max_samples``) and, in place
+    of the looks left, once at the probe's end (:meth:`end`), each at z of ``confidence`` split over the
+    looks (Bonferroni)."""
 
-    def __init__(self, slos: Sequence[SLO], confidence: float = 0.95, first: int = 30, max_samples: int = 2000) -> None:
-        self.slos, self.confidence = list(slos), confidence
+    def __init__(self, slos: Sequence[SLO], confidence: float = 0.95, first: int = 30, max_samples: int = 2000,
+                 resolution: float = 0.05) -> None:  # fmt: skip
+        self.slos, self.confidence, self.resolution = list(slos), confidence, resolution
         self.looks = [first]
         while self.looks[-1] < max_samples:
             self.looks.append(min(max_samples, math.ceil(self.looks[-1] * 1.5)))
@@ -255,7 +341,9 @@ class Sequential:
         self.next_look = 0
 
     def checks(self, samples: Samples) -> list[SloCheck]:
-        return [check(samples, s, self.z) for s in self.slos]
+        """Each SLO on the probe's steady state (:meth:`Samples.steady`)."""
+        steady = samples.steady()
+        return [check(steady, s, self.z, self.confidence) for s in self.slos]
 
     def due(self, n: int) -> bool:
         """Does a look fall at n samples?"""
@@ -267,20 +355,34 @@ class Sequential:
             return None
         while self.next_look < len(self.looks) and len(samples) >= self.looks[self.next_look]:
             self.next_look += 1
-        cs = self.checks(samples)
-        bad = [c.key for c in cs if c.state == "violated"]
+        d = self.confident(samples)
+        if d is None and len(samples) >= self.max_samples:
+            return self.end(samples, "sample cap")
+        return d
+
+    def end(self, samples: Samples, why: str) -> Decision:
+        """The probe's end at its sample or time cap: one last look at the same z while a look is left and the
+        first look's samples are in (the looks it skips are never taken, so the split over the looks holds),
+        else the verdict of the point estimates (not confident)."""
+        if self.next_look < len(self.looks) and len(samples) >= self.looks[0]:
+            self.next_look = len(self.looks)
+            if (d := self.confident(samples)) is not None:
+                return d
+        bad = [c.key for c, s in zip(self.checks(samples), self.slos, strict=True) if _over(c, s)]
+        unsteady = backlog_growth(samples, self.z, self.resolution) if not bad else None
+        return Decision("fail" if bad else "pass", False, f"{why}: point estimate" + (f", {', '.join(bad)} over" if bad else "")
+                        + (f"; {unsteady}" if unsteady else ""))  # fmt: skip
+
+    def confident(self, samples: Samples) -> Decision | None:
+        """A confident verdict: an SLO violated fails; every SLO holding passes once the server has kept up
+        with the load (:func:`backlog_growth`). None: more samples."""
+        checks = self.checks(samples)
+        bad = [c.key for c in checks if c.state == "violated"]
         if bad:
             return Decision("fail", True, f"{', '.join(bad)} violated")
-        if all(c.state == "holds" for c in cs):
+        if all(c.state == "holds" for c in checks) and backlog_growth(samples, self.z, self.resolution) is None:
             return Decision("pass", True, "every SLO holds")
-        if len(samples) >= self.max_samples:
-            return self.point(samples, "sample cap")
         return None
-
-    def point(self, samples: Samples, why: str) -> Decision:
-        """The verdict of the point estimates (not confident)."""
-        bad = [c.key for c, s in zip(self.checks(samples), self.slos, strict=True) if _over(c, s)]
-        return Decision("fail" if bad else "pass", False, f"{why}: point estimate" + (f", {', '.join(bad)} over" if bad else ""))
 
 
 def _over(c: SloCheck, s: SLO) -> bool:
@@ -356,8 +458,7 @@ def probe_result(
     index: int, phase: str, mode: str, load: float, samples: Samples, seq: Sequential | None, slos: Sequence[SLO],
     decision: Decision, seconds: float, span: float | None,
 ) -> Probe:  # fmt: skip
-    z = seq.z if seq is not None else NormalDist().inv_cdf(0.975)
-    checks = [check(samples, s, z) for s in slos]
+    checks = seq.checks(samples) if seq is not None else [check(samples, s, NormalDist().inv_cdf(0.975)) for s in slos]
     failed = np.asarray(samples.failed, dtype=bool)
     e2e = np.asarray(samples.values["e2e"], dtype=float)[~failed] if len(samples) else np.empty(0)
     good = sum(1 for i in range(len(samples)) if not samples.failed[i] and _meets(samples, i, slos))
@@ -435,12 +536,13 @@ class LiveProber:
                 samples = Samples()
                 for r in measured:
                     samples.add_record(r)
+                samples.wave, samples.rate = (int(load), None) if spec.process == "closed" else (1, load)
                 if seq is not None:
                     decision = seq.decide(samples)
             if decision is not None:
                 break
             if done:
-                decision = pilot_decision(samples, self.slos) if seq is None else seq.point(samples, "sample/time cap")
+                decision = pilot_decision(samples, self.slos) if seq is None else seq.end(samples, "sample/time cap")
             elif seq is None and len(samples) >= cap:
                 decision = pilot_decision(samples, self.slos)
             elif backlog is not None and (why := backlog.overloaded(now - t0, progress.inflight)):
@@ -548,6 +650,23 @@ def _converged(mode: str, lo: float, hi: float, res: float) -> bool:
     return hi - lo <= res * (lo + hi) * (1 + 1e-9)
 
 
+def _reach(cfg: SearchConfig, slos: Sequence[SLO], throughput: float | None) -> float:
+    """Concurrency mode: the most sessions whose probe can count the waves a latency SLO needs to hold
+    (:func:`units_to_see`) within ``max_probe_s`` at ``throughput``, after the first wave (on the idle server,
+    not judged: :meth:`Samples.steady`); unbounded without a throughput."""
+    need = max((units_to_see(s, cfg.confidence) for s in slos if s.metric != "error_rate"), default=0.0)
+    if cfg.mode != "concurrency" or not throughput or not need:
+        return math.inf
+    return float(max(1, math.floor(throughput * cfg.max_probe_s / (need + 1))))
+
+
+def _toward(soft: float, hi: float) -> float:
+    """The integer load halfway from the pilot's soft low end up to a failing load (the soft end itself when
+    none lies between)."""
+    mid = math.floor((soft + hi) / 2)
+    return float(mid if soft < mid < hi else soft)
+
+
 def _next_inside(cfg: SearchConfig, probes: Sequence[Probe], lo: float, hi: float) -> float | None:
     """The next load inside (lo, hi): one resolution step beside an undecided probe, else the middle;
     None when every such load was probed already."""
@@ -581,7 +700,7 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
 
     async def run(mode: str, load: float, phase: str) -> Probe:
         nonlocal spent
-        seq = Sequential(slos, cfg.confidence, cfg.first_look, cfg.max_samples) if phase == "search" else None
+        seq = Sequential(slos, cfg.confidence, cfg.first_look, cfg.max_samples, cfg.resolution) if phase == "search" else None
         p = await prober.probe(mode, load, seq, min(cfg.max_probe_s, max(1.0, cfg.budget_s - spent)), len(probes), phase)
         probes.append(p)
         spent += p.seconds
@@ -618,9 +737,17 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
         hi_bound = cfg.max_rate
         hint = None
         x = min(max(x, lo_bound), hi_bound)
+    # the pilot's last pass (a point estimate) is a soft low end: below a failing load the search bisects
+    # towards it before it steps down by the growth factor (each passing probe costs the same ~30 waves),
+    # and no higher than the sessions whose waves a probe can count within its time at that throughput
+    soft = None
+    if cfg.mode == "concurrency" and last_ok is not None:
+        soft = min(last_ok.load, _reach(cfg, slos, last_ok.throughput))
     estimate = x
     if last_ok is None and first_bad is not None:  # fails already one at a time: confirm at the lowest load
         x = lo_bound
+    elif soft is not None and hi is not None:
+        x = _toward(soft, min(hi, _reach(cfg, slos, last_ok.throughput if last_ok else None) + 1))
 
     # 2. bracket, then bisect; only confident verdicts move the bracket, an undecided probe (the SLO
     # boundary is within its noise) is flanked by probes one resolution step either side
@@ -652,7 +779,12 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
                 if p.requests == 0:  # nothing finished in time: no verdict at all, and no lower load to try
                     break
                 continue  # undecided at the lowest load: probe it again while the budget lasts
-            x = max(lo_bound, x / (cfg.growth if p.confident else 1 + cfg.resolution))
+            if soft is not None and soft < x:
+                x, soft = _toward(soft, x), (soft if _toward(soft, x) > soft else None)
+            else:
+                x = max(lo_bound, x / (cfg.growth if p.confident else 1 + cfg.resolution))
+            if not p.confident:  # undecided at its time cap: go where a probe can count enough waves
+                x = max(lo_bound, min(x, _reach(cfg, slos, p.throughput)))
         elif _converged(cfg.mode, lo, hi, cfg.resolution):
             status = "ok"
             break
@@ -690,13 +822,18 @@ def _result(
     if status == "budget" and probes and probes[-1].requests == 0:
         messages[status] += (f"; the last probe finished no request in {probes[-1].seconds:.0f} s: raise --max-probe-s "
                              "(and --budget) for a server this slow")  # fmt: skip
-    measured = max((p.requests for p in probes if p.phase == "search"), default=0)
     z = Sequential(slos, cfg.confidence, cfg.first_look, cfg.max_samples).z
-    short = [f"{s.key}: {samples_to_hold(s, z)}" for s in slos if samples_to_hold(s, z) > measured]
-    if status in ("budget", "unresolved") and measured and short:
-        messages[status] += (f"; confirming an SLO takes at least this many requests in one probe, none missing "
-                             f"({', '.join(short)}), but the probes measured at most {measured}: raise --max-probe-s "
-                             "or relax the SLO")  # fmt: skip
+    searched = [p for p in probes if p.phase == "search"]
+    short = []
+    for s in slos:  # a closed loop's wave of sessions counts once for a latency SLO
+        have = max((p.requests // (int(p.load) if cfg.mode == "concurrency" and s.metric != "error_rate" else 1)
+                    for p in searched), default=0)  # fmt: skip
+        if have < (need := samples_to_hold(s, z, cfg.confidence)):
+            short.append(f"{s.key}: {need}, measured at most {have}")
+    if status in ("budget", "unresolved") and any(p.requests for p in searched) and short:
+        messages[status] += (f"; confirming an SLO takes at least this many independent requests in one probe, none "
+                             f"missing (a closed loop's wave of sessions counts once): {'; '.join(short)}: raise "
+                             "--max-probe-s or relax the SLO")  # fmt: skip
     failing = [p for p in probes if p.verdict == "fail" and p.errors]
     if status == "unreachable" and failing:
         p = failing[-1]
@@ -730,7 +867,7 @@ async def linear_sweep(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, s
     probes: list[Probe] = []
     x = step
     while True:
-        seq = Sequential(slos, cfg.confidence, cfg.first_look, cfg.max_samples)
+        seq = Sequential(slos, cfg.confidence, cfg.first_look, cfg.max_samples, cfg.resolution)
         p = await prober.probe(cfg.mode, x, seq, cfg.max_probe_s, len(probes), "sweep")
         probes.append(p)
         if p.verdict == "fail" or x >= (cfg.max_concurrency if cfg.mode == "concurrency" else cfg.max_rate):

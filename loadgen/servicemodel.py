@@ -204,10 +204,10 @@ class SimProber:
 
     def __init__(
         self, model: Any, jobs: tuple[int, int], slos: Sequence[SLO], seed: int = 0, process: str = "poisson",
-        tick: float = 0.25, warmup_s: float = 0.0,
+        tick: float = 0.25,
     ) -> None:  # fmt: skip
         self.model, self.job, self.slos, self.seed, self.process = model, jobs, list(slos), seed, process
-        self.tick, self.warmup_s = tick, warmup_s
+        self.tick = tick
         self.count = 0
 
     async def probe(self, mode: str, load: float, seq: Sequential | None, max_seconds: float, index: int,
@@ -215,16 +215,13 @@ class SimProber:
         self.count += 1
         rng = np.random.default_rng([self.seed, self.count])
         cap = seq.max_samples if seq is not None else pilot_requests(int(load))
+        # the live prober's warm-up ends before its measured requests start: they start on an idle server
         if mode == "concurrency":
-            c = int(load)
-            n = c + cap  # one wave of warm-up
-            tl = simulate(self.model, [self.job] * n, concurrency=c)[c:]
+            tl = simulate(self.model, [self.job] * cap, concurrency=int(load))
         else:
             n = int(max(cap * 1.2, load * max_seconds * 1.2)) + 10
             gaps = rng.exponential(1 / load, n) if self.process == "poisson" else np.full(n, 1 / load)
             tl = simulate(self.model, [self.job] * n, arrivals=np.cumsum(gaps).tolist())
-        if mode == "rate":  # warm-up: the first half second (at most 50 requests), as the live prober
-            tl = tl[min(50, math.ceil(load * 0.5)) :]
         t0 = min(x.arrival for x in tl)
         arrivals = np.asarray([x.arrival - t0 for x in tl])
         ends = np.asarray([x.end - t0 for x in tl])
@@ -240,7 +237,8 @@ class SimProber:
             if idx.size > len(samples) and (last or idx.size >= cap or seq is not None and seq.due(int(idx.size))):
                 samples = Samples()
                 for x in (tl[k] for k in idx[np.argsort(arrivals[idx], kind="stable")]):
-                    samples.add(x.ttft, x.tpot, x.e2e, False)
+                    samples.add(x.ttft, x.tpot, x.e2e, False, x.arrival, x.end)
+                samples.wave, samples.rate = (int(load), None) if mode == "concurrency" else (1, load)
                 if seq is not None:
                     decision = seq.decide(samples)
             if decision is not None:
@@ -250,7 +248,7 @@ class SimProber:
             elif backlog is not None and (why := backlog.overloaded(t, int(pending.sum()))):
                 decision = Decision("fail", True, why)
             elif last:
-                decision = seq.point(samples, "time cap") if seq is not None else pilot_decision(samples, self.slos)
+                decision = seq.end(samples, "time cap") if seq is not None else pilot_decision(samples, self.slos)
         done = ends <= t
         span = float(ends[done].max() - arrivals[done].min()) if done.sum() > 1 else None
         return probe_result(index, phase, mode, load, samples, seq, self.slos, decision, t, span)
