@@ -50,6 +50,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -64,13 +65,15 @@ from backends.launcher import ServerProcess, bundled_model, free_port, llama_ser
 from workloads.loader import load_workload  # noqa: E402
 
 PROMPT, OUTPUT = 32, 128
-# Requests per tool and concurrency: 6-16 waves, so that one wave's TTFT does not set the median.
-REQUESTS = {1: 10, 4: 32, 16: 96}
+# Requests per tool and concurrency: 12-24 waves, so that one wave's TTFT does not set the median (at c = 1 each
+# request is one tool's alone: its TTFT varies most).
+REQUESTS = {1: 24, 4: 32, 16: 96}
 FIGURES = ("ttft_ms", "tpot_ms", "itl_ms", "output_tok_s")
 NULL_PACE = {"ttft": 0.05, "itl": 0.01}  # the null server's stream: TTFT 50 ms, then a token every 10 ms
 # Paired: the first wave released in pairs this far apart, so that each engine step's group holds as many
 # requests of one tool as of the other (a closed loop of equal requests keeps its first wave's groups: docs/metrics.md).
 STAGGER_S = 0.1
+PRIMER = "The server is busy with this request while the first pair of requests arrives. " * 2
 # Taking turns (c = 1): a request starts this long after the other tool's ended, once that tool's own work after
 # its request (records, its next task) is done and cannot slow the next prefill on the shared cores.
 SETTLE_S = 0.05
@@ -119,6 +122,8 @@ def gated(send, timed=lambda args: args):
     async def run(*args, **kwargs):
         k, calls[0] = calls[0], calls[0] + 1
         if turns or k < wave:
+            if k == wave - 1 and not turns:  # the first wave's earlier requests are at the gate already
+                open(gate + ".waiting-" + me, "w").close()
             await take("turn" if turns else "wave")
             await asyncio.sleep(settle if turns else 0)
             args = timed(args)
@@ -274,11 +279,14 @@ def wait_for(what: str, ready: Callable[[], bool], procs: list[subprocess.Popen[
         time.sleep(0.001)
 
 
-def paired(tools: tuple[Tool, Tool], gate: Path, per_tool: int, turns: bool) -> dict[str, dict[str, float]]:
+def paired(tools: tuple[Tool, Tool], gate: Path, per_tool: int, turns: bool, url: str, model: str
+           ) -> dict[str, dict[str, float]]:  # fmt: skip
     """Both clients at once: each waits at the barrier just before its clock starts, both are let go together.
     With ``turns`` they alternate request by request, ``tools[0]`` first, each request starting ``SETTLE_S`` after
-    the other's ended; otherwise their first waves go in pairs (one request of each tool), ``STAGGER_S`` apart."""
-    names = [name for t in tools for name in (t.name, f"go-{t.name}", f"turn-{t.name}", f"wave-{t.name}")]
+    the other's ended; otherwise their first waves go in pairs (one request of each tool), ``STAGGER_S`` apart,
+    into a busy server."""
+    kinds = ("", "go-", "turn-", "wave-", "waiting-")
+    names = [kind + t.name for t in tools for kind in kinds]
     at = {name: gate.with_name(f"{gate.name}.{name}") for name in names}
     for name, path in at.items():
         path.unlink(missing_ok=True)
@@ -291,14 +299,44 @@ def paired(tools: tuple[Tool, Tool], gate: Path, per_tool: int, turns: bool) -> 
     wait_for("both clients at the barrier", lambda: all(at[t.name].exists() for t in tools), procs, 600)
     for t in tools:
         give(at[f"go-{t.name}"])
+    primer = None
     if turns:
         give(at[f"turn-{tools[0].name}"])
-    else:
-        for _ in range(per_tool):
-            for t in tools:
+    else:  # released only once both first waves wait at their gates (our client took 7.7 ms longer to get there)
+        wait_for("both first waves at their gates", lambda: all(at[f"waiting-{t.name}"].exists() for t in tools),
+                 procs, 600)  # fmt: skip
+        primer = keep_busy(url, model)
+        for k in range(per_tool):
+            for t in tools if k % 2 == 0 else tools[::-1]:
                 give(at[f"wave-{t.name}"])
             time.sleep(STAGGER_S)
-    return {t.name: t.result(p) for t, p in zip(tools, procs, strict=True)}
+    got = {t.name: t.result(p) for t, p in zip(tools, procs, strict=True)}
+    if primer:
+        primer.join()
+    return got
+
+
+def keep_busy(url: str, model: str) -> threading.Thread:
+    """Start a short request of our own and return once the server streams it: an idle engine steps as soon as
+    one request arrives, so the first pair, arriving a fraction of a millisecond apart, would be split over two
+    steps, and in a closed loop of equal requests that split lasts the whole run (seen: vLLM's first request
+    prefilled alone at 47 ms, ours joined the next step at 100 ms, and every wave after kept that order)."""
+    streaming = threading.Event()
+
+    def run() -> None:
+        body = {"model": model, "prompt": PRIMER, "max_tokens": 8, "ignore_eos": True, "temperature": 0.0,
+                "stream": True}  # fmt: skip
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                for _ in r.iter_bytes():
+                    streaming.set()
+        finally:
+            streaming.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    streaming.wait(60)
+    return thread
 
 
 def give(fifo: Path) -> None:
@@ -367,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
                     bench = bench_tool(url, per_tool, n, seed(rnd, c, "bench"), workload, args.out / f"{tag}-bench")
                     order = (vllm, bench) if rnd % 2 == 0 else (bench, vllm)  # who goes first alternates
                     if pair:
-                        got = paired(order, args.out / f"{tag}.gate", per_tool, turns=c == 1)
+                        got = paired(order, args.out / f"{tag}.gate", per_tool, c == 1, url, model)
                     else:
                         got = {t.name: t.result(t.start()) for t in order}
                     for tool, figs in got.items():
