@@ -3,12 +3,15 @@
 A server command is a template such as ``llama-server -m {model} -np {np} --port {port}``: ``{port}`` is
 a free loopback port, ``{model}`` the bundled GGUF, every other placeholder a grid parameter
 (``--grid np=4,16``). The server runs in its own process group with its output captured to a log file;
-stopping sends SIGTERM to the group, then SIGKILL after a grace period. A server that exits or never
-answers its health check raises :class:`LaunchError`, which a sweep records as that point's failure.
+stopping sends SIGTERM to the group, then SIGKILL after a grace period. A guard process beside it
+(:mod:`backends.parent_guard`) does the same when this process dies without stopping it (SIGKILL), so no
+server outlives the run that started it. A server that exits or never answers its health check raises
+:class:`LaunchError`, which a sweep records as that point's failure.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shlex
@@ -22,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 
@@ -110,25 +113,29 @@ def render_command(template: str, params: dict[str, str], port: int, model: str 
 
 
 class ServerProcess:
-    """One launched server: ``with ServerProcess(argv, port, log) as srv: ... srv.base_url``."""
+    """One launched server: ``with ServerProcess(argv, port, log) as srv: ... srv.base_url``.
+
+    Its output goes to ``log_path``, or to this process's stdout/stderr when that is None."""
 
     def __init__(
         self,
         argv: list[str],
         port: int,
-        log_path: Path,
+        log_path: Path | None,
         health_path: str = "/health",
         health_timeout_s: float = 180.0,
         stop_grace_s: float = 10.0,
+        host: str = "127.0.0.1",
     ) -> None:
         self.argv = argv
         self.port = port
-        self.base_url = f"http://127.0.0.1:{port}"
+        self.base_url = f"http://{host}:{port}"
         self.log_path = log_path
         self.health_path = health_path
         self.health_timeout_s = health_timeout_s
         self.stop_grace_s = stop_grace_s
         self.proc: subprocess.Popen[bytes] | None = None
+        self.guard: subprocess.Popen[bytes] | None = None
         self.startup_s: float | None = None
 
     def __enter__(self) -> ServerProcess:
@@ -139,22 +146,27 @@ class ServerProcess:
         self.stop()
 
     def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
-        with self.log_path.open("ab") as log:
-            log.write(f"$ {shlex.join(self.argv)}\n".encode())
-            log.flush()
+        with contextlib.ExitStack() as stack:
+            log: IO[bytes] | None = None
+            if self.log_path is not None:
+                self.log_path.parent.mkdir(parents=True, exist_ok=True)
+                log = stack.enter_context(self.log_path.open("ab"))
+                log.write(f"$ {shlex.join(self.argv)}\n".encode())
+                log.flush()
             try:
                 self.proc = subprocess.Popen(
                     self.argv,
                     stdout=log,
-                    stderr=subprocess.STDOUT,
+                    stderr=subprocess.STDOUT if log is not None else None,
                     stdin=subprocess.DEVNULL,
                     start_new_session=True,
                 )
             except OSError as exc:
                 raise LaunchError(f"cannot start {self.argv[0]!r}: {exc}") from exc
         try:
+            guard = ["-m", "backends.parent_guard", str(os.getpid()), str(self.proc.pid), str(self.stop_grace_s)]
+            self.guard = subprocess.Popen([sys.executable, *guard], stdin=subprocess.DEVNULL, start_new_session=True)
             self._wait_healthy()
         except BaseException:
             self.stop()
@@ -195,6 +207,9 @@ class ServerProcess:
                 self._signal(signal.SIGKILL)
                 self.proc.wait()
         self._signal(signal.SIGKILL)  # reap anything the server left behind in its group
+        if self.guard is not None:
+            self.guard.kill()
+            self.guard.wait()
         return self.proc.returncode
 
     def _signal(self, sig: signal.Signals) -> None:
@@ -205,6 +220,8 @@ class ServerProcess:
             pass
 
     def log_tail(self, lines: int = 15) -> str:
+        if self.log_path is None:
+            return ""
         try:
             text = self.log_path.read_text(encoding="utf-8", errors="replace")
         except OSError:

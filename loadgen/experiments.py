@@ -1,189 +1,41 @@
-"""Named experiments: the reference server in several configurations, the same traffic against each.
-
-``bench experiment NAME`` starts ``python -m reference_server`` once per configuration (through the
-launcher), runs identical seeded traffic with the load engine into one results directory per
-configuration, then writes ``comparison.json``/``comparison.md`` (one table) and ``report.html``.
-Each experiment states the claim it tests and prints a verdict line computed from the measured table.
-
-Size: a small framework and the experiments with their traffic and verdicts; experiments as data over the
-workload system (instead of MixWorkload) is issue 21's next step here.
+"""Named experiments (``bench experiment NAME``): each states the claim it tests, its server
+configurations, its points, its table's columns and the verdict computed from the measured table.
+Their traffic is data: workload files (``workloads/experiments/*.toml`` and built-ins) read by the one
+workload loader. The machinery that runs one is :mod:`loadgen.experiment`.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import random
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
-import httpx
 import typer
 from rich.console import Console
-from rich.table import Table
 
-from backends.launcher import ServerProcess, bundled_model, free_port
-from backends.profile import REFERENCE_SPEC
-from backends.registry import get_backend
-from loadgen.clock import RunClock
-from loadgen.engine import LoadSpec, run_async
-from loadgen.results import ResultsDir, lookup, new_run_id
-from loadgen.sidecars.prometheus import parse_metrics
-from loadgen.sweep import PointPlan, run_sweep
-from workloads.base import ArrivalSpec, Session, SingleShot, Workload
-from workloads.contracts import GenRequest
-
-Summary = dict[str, Any]
-
-
-@dataclass
-class Config:
-    """One server configuration: a label and the extra ``python -m reference_server`` flags."""
-
-    label: str
-    server_args: list[str]
-
-
-@dataclass
-class Column:
-    header: str
-    get: Callable[[Summary, dict[str, Any]], float | str | None]  # (point summary, server extras)
-    fmt: str = "{:.1f}"
-
-
-@dataclass
-class Experiment:
-    name: str
-    claim: str
-    configs: list[Config]
-    traffic: Callable[[bool], list[PointPlan]]  # quick -> the points every configuration gets
-    columns: list[Column]
-    verdict: Callable[[dict[str, list[Summary]], dict[str, dict[str, Any]]], str]
-    common_args: list[str] = field(default_factory=list)  # server flags shared by all configurations
-    # extra measurement against a running server: (base URL, its reference_server flags) -> values
-    probe: Callable[[str, list[str]], dict[str, Any]] | None = None
-
-
-def _get(d: dict[str, Any], path: str) -> Any:
-    return lookup(d, path.split("."))
-
-
-def metric(path: str) -> Callable[[Summary, dict[str, Any]], Any]:
-    return lambda s, _extra: _get(s, path)
-
-
-# -- scraping the reference server ------------------------------------------------------------------
-
-def scrape_metrics(base_url: str) -> dict[str, float]:
-    """Unlabelled samples of the server's Prometheus ``/metrics`` (name -> value), read with the one parser."""
-    values, _ = parse_metrics(httpx.get(base_url + "/metrics", timeout=10).text)
-    return {k: v for k, v in values.items() if "{" not in k}
-
-
-def greedy_outputs(base_url: str, prompts: list[str], max_tokens: int) -> list[str]:
-    """Non-streamed greedy completions (for checking that a configuration changes no output)."""
-    texts = []
-    with httpx.Client(base_url=base_url, timeout=300) as client:
-        for prompt in prompts:
-            body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": False, "ignore_eos": True}
-            resp = client.post("/v1/completions", json=body)
-            resp.raise_for_status()
-            texts.append(resp.json()["choices"][0]["text"])
-    return texts
-
-
-# -- running ----------------------------------------------------------------------------------------
-
-
-def run_experiment(exp: Experiment, out: Path, quick: bool, model: Path | None, console: Console) -> dict[str, Any]:
-    """Run every configuration of ``exp`` into ``out/<label>``; returns the comparison."""
-    out.mkdir(parents=True, exist_ok=True)
-    model_path = str(model or bundled_model())
-    per_config: dict[str, list[Summary]] = {}
-    extras: dict[str, dict[str, Any]] = {}
-    dirs: list[Path] = []
-    for cfg in exp.configs:
-        port = free_port()
-        argv = [sys.executable, "-m", "reference_server", "--model", model_path, "--port", str(port),
-                *exp.common_args, *cfg.server_args]  # fmt: skip
-        run_dir = out / cfg.label
-        dirs.append(run_dir)
-        console.print(f"[bold]{exp.name}[/] / {cfg.label}: {' '.join(argv[3:])}")
-        with ServerProcess(argv, port, run_dir / "server.log") as srv:
-            served = httpx.get(srv.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
-            backend = get_backend("openai")(srv.base_url, model=served)
-            config = {"experiment": exp.name, "configuration": cfg.label, "server_args": argv[3:], "quick": quick}
-            t0 = time.monotonic()
-            summaries = run_async(run_sweep(backend, exp.traffic(quick), ResultsDir(run_dir), RunClock(), config,
-                                            lambda _plan: [SpecCounters(srv.base_url)]))
-            extra: dict[str, Any] = {"seconds": time.monotonic() - t0, "metrics": scrape_metrics(srv.base_url)}
-            if exp.probe is not None:
-                extra.update(exp.probe(srv.base_url, argv[3:]))
-        per_config[cfg.label] = summaries
-        extras[cfg.label] = extra
-    comparison = _comparison(exp, per_config, extras, quick)
-    (out / "comparison.json").write_text(json.dumps(comparison, indent=1, default=str))
-    (out / "comparison.md").write_text(_markdown(comparison))
-    _print(comparison, console)
-    try:
-        from loadgen.report import write_report
-
-        write_report(dirs, out / "report.html")
-        comparison["report"] = str(out / "report.html")
-    except Exception as exc:  # the table is the result; a report failure must not lose it
-        console.print(f"[yellow]report not written: {type(exc).__name__}: {exc}[/]")
-    return comparison
-
-
-def _comparison(exp: Experiment, per_config: dict[str, list[Summary]], extras: dict[str, dict[str, Any]],
-                quick: bool) -> dict[str, Any]:  # fmt: skip
-    rows = []
-    for label, summaries in per_config.items():
-        for s in summaries:
-            cells = {c.header: c.get(s, extras[label]) for c in exp.columns}
-            rows.append({"config": label, "point": s["point_id"], **cells})
-    return {
-        "experiment": exp.name, "claim": exp.claim, "quick": quick,
-        "columns": ["config", "point", *(c.header for c in exp.columns)],
-        "formats": {c.header: c.fmt for c in exp.columns}, "rows": rows,
-        "verdict": exp.verdict(per_config, extras),
-        "seconds": {label: e["seconds"] for label, e in extras.items()},
-        "probes": {label: {k: v for k, v in e.items() if k not in ("seconds", "metrics")} for label, e in extras.items()},
-    }  # fmt: skip
-
-
-def _cell(value: Any, fmt: str) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float | int) and not isinstance(value, bool):
-        return fmt.format(value)
-    return str(value)
-
-
-def _markdown(c: dict[str, Any]) -> str:
-    cols = c["columns"]
-    lines = [f"# experiment {c['experiment']}", "", c["claim"], "",
-             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]  # fmt: skip
-    for r in c["rows"]:
-        lines.append("| " + " | ".join(_cell(r[k], c["formats"].get(k, "{}")) for k in cols) + " |")
-    lines += ["", f"**verdict**: {c['verdict']}", ""]
-    return "\n".join(lines)
-
-
-def _print(c: dict[str, Any], console: Console) -> None:
-    table = Table(title=f"{c['experiment']}: {c['claim']}")
-    for col in c["columns"]:
-        table.add_column(col, justify="left" if col in ("config", "point") else "right")
-    for r in c["rows"]:
-        table.add_row(*(_cell(r[k], c["formats"].get(k, "{}")) for k in c["columns"]))
-    console.print(table)
-    console.print(f"[bold]verdict:[/] {c['verdict']}")
-
+from backends.profile import REFERENCE_KV_BLOCKS
+from loadgen.engine import LoadSpec
+from loadgen.experiment import (
+    SPEC,
+    Column,
+    Config,
+    Experiment,
+    Summary,
+    greedy_outputs,
+    metric,
+    run_experiment,
+    scrape_metrics,
+    value_at,
+)
+from loadgen.results import new_run_id
+from loadgen.sweep import PointPlan
+from workloads.base import Workload
+from workloads.loader import load_workload
+from workloads.spec import EXPERIMENTS_DIR
 
 # -- the experiments ---------------------------------------------------------------------------------
 
@@ -208,85 +60,13 @@ def _plans(workload: Workload, load: LoadSpec, prefix: str | None = None) -> lis
     return [PointPlan(load.point_id() if prefix is None else f"{prefix}/{load.point_id()}", workload, load)]
 
 
-# -- traffic -----------------------------------------------------------------------------------------
-
-_WORDS = (
-    "time people year way day man thing woman life child world school state family student group country "
-    "problem hand part place case week company system program question work government number night point "
-    "home water room mother area money story fact month lot right study book eye job word business issue "
-    "side kind head house service friend father power hour game line end member law car city community name "
-    "president team minute idea kid body information back parent face others level office door health "
-    "person art war history party result change morning reason research girl guy moment air teacher force"
-).split()  # each " word" is one token for the bundled model's tokenizer
+# -- traffic ---------------------------------------------------------------------------------------
 
 
-def filler(tokens: int, seed: int) -> str:
-    """Text of ``tokens`` space-separated common words (one token each for SmolLM2's BPE)."""
-    rng = random.Random(seed)
-    return "".join(" " + rng.choice(_WORDS) for _ in range(tokens))
-
-
-@dataclass
-class RequestClass:
-    name: str
-    max_tokens: int
-    prompt: Callable[[int], str]  # request index -> prompt text
-    weight: float = 1.0
-    temperature: float = 0.0
-    priority: int | None = None
-
-
-class MixWorkload(Workload):
-    """Requests drawn from weighted classes; with ``schedule`` the i-th session is sent at ``schedule[i]``."""
-
-    def __init__(self, name: str, classes: list[RequestClass], schedule: list[tuple[float, str]] | None = None) -> None:
-        self.name, self.classes, self.schedule = name, classes, schedule
-        self.arrival = ArrivalSpec()
-
-    def _request(self, i: int, cls: RequestClass, seed: int) -> GenRequest:
-        extra = {} if cls.priority is None else {"priority": cls.priority}
-        return GenRequest(
-            request_id=f"{self.name}-{seed}-{i}", prompt=cls.prompt(seed * 100_003 + i), max_tokens=cls.max_tokens,
-            workload_class=cls.name, temperature=cls.temperature, seed=seed * 100_003 + i if cls.temperature else None,
-            extra_body=extra,
-        )  # fmt: skip
-
-    def sessions(self, seed: int) -> Iterator[Session]:
-        by_name = {c.name: c for c in self.classes}
-        if self.schedule is not None:
-            for i, (at, name) in enumerate(self.schedule):
-                yield SingleShot(self._request(i, by_name[name], seed), at=at)
-            return
-        rng = random.Random(seed)
-        weights = [c.weight for c in self.classes]
-        for i in itertools.count():
-            yield SingleShot(self._request(i, rng.choices(self.classes, weights)[0], seed))
-
-    def describe(self) -> dict[str, object]:
-        return {"name": self.name, "classes": [(c.name, c.max_tokens, c.weight, c.temperature, c.priority)
-                                               for c in self.classes], "schedule": self.schedule}  # fmt: skip
-
-
-class SpecCounters:
-    """Sidecar: speculative-decoding counters of the server over one point (drafted, accepted, rate)."""
-
-    name = "spec"
-
-    def __init__(self, base_url: str) -> None:
-        self.base_url = base_url
-        self.start_values: dict[str, float] = {}
-
-    def start(self, clock: RunClock, point_dir: Path) -> None:
-        self.start_values = scrape_metrics(self.base_url)
-
-    def stop(self, window: tuple[float, float] | None) -> dict[str, Any]:
-        now = scrape_metrics(self.base_url)
-        drafted, accepted = (now.get(k, 0.0) - self.start_values.get(k, 0.0) for k in REFERENCE_SPEC)
-        return {"drafted": drafted, "accepted": accepted, "acceptance": accepted / drafted if drafted else None}
-
-
-def _short_prompt(i: int) -> str:
-    return "Write about" + filler(24, i) + "."
+def _workload(name: str, **overrides: Any) -> Workload:
+    """An experiment's traffic: ``workloads/experiments/NAME.toml``, else the built-in ``NAME``."""
+    path = EXPERIMENTS_DIR / f"{name}.toml"
+    return load_workload(str(path) if path.is_file() else name, **overrides)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -294,7 +74,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def _first(per_config: dict[str, list[Summary]], label: str, path: str) -> Any:
-    return _get(per_config[label][0], path)
+    return value_at(per_config[label][0], path)
 
 
 OUT_TPS = "throughput.whole.output_tok_per_s"
@@ -307,9 +87,7 @@ def batching() -> Experiment:
     span (prompt + max_tokens) up front, as padded batches do, and admit nobody until the batch ends."""
 
     def traffic(quick: bool) -> list[PointPlan]:
-        mix = MixWorkload("short-long-50-50", [RequestClass("short", 8 if quick else 16, _short_prompt),
-                                               RequestClass("long", 96 if quick else 256, _short_prompt)])  # fmt: skip
-        return _plans(mix, LoadSpec(process="closed", concurrency=16, num_requests=40 if quick else 64, seed=1))
+        return _plans(_workload("batching-quick" if quick else "batching"), LoadSpec(process="closed", concurrency=16, num_requests=40 if quick else 64, seed=1))
 
     def verdict(pc: dict[str, list[Summary]], _e: dict[str, dict[str, Any]]) -> str:
         speed = _ratio(_first(pc, "continuous", OUT_TPS), _first(pc, "static", OUT_TPS))
@@ -334,18 +112,11 @@ def batching() -> Experiment:
 
 def chunked_prefill() -> Experiment:
     """Four streams decode while 2,000-token prompts arrive: the streams' ITL with and without chunking."""
-    long_prompt = RequestClass("long-prompt", 1, lambda i: filler(2000, i))
-    decode = RequestClass("decode", 160, _short_prompt)
 
     def traffic(quick: bool) -> list[PointPlan]:
-        # The long prompts arrive 1 s apart, early enough that all of them land while the four streams
-        # still decode (160 tokens take ~4.6 s here at 2 threads), and the stalls they cause stay above 1 %
-        # of the streams' gaps, so the p99 sees them. (First spaced 6 s apart: once the engine got faster
-        # the streams had finished before the later prompts arrived and the unchunked p99 missed the stalls.)
-        n_long = 2 if quick else 4
-        schedule = [(0.0, "decode")] * 4 + [(0.5 + 1.0 * j, "long-prompt") for j in range(n_long)]
-        wl = MixWorkload("decode-plus-long-prefill", [decode, long_prompt], schedule)
-        return _plans(wl, LoadSpec(process="trace", num_requests=len(schedule), seed=2, stall_timeout=300))
+        # the schedule in the file is the full run; --quick sends its first six requests (two long prompts)
+        return _plans(_workload("chunked-prefill"),
+                      LoadSpec(process="trace", num_requests=6 if quick else 8, seed=2, stall_timeout=300))  # fmt: skip
 
     def verdict(pc: dict[str, list[Summary]], _e: dict[str, dict[str, Any]]) -> str:
         key = "per_class.decode.latency.itl.p99"
@@ -359,9 +130,9 @@ def chunked_prefill() -> Experiment:
         [Config("unchunked", ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "4096"]),
          Config("chunked", ["--max-num-batched-tokens", "128"])],
         traffic,
-        [Column("decode ITL p50 ms", lambda s, _e: _ms(_get(s, "per_class.decode.latency.itl.p50"))),
-         Column("decode ITL p99 ms", lambda s, _e: _ms(_get(s, "per_class.decode.latency.itl.p99"))),
-         Column("decode ITL max ms", lambda s, _e: _ms(_get(s, "per_class.decode.latency.itl.max"))),
+        [Column("decode ITL p50 ms", lambda s, _e: _ms(value_at(s, "per_class.decode.latency.itl.p50"))),
+         Column("decode ITL p99 ms", lambda s, _e: _ms(value_at(s, "per_class.decode.latency.itl.p99"))),
+         Column("decode ITL max ms", lambda s, _e: _ms(value_at(s, "per_class.decode.latency.itl.max"))),
          Column("long TTFT p50 s", metric("per_class.long-prompt.latency.ttft.p50"), "{:.2f}"),
          Column("out tok/s", metric(OUT_TPS))],  # fmt: skip
         verdict,
@@ -375,9 +146,7 @@ def _ms(v: float | None) -> float | None:
 
 def scheduling() -> Experiment:
     """FIFO vs SJF vs priority on a queue of short, long and urgent requests arriving in a burst."""
-    classes = [RequestClass("short", 8, _short_prompt, weight=2), RequestClass("long", 96, _short_prompt, weight=2),
-               RequestClass("urgent", 32, _short_prompt, weight=1, priority=10)]  # fmt: skip
-    wl = MixWorkload("mixed-queue", classes)
+    wl = _workload("scheduling")
 
     def traffic(quick: bool) -> list[PointPlan]:
         return _plans(wl, LoadSpec(process="constant", rate=20.0, num_requests=20 if quick else 60, seed=3))
@@ -399,12 +168,9 @@ def scheduling() -> Experiment:
     )
 
 
-SYSTEM = filler(1000, 7)
-
-
 def prefix_cache() -> Experiment:
     """A shared 1,000-token system prompt: TTFT with the prefix cache on and off."""
-    wl = MixWorkload("shared-system-prompt", [RequestClass("q", 16, lambda i: SYSTEM + "\nQuestion:" + filler(12, i))])
+    wl = _workload("prefix-cache")
 
     def traffic(quick: bool) -> list[PointPlan]:
         return _plans(wl, LoadSpec(process="closed", concurrency=4, num_requests=8 if quick else 32, seed=4))
@@ -422,56 +188,26 @@ def prefix_cache() -> Experiment:
     )
 
 
-CODE = '''def merge_sorted(a: list[int], b: list[int]) -> list[int]:
-    """Merge two sorted lists into one sorted list."""
-    out = []
-    i = j = 0
-    while i < len(a) and j < len(b):
-        if a[i] <= b[j]:
-            out.append(a[i])
-            i += 1
-        else:
-            out.append(b[j])
-            j += 1
-    out.extend(a[i:])
-    out.extend(b[j:])
-    return out
-
-
-def chunks(items: list[int], size: int) -> list[list[int]]:
-    """Split items into chunks of at most size elements."""
-    return [items[k : k + size] for k in range(0, len(items), size)]
-'''
-
-
-def _edit_prompt(i: int) -> str:
-    """A code edit whose answer mostly repeats the prompt: the file, then the start of its edited copy."""
-    name = ("merge_sorted", "chunks")[i % 2]
-    return (f"File utils.py:\n\n```python\n{CODE}```\n\nThe same file after renaming `{name}` to `{name}_v2` "
-            f"(everything else unchanged):\n\n```python\n{CODE[:CODE.index(name)]}{name}_v2")  # fmt: skip
-
-
 def speculative() -> Experiment:
     """Speculation off / n-gram / self-draft on a predictable code-edit workload and a creative one."""
 
     def traffic(quick: bool) -> list[PointPlan]:
         n, out = (2, 64) if quick else (6, 128)  # quick: the self-draft config alone ran ~80 s at 128 tokens
-        edit = MixWorkload("code-edit", [RequestClass("code-edit", out, _edit_prompt)])
-        creative = MixWorkload("creative", [RequestClass("creative", out, lambda i: "Once upon a time, in a land of"
-                                                         + filler(8, i) + ",", temperature=0.8)])  # fmt: skip
+        edit, creative = _workload("code-edit", output=out), _workload("creative", output=out)
         load = LoadSpec(process="closed", concurrency=1, num_requests=n, seed=5)
         return _plans(edit, load, "code-edit") + _plans(creative, load, "creative")
 
     def probe(base_url: str, _args: list[str]) -> dict[str, Any]:
-        return {"outputs": greedy_outputs(base_url, [_edit_prompt(0), _edit_prompt(1)], 48)}
+        edits = itertools.islice(_workload("code-edit").sessions(0), 2)
+        return {"outputs": greedy_outputs(base_url, [str(s.first().prompt) for s in edits], 48)}
 
     def verdict(pc: dict[str, list[Summary]], extras: dict[str, dict[str, Any]]) -> str:
         def tps(label: str, point: str) -> float | None:
-            return next((_get(s, OUT_TPS) for s in pc[label] if s["point_id"].startswith(point)), None)
+            return next((value_at(s, OUT_TPS) for s in pc[label] if s["point_id"].startswith(point)), None)
 
         speed = _ratio(tps("ngram", "code-edit"), tps("off", "code-edit"))
         same = all(extras[k]["outputs"] == extras["off"]["outputs"] for k in extras)
-        creative_acc = next((_get(s, "spec.acceptance") for s in pc["ngram"] if s["point_id"].startswith("creative")), None)
+        creative_acc = next((value_at(s, f"{SPEC}.acceptance_rate") for s in pc["ngram"] if s["point_id"].startswith("creative")), None)
         ok = speed is not None and speed >= 1.5 and same
         acc = f"{creative_acc:.0%}" if creative_acc is not None else "-"
         return (f"n-gram / off single-stream tok/s on code-edit = {speed or 0:.2f}x (target >= 1.5x); greedy outputs "
@@ -483,9 +219,9 @@ def speculative() -> Experiment:
         [Config("off", []), Config("ngram", ["--spec", "ngram", "--spec-k", "8"]),
          Config("self", ["--spec", "self", "--spec-k", "4", "--self-draft-layers", "20"])],  # fmt: skip
         traffic,
-        [Column("out tok/s", metric(OUT_TPS)), Column("tpot ms", lambda s, _e: _ms(_get(s, "latency.tpot.mean"))),
-         Column("acceptance", lambda s, _e: _get(s, "spec.acceptance"), "{:.0%}"),
-         Column("drafted", lambda s, _e: _get(s, "spec.drafted"), "{:.0f}")],  # fmt: skip
+        [Column("out tok/s", metric(OUT_TPS)), Column("tpot ms", lambda s, _e: _ms(value_at(s, "latency.tpot.mean"))),
+         Column("acceptance", metric(f"{SPEC}.acceptance_rate"), "{:.0%}"),
+         Column("drafted", metric(f"{SPEC}.drafted"), "{:.0f}")],  # fmt: skip
         verdict,
         # fp32: bf16 rounding differs between a 1-token decode and a (k+1)-token verification pass, which
         # can flip a near-tie argmax; in fp32 greedy speculation is token-for-token identical
@@ -504,12 +240,12 @@ def quantization() -> Experiment:
     run once per configuration with the same flags."""
 
     def traffic(quick: bool) -> list[PointPlan]:
-        decode = MixWorkload("decode128", [RequestClass("decode", 32 if quick else 128, _short_prompt)])
+        decode = _workload("decode", output=32 if quick else None)
         return [plan for c in (1, 16) for plan in _plans(
             decode, LoadSpec(process="closed", concurrency=c, num_requests=(2 if quick else 6) * c, seed=3))]
 
     def probe(base_url: str, args: list[str]) -> dict[str, Any]:
-        kv_tokens = scrape_metrics(base_url).get("servelab_kv_blocks_total", 0) * 16
+        kv_tokens = scrape_metrics(base_url).get(REFERENCE_KV_BLOCKS[1], 0) * 16
         flags = [a for flag in ("--model", "--quantization", "--kv-cache-dtype") if flag in args
                  for a in (flag, args[args.index(flag) + 1])]  # fmt: skip
         res = subprocess.run([sys.executable, "-m", "reference_server.accuracy", *flags], capture_output=True,
@@ -519,7 +255,7 @@ def quantization() -> Experiment:
         return {**json.loads(res.stdout.strip().splitlines()[-1]), "kv_tokens": kv_tokens}
 
     def tps(pc: dict[str, list[Summary]], label: str, c: int) -> float | None:
-        return next((_get(s, OUT_TPS) for s in pc[label] if s["point_id"] == f"c{c:03d}"), None)
+        return next((value_at(s, OUT_TPS) for s in pc[label] if s["point_id"] == f"c{c:03d}"), None)
 
     def verdict(pc: dict[str, list[Summary]], extras: dict[str, dict[str, Any]]) -> str:
         parts = []
@@ -541,8 +277,8 @@ def quantization() -> Experiment:
          Config("int4", ["--quantization", "int4"]),
          Config("kv-int8", ["--quantization", "none", "--kv-cache-dtype", "int8"])],  # fmt: skip
         traffic,
-        [Column("out tok/s", metric(OUT_TPS)), Column("ttft p50 ms", lambda s, _e: _ms(_get(s, "latency.ttft.p50"))),
-         Column("tpot p50 ms", lambda s, _e: _ms(_get(s, "latency.tpot.p50"))),
+        [Column("out tok/s", metric(OUT_TPS)), Column("ttft p50 ms", lambda s, _e: _ms(value_at(s, "latency.ttft.p50"))),
+         Column("tpot p50 ms", lambda s, _e: _ms(value_at(s, "latency.tpot.p50"))),
          Column("KV tokens", acc("kv_tokens"), "{:,.0f}"), Column("top-1 vs fp32", acc("top1_agreement"), "{:.1%}"),
          Column("mean |logit err|", acc("mean_logit_error"), "{:.3f}"),
          Column("greedy identical", acc("greedy_identical"), "{:.0%}")],  # fmt: skip

@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from backends.launcher import free_port
+from backends.launcher import ServerProcess, free_port
 
 FAULTS = ("500", "429", "html", "hang", "disconnect", "garbage", "bad_json", "error_event", "error_payload",
           "stall", "no_done", "cut", "drop_request", "linger")  # fmt: skip
@@ -317,7 +317,9 @@ async def serve(
 
 
 class NullServerProcess:
-    """The null server in a child process; ``with NullServerProcess(itl=0.001) as url: ...``.
+    """The null server in a child process, started and stopped by the one launcher
+    (:class:`backends.launcher.ServerProcess`: own process group, health check, SIGTERM then SIGKILL);
+    ``with NullServerProcess(itl=0.001) as url: ...``.
 
     A sibling server subclasses it with its own ``module`` and ``options()`` (its command-line flags)."""
 
@@ -326,7 +328,7 @@ class NullServerProcess:
     def __init__(self, host: str = "127.0.0.1", **behaviour: Any) -> None:
         self.host, self.port = host, free_port(host)
         self.behaviour = Behaviour().update(behaviour)
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.server: ServerProcess | None = None
 
     def options(self) -> list[str]:
         return ["--behaviour", json.dumps(asdict(self.behaviour))]
@@ -335,30 +337,22 @@ class NullServerProcess:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self, timeout: float = 20.0) -> str:
-        args = [sys.executable, "-m", self.module, "--host", self.host, "--port", str(self.port), *self.options()]
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.module} server exited with status {self.proc.returncode}")
-            try:
-                socket.create_connection((self.host, self.port), timeout=0.2).close()
-                return self.url
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise TimeoutError(f"null server did not listen on {self.url} within {timeout} s")
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        return self.server.proc if self.server is not None else None
+
+    def start(self, timeout: float = 60.0) -> str:
+        """Start it (output to this process's stdout/stderr) and wait for ``/health``; raises
+        :class:`backends.launcher.LaunchError` when it exits or does not answer within ``timeout``."""
+        argv = [sys.executable, "-m", self.module, "--host", self.host, "--port", str(self.port), *self.options()]
+        self.server = ServerProcess(argv, self.port, None, health_timeout_s=timeout, stop_grace_s=5.0, host=self.host)
+        self.server.start()
+        return self.url
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
+        if self.server is not None:
+            self.server.stop()
+        self.server = None
 
     def __enter__(self) -> str:
         return self.start()

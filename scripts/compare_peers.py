@@ -13,13 +13,15 @@ exactly 128 output tokens (EOS ignored), greedy.
 * ``paired`` (the default, for even c): both tools at once, each at c / 2 with the same number of
   requests, so the server runs c streams and both clients measure the *same* batches. Each tool does its
   own start-up and then waits at a barrier just before its clock starts (vLLM: where serve.benchmark reads
-  the server's metrics the last time before it; ours: where the closed loop's slots start); both are let go together, so
-  their first requests arrive mixed. This cancels what makes two runs on this machine differ: the
+  the server's metrics the last time before it; ours: where the closed loop's slots start); both are let go
+  together, and their first waves go in pairs (one request of each tool, into a busy server), so that every
+  engine step holds both tools alike. This cancels what makes two runs on this machine differ: the
   servers' speed drifts 10-40 % within minutes on 2 shared cores, and in a closed loop of equal-length
   requests the way the first wave splits over engine steps persists for the whole run (docs/metrics.md).
   At c = 1 the two take turns instead: each waits for its turn before a request (before vLLM's request
   function takes its start time, before our session's intended time) and hands it over when the request
-  ends, so they alternate request by request and the server sees one stream, as at c = 1.
+  ends (the next one starts ``SETTLE_S`` later), so they alternate request by request and the server sees one
+  stream, as at c = 1.
 * ``interleaved`` (and odd c > 1): one tool after the other, the order alternating between rounds, each at c.
 
 Then it compares the medians over rounds of each tool's TTFT p50, TPOT p50, ITL p50 and output tok/s

@@ -1,12 +1,35 @@
-"""Experiment definitions: seeded traffic, exact filler lengths, verdicts computed from the table."""
+"""Experiment definitions: traffic from workload files, seeded; verdicts computed from the table."""
 
-from loadgen.experiments import EXPERIMENTS, _comparison, _markdown, batching, filler
-from reference_server.model_files import default_model_path, tokenizer_from_gguf
+from rich.console import Console
+
+from loadgen.engine import LoadSpec
+from loadgen.experiment import (
+    SPEC,
+    Column,
+    Config,
+    Experiment,
+    _comparison,
+    _markdown,
+    metric,
+    run_experiment,
+)
+from loadgen.experiments import EXPERIMENTS, _plans, _workload, batching, chunked_prefill
+from workloads.spec import EXPERIMENTS_DIR
 
 
-def test_filler_has_exact_token_count():
-    tok = tokenizer_from_gguf(default_model_path())
-    assert len(tok.encode(filler(2000, 1)).ids) == 2000
+def test_every_experiment_workload_file_is_used_and_valid():
+    """The files in workloads/experiments/ are the experiments' traffic: each one loads and is used."""
+    used = {plan.workload.name for make in EXPERIMENTS.values() for q in (True, False) for plan in make().traffic(q)}
+    assert {p.stem for p in EXPERIMENTS_DIR.glob("*.toml")} <= used
+
+
+def test_chunked_prefill_traffic_is_the_schedule_in_its_file():
+    """Four decoding streams at t = 0, then 2,000-token prompts 1 s apart; --quick sends the first six."""
+    [full], [quick] = chunked_prefill().traffic(False), chunked_prefill().traffic(True)
+    assert (full.load.process, full.load.num_requests, quick.load.num_requests) == ("trace", 8, 6)
+    sent = [(s.at, s.first().workload_class, s.first().prompt_tokens, s.first().max_tokens)
+            for s in full.workload.sessions(full.load.seed)]  # fmt: skip
+    assert sent == [(0.0, "decode", 27, 160)] * 4 + [(0.5 + j, "long-prompt", 2000, 1) for j in range(4)]
 
 
 def test_traffic_is_seeded_and_the_same_for_every_configuration():
@@ -56,3 +79,21 @@ def test_quantization_verdict_and_accuracy_columns():
     assert "int8: c=1 1.20x" in c["verdict"] and "-2.0 points" in c["verdict"]
     assert "kv-int8: c=1 0.97x, c=16 1.04x bf16, KV tokens 1.99x, top-1 agreement -0.5 points" in c["verdict"]
     assert "| int4 | c001 | 45.0 |" in _markdown(c) and "97.5%" in _markdown(c) and "65,280" in _markdown(c)
+
+
+def test_spec_counts_come_from_the_server_poller(tmp_path):
+    """A live experiment (reference server with n-gram speculation, two code-edit requests): the drafted and
+    accepted counts in its table are the server-state poller's, as in any `bench run`."""
+    wl = _workload("code-edit", output=24)
+    exp = Experiment(
+        "spec-counts", "the poller counts speculative tokens", [Config("ngram", ["--spec", "ngram", "--spec-k", "8"])],
+        lambda _quick: _plans(wl, LoadSpec(process="closed", concurrency=1, num_requests=2, seed=5)),
+        [Column("errors", metric("counts.errors"), "{}"), Column("drafted", metric(f"{SPEC}.drafted"), "{}"),
+         Column("accepted", metric(f"{SPEC}.accepted"), "{}")],
+        lambda _pc, _e: "-", common_args=["--dtype", "fp32", "--max-model-len", "512"],
+    )  # fmt: skip
+    c = run_experiment(exp, tmp_path, True, None, Console(quiet=True))
+    [row] = c["rows"]
+    assert row["errors"] == 0
+    assert row["drafted"] > 0 and 0 < row["accepted"] <= row["drafted"], row
+    assert (tmp_path / "ngram" / "points" / row["point"] / "server_state.jsonl").is_file()

@@ -2,11 +2,14 @@
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
+import httpx
 import pytest
 
 from backends.launcher import (
@@ -209,3 +212,40 @@ def test_poller_fetches_the_points_iterations(tmp_path):
     assert summary["iterations"] == {"count": 5}
     assert [r["i"] for r in recs] == [3, 4, 5, 6, 7]
     assert [round(r["t"], 6) for r in recs] == [3.0, 4.0, 5.0, 6.0, 7.0]
+
+
+def _gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie waiting for a reaper that this container may not have."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_server_does_not_outlive_a_killed_parent():
+    """A run killed with SIGKILL (no cleanup runs) leaves no server behind: the launcher's guard stops it.
+    The server is started from a worker thread that ends first, and must live on until its process dies."""
+    parent_code = (
+        "import sys, threading, time\n"
+        "from loadgen.nullserver import NullServerProcess\n"
+        "srv = NullServerProcess()\n"
+        "t = threading.Thread(target=srv.start)\n"
+        "t.start(); t.join()\n"
+        "print(srv.proc.pid, srv.url, flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE, text=True)
+    try:
+        pid_text, url = parent.stdout.readline().split()
+        server = int(pid_text)
+        time.sleep(1.0)  # the thread that started it is gone: the server still answers
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 30
+        while not _gone(server) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _gone(server), f"server {server} outlived its killed parent"
+    finally:
+        parent.kill()
+        parent.wait()

@@ -13,7 +13,7 @@ import pytest
 from support.synthetic import SimConfig, write_synthetic_results
 
 from loadgen import metrics
-from loadgen.report import ReportInputError, figures, series, write_report
+from loadgen.report import ReportInputError, series, server_series, sweep_chart, timeline, write_report
 from loadgen.report.builder import cell
 from loadgen.report.load import load_run, read_jsonl, requests_from_records
 from loadgen.results import leaves
@@ -180,7 +180,7 @@ def test_report_with_plotly_from_the_cdn(run_dir, tmp_path):
 
 def test_timeline_rows_share_one_x_axis_and_follow_the_data(run_dir):
     run = load_run(run_dir)
-    fig = figures.timeline(run, run.points[1])
+    fig = timeline.timeline(run, run.points[1])
     # linked x axes, zooming one row zooms all: every row's axis is the bottom one or matches it
     layout = fig["layout"]
     assert len({layout["xaxis" + t["xaxis"][1:]].get("matches", t["xaxis"]) for t in fig["data"]}) == 1
@@ -212,7 +212,7 @@ def test_timeline_rows_share_one_x_axis_and_follow_the_data(run_dir):
     assert np.isclose(np.sum(rate["y"]) * width, run.points[1].requests.event_tokens.sum())
     # engine steps (unix step ends in iterations.jsonl) land on the run clock: each step's end is followed
     # within a millisecond by the token events it produced
-    it = figures._iteration_arrays(run.points[1], run.run["t0_unix"])
+    it = server_series.iteration_arrays(run.points[1], run.run["t0_unix"])
     ev = np.sort(run.points[1].requests.event_t)
     after = ev[np.minimum(np.searchsorted(ev, it["t"]), len(ev) - 1)] - it["t"]
     assert np.all((after >= 0) & (after < 1e-3))
@@ -226,7 +226,7 @@ def test_preemptions_are_marked(run_dir, tmp_path):
     rows[10]["preempted"] = ["a", "b"]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     run = load_run(d)
-    fig = figures.timeline(run, run.points[1])
+    fig = timeline.timeline(run, run.points[1])
     pre = next(t for t in fig["data"] if t["name"] == "preemption")
     assert pre["text"].tolist() == [2.0] and pre["x"][0] == pytest.approx(
         rows[10]["t_end_unix"] - run.run["t0_unix"]
@@ -244,7 +244,7 @@ def test_optional_series_are_optional(tmp_path):
     )
     run_dir = write_synthetic_results(tmp_path, "bare", cfg)
     run = load_run(run_dir)
-    fig = figures.timeline(run, run.points[0])
+    fig = timeline.timeline(run, run.points[0])
     titles = " ".join(a["text"] for a in fig["layout"]["annotations"])
     assert "server batch" not in titles and "KV cache" not in titles and "utilisation" not in titles
     assert "requests (client)" in titles and "Gantt" in titles
@@ -269,7 +269,7 @@ def test_server_state_from_llama_slots_and_failed_scrapes(run_dir, tmp_path):
         },
     ]
     (d / "points" / "c001" / "server_state.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    srv = figures._server_series(load_run(d).points[0])
+    srv = server_series.server_series(load_run(d).points[0])
     assert srv["running"][1].tolist() == [1.0, 2.0] and srv["waiting"][1].tolist() == [3.0, 1.0]
     assert "kv" not in srv
 
@@ -281,7 +281,7 @@ def test_comparison_has_a_line_per_run_and_a_diff_table(tmp_path):
         "fast",
         SimConfig(concurrencies=(1, 4, 8), requests_per_point=40, speed=2.0, telemetry=False),
     )
-    fig = figures.sweep([load_run(a), load_run(b)])
+    fig = sweep_chart.sweep([load_run(a), load_run(b)])
     assert {t["name"] for t in fig["data"] if t.get("yaxis") == "y"} == {"slow", "fast"}
     text = write_report([a, b], tmp_path / "cmp.html").read_text()
     diff = text[text.index('<table class="diff"') :]
@@ -347,7 +347,7 @@ def test_sweep_draws_only_panels_with_data(run_dir, tmp_path):
     for p in summary["points"]:
         del p["goodput"]  # a run without --slo
     (d / "summary.json").write_text(json.dumps(summary))
-    fig = figures.sweep([load_run(d)])
+    fig = sweep_chart.sweep([load_run(d)])
     assert {t["xaxis"] for t in fig["data"]} == {"x", "x2"}
     assert "xaxis3" not in fig["layout"] and fig["layout"]["xaxis2"]["domain"][1] > 0.9
     assert [a["text"] for a in fig["layout"]["annotations"]] == [
@@ -377,7 +377,7 @@ def test_sweep_has_a_curve_per_workload_and_load_kind(run_dir, tmp_path):
         points.append(q)
     summary["points"] = points
     (d / "summary.json").write_text(json.dumps(summary))
-    fig = figures.sweep([load_run(d)])
+    fig = sweep_chart.sweep([load_run(d)])
     lines = {t["name"]: t["x"] for t in fig["data"] if t["xaxis"] == "x"}
     assert lines == {
         "full chat concurrency": [1, 4, 16],
@@ -401,7 +401,7 @@ def test_server_series_read_each_servers_names_from_its_profile(backend):
     if profile.kv_blocks:
         metrics |= {profile.kv_blocks[0]: 48.0, profile.kv_blocks[1]: 192.0}
     rows = [{"t": 1.0, "metrics": metrics}, {"t": 2.0, "metrics": metrics}]
-    srv = figures._server_series(PointData("p", {}, requests_from_records([]), server_state=rows))
+    srv = server_series.server_series(PointData("p", {}, requests_from_records([]), server_state=rows))
     assert srv["running"][1].tolist() == [3.0, 3.0] and srv["waiting"][1].tolist() == [2.0, 2.0]
     kv = srv["kv"][1].tolist() if "kv" in srv else None
     assert kv == ([25.0, 25.0] if profile.kv_usage or profile.kv_blocks else None)

@@ -177,6 +177,21 @@ def test_overrides_and_arrival_from_file():
         load_workload("rag", rate=-1)
     with pytest.raises(TypeError, match="unknown workload override"):
         load_workload("rag", speed=2)
+    assert {s.first().max_tokens for s in islice(load_workload("short-long-50-50", output=7).sessions(0), 8)} == {7}
+    with pytest.raises(WorkloadError, match="output"):
+        load_workload("rag", output=0)
+
+
+def test_scheduled_classes_are_sent_in_time_order(tmp_path):
+    p = write(tmp_path, '[[classes]]\nname = "a"\nprompt = 9\nat = [2, 0]\n'
+                        '[[classes]]\nname = "b"\nprompt = 11\nat = [0, 1.5]\n')  # fmt: skip
+    wl = load_workload(str(p))
+    assert wl.arrival.process == "trace"
+    sent = [(s.at, s.first().workload_class, s.first().prompt_tokens) for s in wl.sessions(3)]
+    assert sent == [(0.0, "a", 9), (0.0, "b", 11), (1.5, "b", 11), (2.0, "a", 9)]
+    assert wl.describe()["spec"]["classes"][0]["at"] == [2.0, 0.0]
+    # a workload without a schedule describes (and fingerprints) as before schedules existed
+    assert "at" not in load_workload("chat-short").describe()["spec"]["classes"][0]
 
 
 BAD = [
@@ -215,6 +230,10 @@ BAD = [
         "expected 'none'",
     ),
     ('[[classes]]\nname = "x"\n[[classes]]\nname = "x"\n', "classes[1].name", "unique"),
+    ('[[classes]]\nname = "x"\nat = [0, -1]\n', "classes[0].at", "send times in seconds >= 0"),
+    ('[[classes]]\nname = "x"\nat = [0]\n[[classes]]\nname = "y"\n', "classes[1].at", "is required"),
+    ('[arrival]\nprocess = "closed"\n[[classes]]\nname = "x"\nat = [0]\n', "arrival.process", "expected 'trace'"),
+    ('[[classes]]\nname = "x"\nat = [0]\nturns = { count = 2 }\n', "classes[0].at", "not allowed together"),
 ]
 
 

@@ -10,8 +10,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from workloads.loader import BUILTIN_DIR, builtin_names, load_spec_for, load_workload
-from workloads.spec import WorkloadError, WorkloadSpec
+from workloads.loader import builtin_names, load_spec_for, load_workload
+from workloads.spec import BUILTIN_DIR, WorkloadError, WorkloadSpec
 from workloads.synthetic import spec_dict
 
 app = typer.Typer(

@@ -7,7 +7,8 @@
     for session in wl.sessions(seed=0): ...
 
 Overrides (``None`` values are ignored, so CLI options can be passed straight through): ``tokenizer``,
-``api``, ``process``, ``rate``, ``concurrency``, ``burstiness``, ``limit`` (trace rows), ``name``.
+``api``, ``process``, ``rate``, ``concurrency``, ``burstiness``, ``limit`` (trace rows), ``name``,
+``output`` (every class's max_tokens).
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from typing import Any
 
 from workloads.base import ArrivalSpec, Workload
 from workloads.contracts import APIS, ARRIVAL_PROCESSES
-from workloads.spec import TraceSpec, WorkloadError, WorkloadSpec, load_spec
+from workloads.spec import BUILTIN_DIR, Dist, TraceSpec, WorkloadError, WorkloadSpec, load_spec
 
-BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
-OVERRIDES = ("tokenizer", "api", "process", "rate", "concurrency", "burstiness", "limit", "name")
+OVERRIDES = ("tokenizer", "api", "process", "rate", "concurrency", "burstiness", "limit", "name", "output")
+
 
 def builtin_names() -> list[str]:
     return sorted(p.stem for p in BUILTIN_DIR.glob("*.toml"))
@@ -66,14 +67,20 @@ def apply_overrides(spec: WorkloadSpec, **overrides: Any) -> WorkloadSpec:
     for key in ("rate", "burstiness"):
         if key in given and not (isinstance(given[key], (int, float)) and given[key] > 0):
             raise WorkloadError(src, key, f"expected a number > 0, got {given[key]!r}")
-    if "concurrency" in given and not (isinstance(given["concurrency"], int) and given["concurrency"] >= 1):
-        raise WorkloadError(src, "concurrency", f"expected an integer >= 1, got {given['concurrency']!r}")
+    for key in ("concurrency", "output"):
+        if key in given and not (isinstance(given[key], int) and not isinstance(given[key], bool) and given[key] >= 1):
+            raise WorkloadError(src, key, f"expected an integer >= 1, got {given[key]!r}")
     arrival = replace(
         spec.arrival, **{k: given[k] for k in ("process", "rate", "concurrency", "burstiness") if k in given}
     )
     spec = replace(spec, arrival=arrival, **{k: given[k] for k in ("tokenizer", "api", "name") if k in given})
     if given.get("api") == "chat":  # the server applies its own chat template
         spec = replace(spec, classes=tuple(replace(c, template="none") for c in spec.classes))
+    if "output" in given:
+        if spec.trace is not None:
+            raise WorkloadError(spec.source, "output", "only applies to workloads with classes (a trace has its own)")
+        output = Dist("fixed", value=float(given["output"]))
+        spec = replace(spec, classes=tuple(replace(c, output=output) for c in spec.classes))
     if "limit" in given:
         if spec.trace is None:
             raise WorkloadError(spec.source, "limit", "only applies to trace workloads")

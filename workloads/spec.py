@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import random
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"  # the built-in workloads, by name
+EXPERIMENTS_DIR = Path(__file__).resolve().parent / "experiments"  # the traffic of `bench experiment NAME`
 CONTENTS = ("corpus", "code-edit", "creative")
 TEMPLATES = ("none", "chatml")
 TRACE_FORMATS = ("mooncake", "azure")
@@ -262,6 +264,7 @@ class ClassSpec:
     shared_prefix: SharedPrefix | None = None
     turns: Turns | None = None
     extra_body: dict[str, Any] = field(default_factory=dict)
+    at: tuple[float, ...] | None = None  # send times (s): one request each, the workload is the schedule
 
 
 @dataclass(frozen=True)
@@ -333,6 +336,13 @@ def _parse_class(value: object, source: str, key: str, index: int) -> ClassSpec:
             ),
         )
         tt.done()
+    at = None
+    if (at_raw := t.get("at", list)) is not None:
+        if not at_raw or any(isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 for v in at_raw):
+            raise t.error("at", f"expected a non-empty array of send times in seconds >= 0, got {at_raw!r}")
+        if turns is not None:
+            raise t.error("at", "not allowed together with turns (a scheduled request is one turn)")
+        at = tuple(float(v) for v in at_raw)
     spec = ClassSpec(
         name=name,
         weight=t.number("weight", 1.0, positive=True) or 1.0,
@@ -345,6 +355,7 @@ def _parse_class(value: object, source: str, key: str, index: int) -> ClassSpec:
         shared_prefix=prefix,
         turns=turns,
         extra_body=t.get("extra_body", dict, {}),
+        at=at,
     )
     t.done()
     return spec
@@ -382,6 +393,14 @@ def parse_spec(data: dict[str, Any], source: str, base_dir: Path | None = None) 
     if trace is not None and arrival.process is None:
         arrival = ArrivalSpec(process="trace", rate=arrival.rate, concurrency=arrival.concurrency,
                               burstiness=arrival.burstiness)  # fmt: skip
+    scheduled = [c.at is not None for c in classes]
+    if any(scheduled):
+        if not all(scheduled):
+            bad = scheduled.index(False)
+            raise WorkloadError(source, f"classes[{bad}].at", "is required when another class has one (a schedule)")
+        if arrival.process not in (None, "trace"):
+            raise WorkloadError(source, "arrival.process", "expected 'trace' with scheduled classes (at = [...])")
+        arrival = replace(arrival, process="trace")
     names = [c.name for c in classes]
     for i, n in enumerate(names):
         if names.index(n) != i:

@@ -1,6 +1,8 @@
 """Synthetic workloads from a :class:`~workloads.spec.WorkloadSpec`: class mix, exact prompt lengths,
 shared prefixes, multi-turn conversations.
 
+A workload whose classes list send times (``at``) is that schedule, in time order (ties in class order).
+
 Reproducibility: the class of session ``i`` comes from one stream RNG seeded by ``seed``; everything
 inside the session (lengths, text, think times) from its own RNG seeded by ``(seed, i)``, so a
 conversation's user turns do not depend on how the engine interleaves sessions. Shared prefixes are
@@ -26,7 +28,7 @@ from typing import Any
 
 from workloads.base import Session, SingleShot, Workload
 from workloads.contracts import GenRequest
-from workloads.spec import ClassSpec, Dist, WorkloadSpec
+from workloads.spec import BUILTIN_DIR, EXPERIMENTS_DIR, ClassSpec, Dist, WorkloadSpec
 from workloads.text import CHATML_SYSTEM, CHATML_USER, DATA, PromptBuilder, builder_for
 
 CODE_DIR = DATA / "code"
@@ -197,8 +199,13 @@ class SyntheticWorkload(Workload):
         return self._stream(classes, seed)
 
     def _stream(self, classes: _Classes, seed: int) -> Iterator[Session]:
-        rng = random.Random(f"{seed}:stream")
         specs = list(self.spec.classes)
+        if specs[0].at is not None:  # a schedule: every class lists its send times, sent in time order
+            sends = sorted(((at, cls) for cls in specs for at in cls.at or ()), key=lambda s: s[0])  # stable
+            for index, (at, cls) in enumerate(sends):
+                yield SingleShot(Conversation(classes, cls, index, seed).first(), at=at)
+            return
+        rng = random.Random(f"{seed}:stream")
         weights = [c.weight for c in specs]
         index = 0
         while True:
@@ -212,8 +219,9 @@ class SyntheticWorkload(Workload):
 
     def describe(self) -> dict[str, object]:
         src = Path(self.spec.source)
-        # a built-in is named, not located, so fingerprints match across checkouts
-        source = f"builtin:{src.stem}" if src.parent == DATA.parent / "builtin" else self.spec.source
+        # a shipped file is named, not located, so fingerprints match across checkouts
+        shipped = src.parent in (BUILTIN_DIR, EXPERIMENTS_DIR)
+        source = f"{src.parent.name}:{src.stem}" if shipped else self.spec.source
         return {"name": self.name, "source": source, "spec": spec_dict(self.spec),
                 "corpus_sha256": _sha256(DATA / "corpus.txt")}  # fmt: skip
 
@@ -234,7 +242,9 @@ def spec_dict(spec: WorkloadSpec) -> dict[str, Any]:
 
     out = {k: getattr(spec, k) for k in spec.__dataclass_fields__ if k != "source"}
     out["arrival"] = asdict(spec.arrival)
-    out["classes"] = [{k: getattr(c, k) for k in c.__dataclass_fields__} for c in spec.classes]
+    # `at` only where set: a workload without a schedule describes (and fingerprints) as before it existed
+    out["classes"] = [{k: getattr(c, k) for k in c.__dataclass_fields__ if k != "at" or c.at is not None}
+                      for c in spec.classes]  # fmt: skip
     for c in out["classes"]:
         for key in ("shared_prefix", "turns"):
             if c[key] is not None:

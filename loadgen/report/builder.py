@@ -20,8 +20,9 @@ from typing import Any
 import jinja2
 import numpy as np
 
-from loadgen.report import figures
+from loadgen.report import cdf, sweep_chart, timeline
 from loadgen.report.load import RunData, load_run
+from loadgen.report.server_series import missing_series
 from loadgen.results import leaves
 
 SIG_DIGITS = 6  # chart data only; tables show summary.json's numbers verbatim
@@ -123,7 +124,7 @@ def _meta_table(run: RunData) -> Table:
 def diff_table(runs: list[RunData]) -> Table | None:
     """Key sweep metrics of each run beside the first (baseline), matched by point id, with the change;
     None when no point id is shared."""
-    per_run = [{r["point_id"]: r for r in figures.sweep_rows(run)} for run in runs]
+    per_run = [{r["point_id"]: r for r in sweep_chart.sweep_rows(run)} for run in runs]
     base = per_run[0]
     header = ["point", "metric", runs[0].run_id]
     for run in runs[1:]:
@@ -154,13 +155,13 @@ def _point_views(r: int, run: RunData, figs: dict[str, Any]) -> list[dict[str, A
     views = []
     for p_i, point in enumerate(run.points):
         charts: list[tuple[str, str | None]] = []
-        for kind, fig in (("timeline", figures.timeline(run, point)), ("cdf", figures.distributions(point))):
+        for kind, fig in (("timeline", timeline.timeline(run, point)), ("cdf", cdf.distributions(point))):
             key = f"r{r}/p{p_i}/{kind}" if fig is not None else None
             if key is not None:
                 figs[key] = fig
             charts.append((kind, key))
         views.append({"point_id": point.point_id, "requests": len(point.requests),
-                      "missing": figures.missing_series(run, point), "charts": charts})  # fmt: skip
+                      "missing": missing_series(run, point), "charts": charts})  # fmt: skip
     return views
 
 
@@ -209,7 +210,7 @@ def build_html(runs: list[RunData], plotly: str = "inline") -> str:
     """The report page: the figures computed here, the page laid out by ``assets/report.html`` (Jinja,
     every value escaped)."""
     figs: dict[str, Any] = {}
-    sweep = figures.sweep(runs)
+    sweep = sweep_chart.sweep(runs)
     if sweep is not None:
         figs["sweep"] = sweep
     views = [{"run_id": run.run_id, "points": _point_views(r, run, figs), "groups": summary_tables(run),

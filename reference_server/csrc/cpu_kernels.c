@@ -502,8 +502,9 @@ static void qlinear_rows(const uint16_t *x, int64_t x_stride, const uint8_t *qw,
                 const size_t n = (size_t)(n0 + j);
                 for (int m = 0; m < M; m++) {
                     float v = res[m * QNR + j];
-                    for (int g = 0; g < ngroups; g++)
-                        v += (minv[n * ngroups + g] - bias * scale[n * ngroups + g]) * sx[m * ngroups + g];
+                    if (bits == 4) /* int8 weights are symmetric: minimum and bias zero, the term adds nothing */
+                        for (int g = 0; g < ngroups; g++)
+                            v += (minv[n * ngroups + g] - bias * scale[n * ngroups + g]) * sx[m * ngroups + g];
                     store_out(v, residual, res_stride, out, out_f32, m, N, (int)n);
                 }
             }
