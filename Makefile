@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup test-deps sweep test lint
+.PHONY: setup test-deps sweep test test-ray lint
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -28,6 +28,12 @@ test-deps:
 
 test: setup test-deps
 	SERVELAB_LLAMA_SERVER="$$(bash scripts/build_llama_server.sh)" $(VENV)/bin/pytest -q
+
+# The Ray workers (`--ray`, pytest marker ray): the servelab[ray] extra into the venv, then the marked tests
+# (a local Ray instance, 2 actors). Not in `make test`: Ray is an optional ~200 MB install.
+test-ray: setup
+	$(PIP) install -q -e '.[ray]'
+	$(VENV)/bin/pytest -q -m ray
 
 lint: setup
 	$(VENV)/bin/ruff check .

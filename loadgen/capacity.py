@@ -44,6 +44,7 @@ import numpy as np
 from loadgen import metrics
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, Progress, run_point
+from loadgen.fleet import ONE_PROCESS, Fleet
 from workloads.contracts import read_jsonl
 
 MODES = ("rate", "concurrency")
@@ -491,17 +492,19 @@ def pilot_decision(samples: Samples, slos: Sequence[SLO]) -> Decision:
 
 class LiveProber:
     """Probes a server with :func:`loadgen.engine.run_point`: rate mode with ``process`` arrivals (Poisson by
-    default), concurrency mode closed loop. The probe's records are read as they are written; the probe is
-    stopped (in-flight requests cancelled) as soon as it is decided."""
+    default), concurrency mode closed loop. The probe's records are read as they are written (with
+    ``fleet``'s workers, as the coordinator receives them); the probe is stopped (in-flight requests
+    cancelled) as soon as it is decided."""
 
     def __init__(
         self, backend: Any, workload: Any, slos: Sequence[SLO], out_dir: Path, clock: RunClock | None = None,
         process: str = "poisson", seed: int = 0, tick: float = 0.25, timeout: float = 600.0,
-        client_kind: str = "aiohttp",
+        client_kind: str = "aiohttp", fleet: Fleet = ONE_PROCESS,
     ) -> None:  # fmt: skip
         self.backend, self.workload, self.slos, self.out_dir = backend, workload, list(slos), out_dir
         self.clock = clock or RunClock()
         self.process, self.seed, self.tick, self.timeout, self.client_kind = process, seed, tick, timeout, client_kind
+        self.fleet = fleet
 
     async def probe(self, mode: str, load: float, seq: Sequential | None, max_seconds: float, index: int,
                     phase: str) -> Probe:  # fmt: skip
@@ -517,7 +520,7 @@ class LiveProber:
         out = self.out_dir / "probes" / f"{index:02d}-{phase}-{_load_label(mode if phase != 'pilot' else 'concurrency', load)}"
         progress = Progress()
         task = asyncio.ensure_future(run_point(self.backend, self.workload, spec, out, self.clock,
-                                               progress=progress, client_kind=self.client_kind))  # fmt: skip
+                                               progress=progress, client_kind=self.client_kind, fleet=self.fleet))  # fmt: skip
         samples = Samples()
         backlog = Backlog(load) if spec.process != "closed" else None
         decision: Decision | None = None
@@ -527,7 +530,7 @@ class LiveProber:
         while decision is None:
             done, _ = await asyncio.wait({task}, timeout=self.tick)
             now = self.clock.now()
-            starts.append((now, progress.started))
+            starts.append((now if progress.counted_at is None else progress.counted_at, progress.started))
             recs = read_jsonl(path) if path.exists() else []
             cohort = _cohort(recs, None if done else starts)
             measured = [r for r in cohort if not r["warmup"]]

@@ -24,6 +24,7 @@ from loadgen.capacity import MODES, CapacityResult, LiveProber, SearchConfig, Sl
 from loadgen.clock import RunClock
 from loadgen.engine import run_async
 from loadgen.exitcodes import ExitCode, UsageError, console, exits
+from loadgen.fleet import Fleet
 from loadgen.options import (
     ApiKeyEnv,
     ApiOpt,
@@ -32,10 +33,12 @@ from loadgen.options import (
     ExtraBody,
     Model,
     OutputDir,
+    Ray,
     RunId,
     Seed,
     Timeout,
     Url,
+    Workers,
     WorkloadOpt,
 )
 from loadgen.results import new_run_id
@@ -96,6 +99,7 @@ def capacity_command(
                       "'llama-server -m {model} -np {np} --port {port}'.")] = None,  # fmt: skip
     grid: Annotated[list[str] | None, typer.Option(help="Server grid axis NAME=V1,V2 (repeat for a product).")] = None,
     server_timeout: Annotated[float, typer.Option(help="Seconds to wait for a started server's health.")] = 300.0,
+    workers: Workers = 1, ray: Ray = None,
 ) -> None:  # fmt: skip
     """Find the highest load (rate or concurrency) at which every SLO holds, with its interval."""
     try:
@@ -113,6 +117,7 @@ def capacity_command(
         if max_samples < 30 or max_concurrency < 1 or max_rate <= 0:
             raise UsageError("--max-samples must be >= 30, --max-concurrency >= 1 and --max-rate > 0")
         try:
+            fleet = Fleet(workers, ray)
             cfg = SearchConfig(mode=mode, resolution=resolution, budget_s=budget, confidence=confidence,
                                max_probe_s=max_probe_s, max_samples=max_samples, max_concurrency=max_concurrency,
                                max_rate=max_rate)  # fmt: skip
@@ -130,7 +135,7 @@ def capacity_command(
     out = output_dir / (run_id or f"capacity-{new_run_id()}")
     out.mkdir(parents=True, exist_ok=True)
     config = {"command": "capacity", "slo": slo, "mode": mode, "url": url, "backend": backend, "workload": workload,
-              "arrival": arrival, "server": server, "grid": grid, "search": cfg.__dict__}  # fmt: skip
+              "arrival": arrival, "server": server, "grid": grid, "search": cfg.__dict__, **fleet.describe()}  # fmt: skip
     entries: list[dict[str, Any]] = []
     stdout = Console(width=None if sys.stdout.isatty() else 200)
 
@@ -139,7 +144,7 @@ def capacity_command(
         be = make_backend(backend, target, model, api, api_key, False, extra_body)
         where = out / gp.label if gp else out
         prober = LiveProber(be, wl, slos, where, RunClock(), process=arrival, seed=seed, timeout=timeout,
-                            client_kind=client)  # fmt: skip
+                            client_kind=client, fleet=fleet)  # fmt: skip
         label = gp.label if gp else "server"
         console.print(f"[dim]{label}: searching the {mode} capacity under {', '.join(s.describe() for s in slos)}[/]")
         res = run_async(search(prober, slos, cfg))

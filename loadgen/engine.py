@@ -193,6 +193,7 @@ class Progress:
     inflight: int = 0
     output_tokens: int = 0
     t_start: float = 0.0
+    counted_at: float | None = None  # run-clock time the counters cover at least (None: live, they cover now)
     error_kinds: dict[str, int] = field(default_factory=dict)
     warmup_done: int = 0
     # for the live display, over measured successful requests: every TTFT (s), and the latest requests'
@@ -406,11 +407,10 @@ async def run_point(
     for sc in sidecars:
         sc.start(clock, out_dir)
     t0 = progress.t_start = clock.now()
-    coord = _Coordinator(fleet.start(workers), progress, clock)
+    coord = _Coordinator(fleet.start(workers), progress, clock, None if single else out_dir / "requests.jsonl",
+                         [w.path for w in workers])  # fmt: skip
     try:
         t_measured, results = await coord.run(None if load.warmup else t0)
-        if not single:
-            await coord.merge([w.path.name for w in workers], out_dir)
     finally:
         await coord.close()
     records = read_jsonl(out_dir / "requests.jsonl")
@@ -511,14 +511,17 @@ class PointWorker:
                 await self.client.aclose()
         return self._closed
 
-    async def progress_delta(self) -> dict[str, Any]:
-        """The live counters, and the TTFTs and recent requests observed since the last call."""
+    async def progress_delta(self, since: int) -> dict[str, Any]:
+        """The live counters, the TTFTs and recent requests observed since the last call, and the records
+        written after the first ``since`` bytes of its record file (``records``, complete lines, taken at the
+        same instant as the counters; the caller says where it is, so a reply it never got loses nothing)."""
         p = self.progress
         new = len(p.ttft) - self._reported
         self._reported = len(p.ttft)
         recent = list(p.recent)[-new:] if new else []
         counters = {k: getattr(p, k) for k in ("started", "done", "errors", "inflight", "output_tokens", "warmup_done")}
-        return {**counters, "error_kinds": dict(p.error_kinds), "ttft": p.ttft[-new:] if new else [], "recent": recent}
+        return {**counters, "error_kinds": dict(p.error_kinds), "ttft": p.ttft[-new:] if new else [], "recent": recent,
+                "records": _lines_from(self.path, since)}  # fmt: skip
 
     async def now(self) -> float:
         return self.clock.now()
@@ -529,9 +532,6 @@ class PointWorker:
             sig.signum = signum
             sig.event.set()
 
-    async def records_bytes(self) -> bytes:
-        return self.path.read_bytes() if self.path.exists() else b""
-
     def serve_process(self, conn: Connection) -> None:
         """A worker process's entry point (:mod:`loadgen.fleet`)."""
         run_async(fleet_mod.serve(self, conn, lambda: self.interrupt(signal.SIGTERM)))
@@ -539,16 +539,25 @@ class PointWorker:
 
 class _Coordinator:
     """The coordinator's side of a point's workers: the phases on all of them, the progress and signals
-    passed between, the records merged."""
+    passed between, the records merged.
+
+    Workers that are not this process pass their records on with their progress (every ``POLL_S``), and
+    they are appended to the point's ``requests.jsonl`` (``out``) as they come, on this run clock: whoever
+    reads that file while the point runs (``bench capacity``'s probe) sees every worker's records, as it sees
+    the one in-process worker's. ``progress.counted_at`` says which moment the polled counters cover."""
 
     POLL_S = 0.5
 
-    def __init__(self, handles: list[fleet_mod.Handle], progress: Progress, clock: RunClock) -> None:
+    def __init__(self, handles: list[fleet_mod.Handle], progress: Progress, clock: RunClock, out: Path | None,
+                 paths: list[Path]) -> None:  # fmt: skip
         self.handles, self.progress, self.clock = handles, progress, clock
         self.remote = [h for h in handles if h.remote]
         self.offsets = [{"offset_s": 0.0, "bound_s": 0.0} for _ in handles]
         self.latest: dict[int, dict[str, Any]] = {}
         self.forwarded = False
+        self.out, self.paths = out, paths  # out: None when one worker in this process writes requests.jsonl
+        self.received = [0] * len(handles)  # bytes of each worker's record file appended to out
+        self._f = out.open("wb", buffering=0) if out is not None else None
 
     async def run(self, t_start: float | None) -> tuple[float, list[dict[str, Any] | None]]:
         """Clock offsets, the warm-up phase on every worker, then the measured phase from one instant
@@ -601,13 +610,16 @@ class _Coordinator:
         """The workers' progress into the coordinator's (the one live view)."""
         if not self.remote:
             return
+        t = self.clock.now()  # each worker's counters are taken after this instant
         for h in self.remote:
             with contextlib.suppress(fleet_mod.WorkerLost):
-                delta = await h.call("progress_delta")
+                delta = await h.call("progress_delta", self.received[h.index])
+                self._append(h, delta.pop("records"))
                 self.progress.ttft.extend(delta.pop("ttft"))
                 self.progress.recent.extend(delta.pop("recent"))
                 self.latest[h.index] = delta
         p = self.progress
+        p.counted_at = t
         for key in ("started", "done", "errors", "inflight", "output_tokens", "warmup_done"):
             setattr(p, key, sum(c[key] for c in self.latest.values()))
         p.error_kinds = {}
@@ -615,24 +627,18 @@ class _Coordinator:
             for kind, k in c["error_kinds"].items():
                 p.error_kinds[kind] = p.error_kinds.get(kind, 0) + k
 
-    async def merge(self, names: list[str], out_dir: Path) -> None:
-        """The workers' records, fetched where they do not share this file system (Ray) and put on this
-        run clock, into ``requests.jsonl`` in order of their end (as one process writes them)."""
-        recs: list[dict[str, Any]] = []
-        for h, name in zip(self.handles, names, strict=True):
-            path = out_dir / "workers" / name
-            if not h.local and h.lost is None:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_bytes(await h.call("records_bytes"))
-            off = self.offsets[h.index]["offset_s"]
-            for r in read_jsonl(path) if path.exists() else []:
-                if off:
-                    r["intended"], r["sent"], r["end"] = r["intended"] - off, r["sent"] - off, r["end"] - off
-                    r["events"] = [[t - off, k] for t, k in r["events"]]
-                recs.append(r)
-        recs.sort(key=lambda r: r["end"])
-        with (out_dir / "requests.jsonl").open("wb") as f:
-            f.writelines(orjson.dumps(r, option=orjson.OPT_APPEND_NEWLINE) for r in recs)
+    def _append(self, h: fleet_mod.Handle, lines: bytes) -> None:
+        """Worker ``h``'s next records (lines of its record file) into ``requests.jsonl``, on this run clock."""
+        if self._f is None or not lines:
+            return
+        self.received[h.index] += len(lines)
+        if off := self.offsets[h.index]["offset_s"]:
+            recs = [orjson.loads(line) for line in lines.splitlines()]
+            for r in recs:
+                r["intended"], r["sent"], r["end"] = r["intended"] - off, r["sent"] - off, r["end"] - off
+                r["events"] = [[t - off, k] for t, k in r["events"]]
+            lines = b"".join(orjson.dumps(r, option=orjson.OPT_APPEND_NEWLINE) for r in recs)
+        self._f.write(lines)
 
     def describe(self, results: list[dict[str, Any] | None], fleet: Fleet) -> dict[str, Any]:
         per = []
@@ -649,10 +655,33 @@ class _Coordinator:
         }  # fmt: skip
 
     async def close(self) -> None:
+        """Stop the workers; then what a worker on this machine wrote and did not pass on (it was lost, or the
+        point was cancelled) joins ``requests.jsonl``, which is put in order of the records' end (as one
+        process writes it). A Ray worker's records not passed on by then stay on its node."""
         for h in self.handles:
             if not h.remote:
                 await h.call("close")
             h.close()
+        if self._f is None or self.out is None:
+            return
+        for h, path in zip(self.handles, self.paths, strict=True):
+            if h.local:
+                self._append(h, _lines_from(path, self.received[h.index]))
+        self._f.close()
+        recs = sorted(read_jsonl(self.out), key=lambda r: r["end"])
+        with self.out.open("wb") as f:
+            f.writelines(orjson.dumps(r, option=orjson.OPT_APPEND_NEWLINE) for r in recs)
+
+
+def _lines_from(path: Path, offset: int) -> bytes:
+    """The complete lines of a record file after its first ``offset`` bytes."""
+    try:
+        with path.open("rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return b""
+    return data[: data.rfind(b"\n") + 1]
 
 
 async def _bounded(main: asyncio.Future[None], d: _Dispatch, duration: float | None) -> dict[str, Any] | None:

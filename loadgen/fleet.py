@@ -214,7 +214,7 @@ async def serve(obj: Any, conn: Connection, on_orphaned: Callable[[], Any]) -> N
 
 class _RayHost:
     """The Ray actor holding one worker object; its records go to a temporary file on the actor's node and
-    come back through Ray (``records_bytes``)."""
+    come back through Ray with its progress (``progress_delta``)."""
 
     def __init__(self, obj: Any) -> None:
         obj.path = Path(tempfile.mkdtemp(prefix="servelab-worker-")) / obj.path.name

@@ -166,3 +166,39 @@ async def test_calibrate_reports_the_ceiling_per_worker_count(tmp_path):
         assert r["cores_busy"] > 0 and isinstance(r["cores_limit"], bool)
     assert rows[0]["efficiency"] == 1.0 and rows[1]["efficiency"] == rows[1]["req_per_s"] / (2 * rows[0]["req_per_s"])
     assert res["open"]["errors"] == 0 and json.loads((tmp_path / "calibrate.json").read_text())["scaling"] == rows
+
+
+def test_capacity_with_two_workers_finds_the_known_capacity_and_stops_probes_early(tmp_path):
+    """`bench capacity --workers 2` against the known-answer service model: the workers' records reach each
+    probe while it runs (the coordinator appends them to its requests.jsonl), so probes split over two
+    processes stop as soon as they are decided, and the interval holds the model's capacity, as with one."""
+    from loadgen.capacity import parse_slos
+    from loadgen.servicemodel import ServiceModel, ServiceModelProcess, true_capacity
+
+    model = ServiceModel(slots=8, prefill_base=0.003, prefill_per_token=0.000075, decode_base=0.003, decode_per_seq=0.006)
+    slo = "tpot_p50=30ms"  # TPOT = 3 + 6c ms: capacity 4 (as tests/test_capacity.py's live search)
+    truth = true_capacity(model, (60, 8), parse_slos(slo), "concurrency")
+    wl = tmp_path / "fixed.toml"
+    wl.write_text('description = "fixed"\n[[classes]]\nname = "fixed"\nprompt = 60\noutput = 8\n')
+    with ServiceModelProcess(model) as url:
+        args = ["capacity", "--url", url, "--slo", slo, "--mode", "concurrency", "--workload", str(wl), "--workers", "2",
+                "--budget", "60", "--max-probe-s", "10", "--max-samples", "400", "--output-dir", str(tmp_path),
+                "--run-id", "w2", "--timeout", "30"]  # fmt: skip
+        out = subprocess.run([sys.executable, "-c", "from loadgen.cli import main; main()", *args], cwd=ROOT,
+                             capture_output=True, text=True, timeout=400)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    doc = json.loads((tmp_path / "w2" / "capacity.json").read_text())
+    res, probes = doc["result"], doc["result"]["probes"]
+    table = [(p["phase"], p["load"], p["verdict"], p["confident"], p["requests"], p["reason"]) for p in probes]
+    assert doc["config"]["workers"] == 2 and all(p["errors"] == 0 for p in probes), table
+    lo, hi = res["interval"]
+    assert res["status"] == "ok" and lo <= truth < hi, (truth, res["interval"], table)
+    split = [p for p in probes if p["phase"] == "search" and p["load"] >= 2]  # c >= 2: two worker processes
+    assert split, table
+    for p in split:  # decided by the sequential test on live records, before the sample and time caps (10 s)
+        assert p["confident"] and "cap" not in p["reason"] and p["requests"] < 400 and p["seconds"] < 10, table
+        d = Path(p["dir"])
+        assert sorted(f.name for f in (d / "workers").iterdir()) == ["w0.jsonl", "w1.jsonl"]
+        recs = read_jsonl(d / "requests.jsonl")  # both workers' records, the probe's cancelled ones included
+        assert {r["session"] for r in recs} >= {"s1", "s2"} and len(recs) >= p["requests"]
+        assert sum(len(read_jsonl(d / "workers" / f)) for f in ("w0.jsonl", "w1.jsonl")) == len(recs)
