@@ -138,10 +138,12 @@ def wilson_eff(k: int, n: int, z: float, tau: float) -> tuple[float, float]:
     return (max(0.0, c - h), min(1.0, c + h))
 
 
-def correlation_time(series: np.ndarray) -> float:
+def correlation_time(series: np.ndarray, exponential: bool = False) -> float:
     """Integrated autocorrelation time (in requests) of a series in completion order, by batch means over
     ``sqrt(n)`` batches: requests that overlap share the server's state (queue, batch), so n of them carry
-    less than n independent samples' worth of evidence. 1 for a constant or short series."""
+    less than n independent samples' worth of evidence. 1 for a constant or short series. ``exponential``:
+    a series whose correlation decays gradually (a queue's length), whose batch-means value is corrected for
+    the part of the correlation longer than a batch (:func:`_ar1_tau`); at most n (the probe as one sample)."""
     x = np.asarray(series, dtype=float)
     n = x.size
     m = int(math.sqrt(n))
@@ -149,7 +151,25 @@ def correlation_time(series: np.ndarray) -> float:
     if m < 4 or var <= 1e-12 * max(1.0, float(np.abs(x).max()) ** 2):
         return 1.0
     batches = x[: m * m].reshape(m, m).mean(axis=1)
-    return max(1.0, m * float(batches.var()) / var)
+    seen = m * float(batches.var()) / var
+    return min(float(n), _ar1_tau(seen, m)) if exponential else max(1.0, seen)
+
+
+def _ar1_tau(seen: float, b: float) -> float:
+    """The integrated correlation time whose batch means of ``b`` requests show ``seen``: batches as long as the
+    correlation see only part of it (a queue excursion longer than a batch is split across batches), so the
+    batch-means value is inverted under an exponential autocorrelation ``rho^k``, for which it is
+    ``1 + 2·rho/(1-rho) - 2·rho·(1 - rho^b) / (b·(1-rho)^2)``; infinite when ``seen`` reaches ``b`` (batches
+    too short to bound it)."""
+    if seen <= 1:
+        return 1.0
+    if seen >= b:
+        return math.inf
+    lo, hi = 0.0, 1.0
+    for _ in range(50):  # the value grows with rho from 1 (rho 0) to b (rho -> 1)
+        r = (lo + hi) / 2
+        lo, hi = (r, hi) if 1 + 2 * r / (1 - r) - 2 * r * (1 - r**b) / (b * (1 - r) ** 2) < seen else (lo, r)
+    return (1 + lo) / (1 - lo)
 
 
 @dataclass
@@ -163,6 +183,7 @@ class Samples:
     end: list[float] = field(default_factory=list)
     wave: int = 1  # requests that move together: a closed loop's sessions (1: open-loop arrivals)
     rate: float | None = None  # the open-loop arrival rate (None: a closed loop)
+    bursty: bool = False  # random open-loop arrivals (Poisson, gamma), whose bursts queue: see :meth:`overlap`
 
     def add(self, ttft: float | None, tpot: float | None, e2e: float | None, failed: bool,
             sent: float = math.nan, end: float = math.nan) -> None:  # fmt: skip
@@ -186,6 +207,16 @@ class Samples:
         sent, end = np.asarray(self.sent), np.sort(np.asarray(self.end))
         return np.arange(sent.size) - np.searchsorted(end, sent, side="right")
 
+    def overlap(self) -> float:
+        """The correlation floor of a latency SLO's evidence, in requests: a closed loop's sessions move together
+        (one wave); random arrivals come in bursts that queue, and near saturation a queue lasts longer than
+        the probe's batches show, even when no request of it missed the SLO yet: the correlation time of the
+        backlog each request finds (the server's state), corrected for its decay beyond a batch. Constant
+        arrivals do not burst (their backlog is periodic, which batch means do not measure as a decay)."""
+        if not self.bursty or len(self) < 2 or np.isnan(self.sent).any() or np.isnan(self.end).any():
+            return float(self.wave)
+        return max(float(self.wave), correlation_time(self.backlog(), exponential=True))
+
     def steady(self) -> Samples:
         """The requests from the first one that finds as many requests in flight as the probe's second half
         finds on average (the crossing-the-mean rule of simulation output analysis): a probe starts on an
@@ -196,7 +227,7 @@ class Samples:
         backlog = self.backlog()
         k = int(np.argmax(backlog >= backlog[len(self) // 2 :].mean()))
         return Samples({m: v[k:] for m, v in self.values.items()}, self.failed[k:], self.sent[k:], self.end[k:],
-                       self.wave, self.rate)  # fmt: skip
+                       self.wave, self.rate, self.bursty)  # fmt: skip
 
 @dataclass
 class SloCheck:
@@ -234,7 +265,7 @@ def check(samples: Samples, slo: SLO, z: float, confidence: float = 0.95) -> Slo
     # requests that overlap share their latency: a closed loop's wave shares one prefill step (a failure
     # shared by overlapping requests shows in the failures' own correlation time)
     finite = vals[np.isfinite(vals)]
-    wave = samples.wave if slo.metric != "error_rate" else 1
+    wave = samples.overlap() if slo.metric != "error_rate" else 1
     tau = max(correlation_time(miss), correlation_time(finite) if finite.size == n else 1.0, wave)
     lo, hi = wilson_eff(k, n, z, tau)
     if slo.metric == "error_rate":
@@ -392,11 +423,14 @@ def _over(c: SloCheck, s: SLO) -> bool:
 
 
 class Backlog:
-    """Open-loop overload: the backlog (sent, not answered) grows by more than ``share`` of the arrival
-    rate over the second half of the probe, for at least ``min_s`` seconds."""
+    """Open-loop overload, seen before any request of the overload has ended: the backlog (sent, not answered)
+    grows by more than ``share`` of the arrival rate over the second half of the probe (from ``min_s``
+    seconds on), significantly at ``z``: the slope's error counts the backlog's fluctuations about the line
+    as correlated over their batch-means correlation time and at least twice a request's mean residence
+    (Little's law: backlog / rate), since near saturation a random burst lifts the backlog for seconds."""
 
-    def __init__(self, rate: float, share: float = 0.1, min_s: float = 2.0) -> None:
-        self.rate, self.share, self.min_s = rate, share, min_s
+    def __init__(self, rate: float, share: float = 0.1, min_s: float = 2.0, z: float = 2.33) -> None:
+        self.rate, self.share, self.min_s, self.z = rate, share, min_s, z
         self.trace: list[tuple[float, int]] = []
 
     def overloaded(self, t: float, backlog: int) -> str | None:
@@ -407,8 +441,12 @@ class Backlog:
         if len(half) < 4:
             return None
         ts, bs = np.asarray(half, dtype=float).T
-        slope = float(np.polyfit(ts, bs, 1)[0])
-        if slope > self.share * self.rate and backlog > 10:
+        fit = np.polyfit(ts, bs, 1)
+        resid = bs - np.polyval(fit, ts)
+        residence = 2 * float(bs.mean()) / self.rate * (ts.size - 1) / float(ts[-1] - ts[0])  # in trace points
+        se = math.sqrt(float(resid.var()) * max(correlation_time(resid), residence) / float(((ts - ts.mean()) ** 2).sum()))
+        slope = float(fit[0])
+        if slope - self.z * se > self.share * self.rate and backlog > 10:
             return f"backlog growing {slope:.1f} req/s (now {backlog} in flight)"
         return None
 
@@ -540,6 +578,7 @@ class LiveProber:
                 for r in measured:
                     samples.add_record(r)
                 samples.wave, samples.rate = (int(load), None) if spec.process == "closed" else (1, load)
+                samples.bursty = spec.process not in ("closed", "constant")
                 if seq is not None:
                     decision = seq.decide(samples)
             if decision is not None:

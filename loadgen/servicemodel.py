@@ -239,6 +239,7 @@ class SimProber:
                 for x in (tl[k] for k in idx[np.argsort(arrivals[idx], kind="stable")]):
                     samples.add(x.ttft, x.tpot, x.e2e, False, x.arrival, x.end)
                 samples.wave, samples.rate = (int(load), None) if mode == "concurrency" else (1, load)
+                samples.bursty = mode == "rate" and self.process != "constant"
                 if seq is not None:
                     decision = seq.decide(samples)
             if decision is not None:
