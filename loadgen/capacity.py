@@ -202,6 +202,10 @@ class Samples:
     def __len__(self) -> int:
         return len(self.failed)
 
+    def timed(self) -> bool:
+        """Every request has its send and end times (at least two requests): the backlog can be computed."""
+        return len(self) >= 2 and not (np.isnan(self.sent).any() or np.isnan(self.end).any())
+
     def backlog(self) -> np.ndarray:
         """The requests in flight (sent, not ended) that each request finds when it is sent."""
         sent, end = np.asarray(self.sent), np.sort(np.asarray(self.end))
@@ -213,7 +217,7 @@ class Samples:
         the probe's batches show, even when no request of it missed the SLO yet: the correlation time of the
         backlog each request finds (the server's state), corrected for its decay beyond a batch. Constant
         arrivals do not burst (their backlog is periodic, which batch means do not measure as a decay)."""
-        if not self.bursty or len(self) < 2 or np.isnan(self.sent).any() or np.isnan(self.end).any():
+        if not self.bursty or not self.timed():
             return float(self.wave)
         return max(float(self.wave), correlation_time(self.backlog(), exponential=True))
 
@@ -222,7 +226,7 @@ class Samples:
         finds on average (the crossing-the-mean rule of simulation output analysis): a probe starts on an
         idle server (its warm-up is drained), and the requests that fill it are faster than the steady state.
         All of them without send and end times."""
-        if len(self) < 2 or np.isnan(self.sent).any() or np.isnan(self.end).any():
+        if not self.timed():
             return self
         backlog = self.backlog()
         k = int(np.argmax(backlog >= backlog[len(self) // 2 :].mean()))

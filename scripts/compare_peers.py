@@ -127,7 +127,8 @@ def gated(send, timed=lambda args: args):
             if k == wave - 1 and not turns:  # the first wave's earlier requests are at the gate already
                 open(gate + ".waiting-" + me, "w").close()
             await take("turn" if turns else "wave")
-            await asyncio.sleep(settle if turns else 0)
+            if turns:
+                await asyncio.sleep(settle)
             args = timed(args)
         try:
             return await send(*args, **kwargs)
