@@ -4,6 +4,7 @@ SLO set) and the live service-model server on loopback, plus SLO parsing and the
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -23,6 +24,7 @@ from loadgen.capacity import (
     SearchConfig,
     Sequential,
     SloError,
+    _reach,
     check,
     linear_sweep,
     parse_slos,
@@ -394,6 +396,18 @@ def test_a_search_with_short_probes_starts_where_a_probe_can_count_enough_waves(
     first = next(p for p in res.probes if p.phase == "search")
     assert first.load <= 4 and first.confident and first.verdict == "pass", first
     assert res.interval[0] is not None and res.interval[0] <= 7, res.message
+
+
+def test_the_probe_time_reach_counts_a_wave_as_its_probe_measured():
+    """How many sessions can a 4-s probe confirm? With one job size a wave counts once (its requests are
+    alike): 30 waves and the first within 4 s at the probe's throughput. With the job mix the probe at 8
+    sessions measured a wave worth several requests, and the reach is more than twice as high."""
+    slos = parse_slos("e2e_p90=800ms")
+    cfg = SearchConfig("concurrency", max_probe_s=4)
+    mix, one = (run_async(SimProber(SIM, jobs, slos).probe("concurrency", 8, Sequential(slos), 60, 0, "search"))
+                for jobs in (SIM_MIX, SIM_JOB))  # fmt: skip
+    assert one.checks[0].tau == 8 and _reach(cfg, slos, one) == math.floor(one.throughput * 4 / 31)
+    assert mix.checks[0].tau < 4 and _reach(cfg, slos, mix) > 2 * _reach(cfg, slos, one), (mix.checks, one.throughput)
 
 
 def test_a_search_that_cannot_confirm_an_slo_says_how_many_requests_it_needs():
