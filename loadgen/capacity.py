@@ -345,14 +345,16 @@ def lognormal_upper(vals: np.ndarray, q: float, z: float, n_eff: float) -> float
     """Upper confidence bound of the q-quantile of ``vals`` under a lognormal model: the one-sided tolerance
     limit ``exp(mean + k·sd)`` of the log latencies, ``k`` for ``n_eff`` independent samples at ``z``
     (Natrella's approximation of the noncentral-t factor). None when the model cannot say (a failed request,
-    too few effective samples)."""
+    too few effective samples, a bound beyond any float: ``k`` grows without limit as ``n_eff`` falls to
+    ``1 + z²/2``)."""
     a = 1 - z * z / (2 * (n_eff - 1)) if n_eff > 1 else 0.0
     if vals.size < 2 or a <= 0 or not np.isfinite(vals).all() or vals.min() <= 0:
         return None
     zp = NormalDist().inv_cdf(q)
     k = (zp + math.sqrt(max(0.0, zp * zp - a * (zp * zp - z * z / n_eff)))) / a
     logs = np.log(vals)
-    return float(math.exp(logs.mean() + k * logs.std(ddof=1)))
+    bound = logs.mean() + k * logs.std(ddof=1)
+    return float(math.exp(bound)) if bound < math.log(np.finfo(float).max) else None
 
 
 def _rank(s: np.ndarray, r: int) -> float | None:

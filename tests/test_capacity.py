@@ -27,6 +27,7 @@ from loadgen.capacity import (
     _reach,
     check,
     linear_sweep,
+    lognormal_upper,
     parse_slos,
     samples_to_hold,
     search,
@@ -144,6 +145,9 @@ def test_a_latency_far_under_its_slo_passes_on_its_margin():
     slo = parse_slos("ttft_p90=100ms")[0]
     assert check(short, slo, 2.64).state == "open" and check(short, slo, 2.64).value_hi == pytest.approx(0.03)
     assert samples_to_hold(slo, 2.64, 0.95) == 30
+    # just above 1 + z²/2 effective samples the tolerance factor is ~1,700: no bound, not an overflow (a
+    # search with a job mix and 4-s probes crashed on it)
+    assert lognormal_upper(np.array([0.01, 0.1, 1.0, 10.0]), 0.9, 2.64, 4.49) is None
 
 
 # The live known-answer server: 8 slots, prefill 3 ms + 0.075 ms/token, decode step 3 ms + 6 ms per occupied slot.
