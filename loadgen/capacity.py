@@ -258,11 +258,15 @@ class Samples:
         """The requests from the first one that finds as many requests in flight as the probe's second half
         finds on average (the crossing-the-mean rule of simulation output analysis): a probe starts on an
         idle server (its warm-up is drained), and the requests that fill it are faster than the steady state.
-        All of them without send and end times."""
+        A closed loop's whole first wave is left out: its ``wave`` requests are sent at once into the idle
+        server and share one burst of prefill (slower than the steady state, where sessions desynchronise),
+        and the last of them already finds as many in flight as a steady request. All of them without send
+        and end times."""
         if not self.timed():
             return self
         backlog = self.backlog()
         k = int(np.argmax(backlog >= backlog[len(self) // 2 :].mean()))
+        k = max(k, self.wave) if self.rate is None else k
         return Samples({m: v[k:] for m, v in self.values.items()}, self.failed[k:], self.sent[k:], self.end[k:],
                        self.wave, self.rate, self.bursty)  # fmt: skip
 
