@@ -871,8 +871,10 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
                 if p.requests == 0:
                     break
                 continue  # undecided at the highest load: probe it again while the budget lasts
-            nxt = hint if hint is not None and hint > x else x * (cfg.growth if p.confident else 1 + cfg.resolution)
-            x = min(hi_bound, nxt)
+            # no failing end yet: an undecided closed-loop probe moves no end of the bracket, and a clearly
+            # failing one decides within a few waves, so it looks for the failing end at the growth step too
+            up = cfg.growth if p.confident or cfg.mode == "concurrency" else 1 + cfg.resolution
+            x = min(hi_bound, hint if hint is not None and hint > x else x * up)
         elif lo is None:
             if x <= lo_bound:
                 if p.confident:

@@ -20,6 +20,7 @@ from backends.openai import OpenAIBackend
 from loadgen.calibrate import FixedWorkload
 from loadgen.capacity import (
     LiveProber,
+    Probe,
     Samples,
     SearchConfig,
     Sequential,
@@ -421,6 +422,38 @@ def test_a_closed_loops_first_wave_is_not_judged():
     steady = s.steady()
     assert len(steady) == len(s) - 4 and max(steady.values["ttft"]) < 1
     assert check(steady, parse_slos("ttft_p90=2s")[0], 2.64).misses == 0
+
+
+class _Scripted:
+    """A prober whose verdicts are given per load (the search's placement of probes under test, not the
+    statistics): a confident pass up to ``sure``, undecided passes at the time cap up to ``fails``, a
+    confident fail from there; the pilot fails at 4 on point estimates (an idle server's first wave)."""
+
+    def __init__(self, sure: int, fails: int) -> None:
+        self.sure, self.fails = sure, fails
+
+    async def probe(self, mode, load, seq, max_seconds, index, phase) -> Probe:
+        if phase == "pilot":
+            verdict, confident, seconds = ("fail" if load >= 4 else "pass"), False, 10.0
+        else:
+            verdict = "fail" if load >= self.fails else "pass"
+            confident = load <= self.sure or load >= self.fails
+            seconds = 30.0 if load >= self.fails else 60.0 if confident else max_seconds
+        return Probe(index, phase, mode, load, verdict, confident, "scripted", seconds, 100, 0, [], throughput=1.0)
+
+
+def test_with_no_failing_end_an_undecided_closed_loop_probe_grows_the_load():
+    """llama-server live (5a6109c): confirmed passes at 2 and 4 sessions, then 6, 7, 8 each undecided at the
+    180-s cap, and the budget ran out at [4, ?]: the search crept up one resolution step per undecided pass
+    and never looked for the upper end. With no confident fail yet, an undecided probe now grows the load
+    as a confident pass does (6, 9, 14 here), so the search finds a failing end first and closes."""
+    slos = parse_slos("ttft_p90=2s,tpot_p90=150ms")
+    cfg = SearchConfig("concurrency", resolution=0.1, budget_s=900, max_probe_s=180)
+    res = run_async(search(_Scripted(sure=4, fails=12), slos, cfg))
+    loads = [p.load for p in res.probes if p.phase == "search"]
+    assert loads[:5] == [2, 4, 6, 9, 14], loads
+    lo, hi = res.interval
+    assert lo == 4 and hi is not None and hi >= 12, (res.interval, loads)
 
 
 def test_the_probe_time_reach_counts_a_wave_as_its_probe_measured():
