@@ -490,6 +490,9 @@ static inline void store_out(float v, const uint16_t *residual, int64_t res_stri
 #pragma GCC push_options
 #pragma GCC target("avx512vnni")
 
+#ifndef VPREFETCH
+#define VPREFETCH 8192 /* bytes of weights prefetched ahead, rounded up to whole tiles */
+#endif
 #define VBPC(bits) ((bits) == 4 ? 4 : 2) /* blocks per 64 weight bytes */
 
 typedef struct {
@@ -559,6 +562,7 @@ static inline __attribute__((always_inline)) void vnni_tile(const uint8_t *qw, c
     /* lane i of chunk c takes the scale of block (c % (16 / bpc)) * bpc + i / (16 / bpc) of its 16 */
     const __m512i lane_blk = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                                bits == 4 ? 2 : 3);
+    const size_t tile_bytes = (size_t)QNR * nblk * bb, ahead = (VPREFETCH + tile_bytes - 1) / tile_bytes * tile_bytes;
     __m512 acc[QDIRECT][QNR], dw[QNR];
     const uint8_t *rows[QNR];
     size_t srow[QNR];
@@ -588,6 +592,9 @@ static inline __attribute__((always_inline)) void vnni_tile(const uint8_t *qw, c
         const __mmask64 wm = nbc == bpc ? ~(__mmask64)0 : (((__mmask64)1 << (nbc * bb)) - 1);
         const __m512i idx = _mm512_add_epi32(lane_blk, _mm512_set1_epi32(cis * bpc));
         for (int j = 0; j < QNR; j++) {
+            /* the same bytes ahead_tiles tiles on (the weights stream from memory: the hardware prefetcher,
+             * given QNR interleaved row streams, leaves most of the loads waiting) */
+            _mm_prefetch((const char *)rows[j] + (size_t)c * 64 + ahead, _MM_HINT_T0);
             const __m512i w = _mm512_maskz_loadu_epi8(wm, rows[j] + (size_t)c * 64);
             const __m512 s = _mm512_permutexvar_ps(idx, dw[j]);
             for (int m = 0; m < M; m++) {
