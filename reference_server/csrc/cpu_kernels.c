@@ -477,14 +477,15 @@ static inline void store_out(float v, const uint16_t *residual, int64_t res_stri
  * q = round(x / dx)), and VPDPBUSD multiplies 64 weight bytes (unsigned: int4 nibbles as they are, int8 as
  * q + 128) with 64 int8 activations into 16 int32 lanes, 4 products each, exactly. No weight is unpacked to
  * float: per 64 weight bytes (128 int4 or 64 int8 weights) one and + one shift, two (int4) or one (int8)
- * VPDPBUSD, and a float epilogue per lane, acc += (dw * dx) * dot, the scales of the lane's block spread over
- * its lanes by one permute. The int4 minimum enters as m * sum(x) per block (sum of the bf16 x, not of its
- * int8 image), 16 blocks per vector; the int8 offset as the int32 accumulator's start, -128 * sum(q) per lane.
+ * VPDPBUSD, and a float epilogue per lane, acc += (dw * dx) * dot, dw * dx of 16 blocks formed once and spread
+ * over each chunk's lanes by one permute. int4 enters centred, (q - 8) dw + (m + 8 dw) (half the activations'
+ * error of q dw + m): the second part times the bf16 x's own sum per block, 16 blocks per vector, and both
+ * offsets (int4: -8, int8: -128 times each lane's activations) as the int32 accumulator's start.
  * The activations' rounding (at most dx / 2 per element) is the only error beyond float32 summation.
  *
  * The quantised x of one row, in the order the weights are consumed: chunks of 64 weight bytes (VBPC blocks),
  * each 128 (int4: the blocks' elements 0..15, then 16..31, matching the low and the high nibbles) or 64 (int8)
- * activation bytes; dxe: 16 floats per chunk, lane i = dx of the chunk's block i / (16 / VBPC); cor (int8):
+ * activation bytes; dx: every block's dx, zero beyond the last (padded to 16 blocks); cor:
  * 16 int32 per chunk, -128 * the sum of the lane's 4 activations; sx: the bf16 sum of every block, zero
  * beyond the last (padded to 16 blocks). A partial last chunk is zero beyond its last block. */
 #pragma GCC push_options
@@ -497,30 +498,30 @@ static inline void store_out(float v, const uint16_t *residual, int64_t res_stri
 
 typedef struct {
     int8_t *q;
-    float *dxe, *sx;
+    float *dx, *sx;
     int32_t *cor;
 } xquant;
 
-/* Bytes of one row's xquant: q, dxe and cor take at most U = ceil(nblk / 4) * 128 bytes each, sx one float
- * per block rounded up to 16 (every part 64-byte aligned). */
+/* Bytes of one row's xquant: q and cor take at most U = ceil(nblk / 4) * 128 bytes each, dx and sx one
+ * float per block rounded up to 16 (every part 64-byte aligned). */
 static size_t xquant_span(int nblk) { return (size_t)(nblk + 3) / 4 * 128; }
 
-static size_t xquant_bytes(int nblk) { return 3 * xquant_span(nblk) + (size_t)(nblk + 15) / 16 * 64; }
+static size_t xquant_bytes(int nblk) { return 2 * xquant_span(nblk) + 2 * ((size_t)(nblk + 15) / 16 * 64); }
 
 static xquant xquant_at(uint8_t *base, int nblk) {
     const size_t u = xquant_span(nblk);
     xquant r;
     r.q = (int8_t *)base;
-    r.dxe = (float *)(base + u);
-    r.cor = (int32_t *)(base + 2 * u);
-    r.sx = (float *)(base + 3 * u);
+    r.cor = (int32_t *)(base + u);
+    r.dx = (float *)(base + 2 * u);
+    r.sx = r.dx + (nblk + 15) / 16 * 16;
     return r;
 }
 
 static void quantize_x_row(const uint16_t *x, int K, int nblk, int bits, xquant r) {
-    const int bpc = VBPC(bits), lpb = 16 / bpc, nch = (nblk + bpc - 1) / bpc, cb = 64 * 8 / bits;
+    const int bpc = VBPC(bits), nch = (nblk + bpc - 1) / bpc, cb = 64 * 8 / bits;
     memset(r.q, 0, (size_t)nch * cb);
-    memset(r.dxe, 0, (size_t)nch * 64);
+    memset(r.dx, 0, (size_t)(nblk + 15) / 16 * 64);
     memset(r.sx, 0, (size_t)(nblk + 15) / 16 * 64);
     for (int b = 0; b < nblk; b++) {
         const int n = K - b * 32 < 32 ? K - b * 32 : 32;
@@ -538,7 +539,7 @@ static void quantize_x_row(const uint16_t *x, int K, int nblk, int bits, xquant 
         int8_t *dst = r.q + (size_t)c * cb;
         _mm_storeu_si128((__m128i *)(dst + (bits == 4 ? i * 16 : i * 32)), qlo);
         _mm_storeu_si128((__m128i *)(dst + (bits == 4 ? 64 + i * 16 : i * 32 + 16)), qhi);
-        for (int l = 0; l < lpb; l++) r.dxe[c * 16 + i * lpb + l] = amax / 127.f;
+        r.dx[b] = amax / 127.f;
         r.sx[b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
     }
     /* the weights' offset (int8: q + 128; int4: q - 8 is the centred value) times each lane's activations */
@@ -563,25 +564,26 @@ static inline __attribute__((always_inline)) void vnni_tile(const uint8_t *qw, c
     const __m512i lane_blk = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                                bits == 4 ? 2 : 3);
     const size_t tile_bytes = (size_t)QNR * nblk * bb, ahead = (VPREFETCH + tile_bytes - 1) / tile_bytes * tile_bytes;
-    __m512 acc[QDIRECT][QNR], dw[QNR];
+    __m512 acc[QDIRECT][QNR], dwdx[QDIRECT][QNR]; /* dwdx: the 16 blocks' dw * dx, block order */
     const uint8_t *rows[QNR];
     size_t srow[QNR];
     for (int j = 0; j < QNR; j++) {
         const size_t n = (size_t)(n0 + j < N ? n0 + j : N - 1); /* a short tile repeats its last row */
         rows[j] = qw + n * (size_t)nblk * bb;
         srow[j] = n * (size_t)ngroups;
-        dw[j] = _mm512_setzero_ps();
-        for (int m = 0; m < M; m++) acc[m][j] = _mm512_setzero_ps();
+        for (int m = 0; m < M; m++) acc[m][j] = dwdx[m][j] = _mm512_setzero_ps();
     }
     for (int c = 0; c < nch; c++) {
         const int sc = c * bpc / 16, first = c * bpc, cis = c % (16 / bpc); /* its 16 blocks, its place in them */
-        if (cis == 0) { /* 16 blocks' scales (and int4 minimums times the blocks' sums of x) per row */
+        if (cis == 0) { /* 16 blocks' scales times dx (and int4 minimums times the blocks' sums of x) per row */
             const int nb = nblk - sc * 16 < 16 ? nblk - sc * 16 : 16;
             const __mmask16 bm = (__mmask16)((1u << nb) - 1u);
             for (int j = 0; j < QNR; j++) {
-                dw[j] = ngroups == 1 ? _mm512_set1_ps(scale[srow[j]]) : _mm512_maskz_loadu_ps(bm, scale + srow[j] + sc * 16);
+                const __m512 dw =
+                    ngroups == 1 ? _mm512_set1_ps(scale[srow[j]]) : _mm512_maskz_loadu_ps(bm, scale + srow[j] + sc * 16);
+                for (int m = 0; m < M; m++) dwdx[m][j] = _mm512_mul_ps(dw, _mm512_load_ps(xs[m].dx + sc * 16));
                 if (bits == 4) { /* w = (q - 8) d + (m + 8 d) */
-                    const __m512 mn = _mm512_fmadd_ps(dw[j], _mm512_set1_ps(8.f),
+                    const __m512 mn = _mm512_fmadd_ps(dw, _mm512_set1_ps(8.f),
                                                       ngroups == 1 ? _mm512_set1_ps(minv[srow[j]])
                                                                    : _mm512_maskz_loadu_ps(bm, minv + srow[j] + sc * 16));
                     for (int m = 0; m < M; m++) acc[m][j] = _mm512_fmadd_ps(mn, _mm512_loadu_ps(xs[m].sx + sc * 16), acc[m][j]);
@@ -596,7 +598,6 @@ static inline __attribute__((always_inline)) void vnni_tile(const uint8_t *qw, c
              * given QNR interleaved row streams, leaves most of the loads waiting) */
             _mm_prefetch((const char *)rows[j] + (size_t)c * 64 + ahead, _MM_HINT_T0);
             const __m512i w = _mm512_maskz_loadu_epi8(wm, rows[j] + (size_t)c * 64);
-            const __m512 s = _mm512_permutexvar_ps(idx, dw[j]);
             for (int m = 0; m < M; m++) {
                 const int8_t *xq = xs[m].q + (size_t)c * cb;
                 __m512i dot = _mm512_load_si512(xs[m].cor + (size_t)c * 16);
@@ -607,8 +608,7 @@ static inline __attribute__((always_inline)) void vnni_tile(const uint8_t *qw, c
                 } else {
                     dot = _mm512_dpbusd_epi32(dot, w, _mm512_load_si512(xq));
                 }
-                acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, _mm512_load_ps(xs[m].dxe + c * 16)),
-                                            acc[m][j]);
+                acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(idx, dwdx[m][j]), acc[m][j]);
             }
         }
     }
