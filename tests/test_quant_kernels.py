@@ -146,8 +146,11 @@ def test_integer_path_error_is_the_activations_rounding(kind, n, k):
 
 
 def test_int4_groups_wider_than_a_block():
-    w = torch.randn(6, 200, generator=torch.Generator().manual_seed(3))
-    check(quantize_int4(w, group=64), 5, 1)
+    w = quantize_int4(torch.randn(6, 200, generator=torch.Generator().manual_seed(3)), group=64)
+    check(w, 5, 1)
+    # the integer path takes groups of 32 or one per row: these decode rows keep the bf16 path
+    x = torch.randn(2, 200, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    assert torch.equal(kernels().qlinear(x, w, vnni=True), kernels().qlinear(x, w, vnni=False))
 
 
 def test_layer_switches_to_dequantised_matmul_for_many_rows():
