@@ -246,7 +246,7 @@ class SimProber:
                 break
             if seq is None and len(samples) >= cap:
                 decision = pilot_decision(samples, self.slos)
-            elif backlog is not None and (why := backlog.overloaded(t, int(pending.sum()))):
+            elif backlog is not None and (seq is None or not seq.pooled) and (why := backlog.overloaded(t, int(pending.sum()))):
                 decision = Decision("fail", True, why)
             elif last:
                 decision = seq.end(samples, "time cap") if seq is not None else pilot_decision(samples, self.slos)
