@@ -316,7 +316,8 @@ def lognormal_upper(vals: np.ndarray, q: float, z: float, n_eff: float) -> float
     zp = NormalDist().inv_cdf(q)
     k = (zp + math.sqrt(max(0.0, zp * zp - a * (zp * zp - z * z / n_eff)))) / a
     logs = np.log(vals)
-    return float(math.exp(min(700.0, logs.mean() + k * logs.std(ddof=1))))  # a huge factor: no bound
+    bound = logs.mean() + k * logs.std(ddof=1)
+    return float(math.exp(bound)) if bound < math.log(np.finfo(float).max) else None
 
 
 def _rank(s: np.ndarray, r: int) -> float | None:
@@ -934,7 +935,12 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
         if fit is not None and fit.lo is not None and fit.hi is not None and _converged(cfg.mode, fit.lo, fit.hi, cfg.resolution):
             lo, hi, status = fit.lo, fit.hi, "ok"
             break
-        if hi is None and (p.verdict == "pass" or lo is not None):
+        if p.bursty and lo is not None and hi is not None:
+            # random arrivals: a probe alone cannot place the crossing within the resolution (the miss share
+            # rises slowly through it, and a probe that saw no burst looks confident), the pooled fit does
+            near = fit.estimate if fit is not None else _undecided(probes, lo, hi) or math.sqrt(lo * hi)
+            x, pooled = min(max(_beside(near, probes, cfg.resolution), lo_bound), hi_bound), True
+        elif hi is None and (p.verdict == "pass" or lo is not None):
             if x >= hi_bound:
                 if p.confident and p.verdict == "pass":
                     status = "not_saturated"
@@ -958,13 +964,9 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
                 x = max(lo_bound, x / (cfg.growth if p.confident else 1 + cfg.resolution))
             if not p.confident:  # undecided at its time cap: go where a probe can count enough waves
                 x = max(lo_bound, min(x, _reach(cfg, slos, p.throughput)))
-        elif _converged(cfg.mode, lo, hi, cfg.resolution) and not p.bursty:
+        elif _converged(cfg.mode, lo, hi, cfg.resolution):
             status = "ok"
             break
-        elif p.bursty and (near := fit.estimate if fit is not None else _undecided(probes, lo, hi) or math.sqrt(lo * hi)):
-            # random arrivals: a probe alone cannot place the crossing within the resolution (the miss share
-            # rises slowly through it, and a probe that saw no burst looks confident), the pooled fit does
-            x, pooled = min(max(_beside(near, probes, cfg.resolution), lo_bound), hi_bound), True
         else:
             nxt = _next_inside(cfg, probes, lo, hi)
             if nxt is None:
