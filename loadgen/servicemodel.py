@@ -177,12 +177,13 @@ def holds(model_timelines: Sequence[Timeline], slos: Sequence[Any]) -> bool:
 
 def true_capacity(
     model: ServiceModel, job: Job | Sequence[Job], slos: Sequence[Any], mode: str, process: str = "poisson",
-    requests: int = 10000, seeds: int = 2, max_load: float = 4096,
+    requests: int = 10000, seeds: int = 2, max_load: float = 4096, near: float | None = None,
 ) -> float:  # fmt: skip
     """The model's capacity under ``slos``: the highest concurrency (closed loop, steady state after a
     wave; one job: exact, a mix of jobs: over ``requests / 10`` of them) or the highest rate (open loop;
     Poisson: the exceedance over ``seeds`` × ``requests`` arrivals with common random numbers; constant:
-    exact) at which every SLO holds. Rates to 0.2 %."""
+    exact) at which every SLO holds. Rates to 0.2 %. ``near``: a guess of the rate that saves simulations
+    (the bracket still widens until it holds)."""
     if mode == "concurrency":
         c = 1
         while c <= max_load:
@@ -200,7 +201,9 @@ def true_capacity(
         return holds([tl for u in unit for tl in simulate(model, draw(job, requests, np.random.default_rng(0)), np.cumsum(u / rate).tolist())[warm:]],
                      slos)  # fmt: skip
 
-    lo, hi = 1e-3, 1.0
+    lo, hi = (near / 1.1, near * 1.1) if near else (1e-3, 1.0)
+    while near and not ok(lo):
+        lo, hi = lo / 1.1, lo
     while ok(hi):
         lo, hi = hi, hi * 2
         if hi > max_load:
@@ -259,7 +262,7 @@ class SimProber:
                 break
             if seq is None and len(samples) >= cap:
                 decision = pilot_decision(samples, self.slos)
-            elif backlog is not None and (why := backlog.overloaded(t, int(pending.sum()))):
+            elif backlog is not None and (seq is None or not seq.pooled) and (why := backlog.overloaded(t, int(pending.sum()))):
                 decision = Decision("fail", True, why)
             elif last:
                 decision = seq.end(samples, "time cap") if seq is not None else pilot_decision(samples, self.slos)

@@ -16,13 +16,30 @@ from tempfile import TemporaryDirectory
 
 from backends.openai import OpenAIBackend
 from loadgen.calibrate import FixedWorkload
-from loadgen.capacity import LiveProber, SearchConfig, linear_sweep, parse_slos, search
+from loadgen.capacity import LiveProber, SearchConfig, Sequential, linear_sweep, parse_slos, search
 from loadgen.engine import run_async
 from loadgen.servicemodel import ServiceModel, ServiceModelProcess, SimProber, true_capacity
 
 CASES = [("concurrency", "closed", "tpot_p90=9.5ms"), ("concurrency", "closed", "ttft_p99=40ms"),
          ("concurrency", "closed", "e2e_p90=150ms,error_rate=1%"), ("rate", "constant", "tpot_p90=9.5ms"),
          ("rate", "constant", "ttft_p99=40ms"), ("rate", "constant", "ttft_p90=25ms,tpot_p99=11ms")]  # fmt: skip
+POISSON_CASES = [("live", (60, 8), "ttft_p90=60ms"), ("sim", (60, 16), "e2e_p90=150ms"), ("live", (60, 8), "ttft_p90=60ms,tpot_p90=40ms"),
+                 ("sim", (60, 16), "ttft_p99=40ms"), ("sim", (60, 16), "ttft_p90=25ms,tpot_p99=11ms")]  # fmt: skip
+
+
+def fixed_sweep(model: ServiceModel, job: tuple[int, int], slos: list, truth: float, seed: int, probe_s: float) -> tuple[float, float]:
+    """A linear sweep that places the capacity to ±5 % by point estimates: loads 5 %, 10 %, ... of the true
+    capacity, every probe ``probe_s`` long (no early stop), until one fails; returns (the last passing load,
+    probe-seconds)."""
+    prober, x, last, spent = SimProber(model, job, slos, seed=seed), 0.05 * truth, 0.0, 0.0
+    while x < 2 * truth:
+        seq = Sequential(slos, max_samples=10**6, pooled=True)  # one look at the cap: its point estimate
+        p = run_async(prober.probe("rate", x, seq, probe_s, 0, "sweep"))
+        spent += p.seconds
+        if p.verdict == "fail":
+            break
+        last, x = x, x + 0.05 * truth
+    return last, spent
 
 
 def main() -> None:
@@ -30,6 +47,9 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=10, help="virtual-time seeds per case (0: none)")
     ap.add_argument("--live", type=int, default=0, help="also run this many seeds live against the server")
     ap.add_argument("--poisson", type=int, default=0, help="seeds of the Poisson-arrival searches (virtual time)")
+    ap.add_argument("--budget", type=float, default=600.0, help="probe-seconds of the Poisson searches")
+    ap.add_argument("--sweep-s", default="", help="Poisson: probe lengths (s) of a fixed linear sweep that must place "
+                    "the capacity to ±5 %% in >= 90 %% of the seeds, e.g. 30,60,120")
     ap.add_argument("--out", type=Path, default=Path("results/capacity_cost.json"))
     args = ap.parse_args()
     model, job = ServiceModel(), (60, 16)
@@ -81,16 +101,33 @@ def main() -> None:
                          "search_s_median": statistics.median(s_cost), "linear_s_median": statistics.median(l_cost),
                          "ratio": statistics.median(s_cost) / statistics.median(l_cost), "where": "live"})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
-    for slo in ("tpot_p90=9.5ms", "ttft_p99=40ms") if args.poisson else []:  # Poisson: the soft boundary
+    live_model = ServiceModel(slots=8, prefill_base=0.003, prefill_per_token=0.000075, decode_base=0.003,
+                              decode_per_seq=0.006)  # tests/test_capacity.py LIVE  # fmt: skip
+    for m, job, slo in POISSON_CASES if args.poisson else []:  # Poisson: the soft boundary
+        model_p = live_model if m == "live" else model
         slos = parse_slos(slo)
-        truth = true_capacity(model, job, slos, "rate", "poisson")
-        runs = []
+        truth = true_capacity(model_p, job, slos, "rate", "poisson", requests=20000, seeds=4)
+        runs, l_cost = [], []
         for seed in range(args.poisson):
-            res = run_async(search(SimProber(model, job, slos, seed=seed, process="poisson"), slos, SearchConfig("rate")))
+            res = run_async(search(SimProber(model_p, job, slos, seed=seed), slos, SearchConfig("rate", budget_s=args.budget)))
             lo, hi = res.interval
-            runs.append({"status": res.status, "interval": [lo, hi], "probe_s": res.probe_seconds,
+            runs.append({"status": res.status, "interval": [lo, hi], "probe_s": round(res.probe_seconds, 1),
+                         "half_width": None if lo is None or hi is None else round((hi - lo) / (hi + lo), 3),
                          "contains": (lo or 0.0) <= truth <= (hi if hi is not None else float("inf"))})  # fmt: skip
-        rows.append({"mode": "rate", "process": "poisson", "slo": slo, "truth": truth, "runs": runs, "where": "virtual time"})
+            l_cost.append(run_async(linear_sweep(SimProber(model_p, job, slos, seed=seed), slos, SearchConfig("rate"),
+                                                 0.1 * truth))[0])  # fmt: skip
+        s_med = statistics.median(r["probe_s"] for r in runs)
+        rows.append({"mode": "rate", "process": "poisson", "model": m, "slo": slo, "truth": truth, "runs": runs,
+                     "interval_hits": sum(r["contains"] for r in runs),
+                     "resolved": sum(r["contains"] and r["status"] == "ok" for r in runs),
+                     "search_s_median": s_med, "linear_s_median": statistics.median(l_cost),
+                     "ratio": s_med / statistics.median(l_cost), "where": "virtual time"})  # fmt: skip
+        for probe_s in [float(v) for v in args.sweep_s.split(",") if v]:
+            sweeps = [fixed_sweep(model_p, job, slos, truth, seed, probe_s) for seed in range(args.poisson)]
+            within = sum(abs(last / truth - 1) <= 0.05 for last, _ in sweeps)
+            rows[-1].setdefault("fixed_sweeps", []).append(
+                {"probe_s": probe_s, "within_5pct": within, "lasts": [round(x, 2) for x, _ in sweeps],
+                 "probe_s_median": statistics.median(c for _, c in sweeps)})  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=1))
