@@ -172,6 +172,39 @@ def _ar1_tau(seen: float, b: float) -> float:
     return (1 + lo) / (1 - lo)
 
 
+def design_effect(x: np.ndarray, m: int, z: float) -> float:
+    """How many requests count as one independent sample when groups of ``m`` consecutive ones (a closed
+    loop's wave of sessions, in send order) share part of their latency: ``1 + (m - 1)·ICC``, the
+    intra-class correlation at its upper confidence bound at ``z`` from a one-way ANOVA of ``x`` (Searle's
+    interval: the between- over within-group mean squares against the F distribution's lower quantile,
+    :func:`_f_lower`). Sessions that run together share a prefill step or a decode batch, but each also has
+    its own prompt and answer; the data say how much is shared. Between 1 and ``m``, and ``m`` (a wave
+    counts once) where the data cannot tell: fewer than 2 groups, or no spread within them."""
+    g = x.size // m
+    if m < 2 or g < 2:
+        return float(max(1, m))
+    y = np.asarray(x[: g * m], dtype=float).reshape(g, m)
+    within = float(y.var(axis=1, ddof=1).mean())
+    f_lo = _f_lower(z, g - 1, g * (m - 1))
+    if within <= 1e-12 * max(1.0, float(np.abs(y).max()) ** 2) or f_lo <= 0:
+        return float(m)
+    ratio = m * float(y.mean(axis=1).var(ddof=1)) / within / f_lo
+    return min(float(m), max(1.0, m * ratio / (ratio + m - 1)))
+
+
+def _f_lower(z: float, d1: int, d2: int) -> float:
+    """The lower quantile of the F(d1, d2) distribution at ``z`` standard deviations (one-sided), by
+    Paulson's normal approximation of ``F^(1/3)``: it errs low (checked against sampled F quantiles at
+    d1 = 2..49), so the bound built on it is conservative; 0 where it breaks down (d1 of 1 or 2 at small
+    tail shares)."""
+    a, b = 2 / (9 * d1), 2 / (9 * d2)
+    qa, qb, qc = (1 - b) ** 2 - z * z * b, -2 * (1 - a) * (1 - b), (1 - a) ** 2 - z * z * a
+    disc = qb * qb - 4 * qa * qc
+    if qa <= 0 or disc < 0:
+        return 0.0
+    return max(0.0, (-qb - math.sqrt(disc)) / (2 * qa)) ** 3
+
+
 @dataclass
 class Samples:
     """Per-request outcomes of a probe, in send order: the SLO metrics (NaN when undefined, e.g. TPOT of a
@@ -247,6 +280,7 @@ class SloCheck:
     value_lo: float | None  # the percentile's lower bound (order statistic), None: unbounded
     value_hi: float | None  # its upper bound (lognormal tolerance limit), None: none yet
     state: str  # "holds" | "violated" | "open"
+    tau: float = 1.0  # the correlation time the verdict counted (requests per independent sample)
 
 
 def check(samples: Samples, slo: SLO, z: float, confidence: float = 0.95) -> SloCheck:
@@ -266,10 +300,16 @@ def check(samples: Samples, slo: SLO, z: float, confidence: float = 0.95) -> Slo
         miss = vals > slo.limit
     n, k = int(miss.size), int(miss.sum())
     # misses cluster as the latencies do (with no miss yet, the latencies' own clustering stands in), and
-    # requests that overlap share their latency: a closed loop's wave shares one prefill step (a failure
-    # shared by overlapping requests shows in the failures' own correlation time)
+    # requests that overlap share their latency: a closed loop's wave of sessions by the share of their
+    # (log) latency that the data show in common, or wholly when a request failed (a failure shared by
+    # overlapping requests shows in the failures' own correlation time)
     finite = vals[np.isfinite(vals)]
-    wave = samples.overlap() if slo.metric != "error_rate" else 1
+    if slo.metric == "error_rate":
+        wave = 1.0
+    elif samples.rate is None and finite.size == n:
+        wave = design_effect(np.log(finite) if n and finite.min() > 0 else finite, samples.wave, z)
+    else:
+        wave = samples.overlap()
     tau = max(correlation_time(miss), correlation_time(finite) if finite.size == n else 1.0, wave)
     lo, hi = wilson_eff(k, n, z, tau)
     if slo.metric == "error_rate":
@@ -280,7 +320,7 @@ def check(samples: Samples, slo: SLO, z: float, confidence: float = 0.95) -> Slo
         margin = k == 0 and n / tau >= units_to_see(slo, confidence) and vhi is not None and vhi <= slo.limit
         holds = hi <= slo.allowed or margin
     state = "violated" if lo > slo.allowed else "holds" if holds else "open"
-    return SloCheck(slo.key, slo.limit, n, k, lo, hi, value, vlo, vhi, state)
+    return SloCheck(slo.key, slo.limit, n, k, lo, hi, value, vlo, vhi, state, tau)
 
 
 def units_to_see(slo: SLO, confidence: float) -> float:
@@ -305,14 +345,16 @@ def lognormal_upper(vals: np.ndarray, q: float, z: float, n_eff: float) -> float
     """Upper confidence bound of the q-quantile of ``vals`` under a lognormal model: the one-sided tolerance
     limit ``exp(mean + k·sd)`` of the log latencies, ``k`` for ``n_eff`` independent samples at ``z``
     (Natrella's approximation of the noncentral-t factor). None when the model cannot say (a failed request,
-    too few effective samples)."""
+    too few effective samples, a bound beyond any float: ``k`` grows without limit as ``n_eff`` falls to
+    ``1 + z²/2``)."""
     a = 1 - z * z / (2 * (n_eff - 1)) if n_eff > 1 else 0.0
     if vals.size < 2 or a <= 0 or not np.isfinite(vals).all() or vals.min() <= 0:
         return None
     zp = NormalDist().inv_cdf(q)
     k = (zp + math.sqrt(max(0.0, zp * zp - a * (zp * zp - z * z / n_eff)))) / a
     logs = np.log(vals)
-    return float(math.exp(logs.mean() + k * logs.std(ddof=1)))
+    bound = logs.mean() + k * logs.std(ddof=1)
+    return float(math.exp(bound)) if bound < math.log(np.finfo(float).max) else None
 
 
 def _rank(s: np.ndarray, r: int) -> float | None:
@@ -696,14 +738,24 @@ def _converged(mode: str, lo: float, hi: float, res: float) -> bool:
     return hi - lo <= res * (lo + hi) * (1 + 1e-9)
 
 
-def _reach(cfg: SearchConfig, slos: Sequence[SLO], throughput: float | None) -> float:
-    """Concurrency mode: the most sessions whose probe can count the waves a latency SLO needs to hold
-    (:func:`units_to_see`) within ``max_probe_s`` at ``throughput``, after the first wave (on the idle server,
-    not judged: :meth:`Samples.steady`); unbounded without a throughput."""
-    need = max((units_to_see(s, cfg.confidence) for s in slos if s.metric != "error_rate"), default=0.0)
-    if cfg.mode != "concurrency" or not throughput or not need:
+def _reach(cfg: SearchConfig, slos: Sequence[SLO], probe: Probe | None) -> float:
+    """Concurrency mode: the most sessions whose probe can count the independent requests a latency SLO needs
+    to hold (:func:`units_to_see`) within ``max_probe_s`` at ``probe``'s throughput, after the first wave (on
+    the idle server, not judged: :meth:`Samples.steady`). A wave of ``c`` sessions counts as ``c / (1 + (c -
+    1)·icc)`` independent requests, ``icc`` read off the correlation time ``probe``'s verdict counted
+    (:func:`design_effect`; 1, a wave counts once, from one session or a pilot's two waves); unbounded
+    without a throughput."""
+    if cfg.mode != "concurrency" or probe is None or not probe.throughput:
         return math.inf
-    return float(max(1, math.floor(throughput * cfg.max_probe_s / (need + 1))))
+    budget, reach = probe.throughput * cfg.max_probe_s, math.inf
+    for s in slos:
+        c = next((c for c in probe.checks if c.key == s.key), None)
+        if s.metric == "error_rate" or c is None:
+            continue
+        icc = min(1.0, max(0.0, (c.tau - 1) / (probe.load - 1))) if probe.load > 1 else 1.0
+        need = units_to_see(s, cfg.confidence)  # (need·(1 + (x - 1)·icc) + x) requests <= budget, solved for x
+        reach = min(reach, (budget - need * (1 - icc)) / (need * icc + 1))
+    return reach if math.isinf(reach) else float(max(1, math.floor(reach)))
 
 
 def _toward(soft: float, hi: float) -> float:
@@ -788,12 +840,12 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
     # and no higher than the sessions whose waves a probe can count within its time at that throughput
     soft = None
     if cfg.mode == "concurrency" and last_ok is not None:
-        soft = min(last_ok.load, _reach(cfg, slos, last_ok.throughput))
+        soft = min(last_ok.load, _reach(cfg, slos, last_ok))
     estimate = x
     if last_ok is None and first_bad is not None:  # fails already one at a time: confirm at the lowest load
         x = lo_bound
     elif soft is not None and hi is not None:
-        x = _toward(soft, min(hi, _reach(cfg, slos, last_ok.throughput if last_ok else None) + 1))
+        x = _toward(soft, min(hi, _reach(cfg, slos, last_ok) + 1))
 
     # 2. bracket, then bisect; only confident verdicts move the bracket, an undecided probe (the SLO
     # boundary is within its noise) is flanked by probes one resolution step either side
@@ -830,7 +882,7 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
             else:
                 x = max(lo_bound, x / (cfg.growth if p.confident else 1 + cfg.resolution))
             if not p.confident:  # undecided at its time cap: go where a probe can count enough waves
-                x = max(lo_bound, min(x, _reach(cfg, slos, p.throughput)))
+                x = max(lo_bound, min(x, _reach(cfg, slos, p)))
         elif _converged(cfg.mode, lo, hi, cfg.resolution):
             status = "ok"
             break
@@ -871,15 +923,14 @@ def _result(
     z = Sequential(slos, cfg.confidence, cfg.first_look, cfg.max_samples).z
     searched = [p for p in probes if p.phase == "search"]
     short = []
-    for s in slos:  # a closed loop's wave of sessions counts once for a latency SLO
-        have = max((p.requests // (int(p.load) if cfg.mode == "concurrency" and s.metric != "error_rate" else 1)
-                    for p in searched), default=0)  # fmt: skip
+    for s in slos:  # the independent requests each probe's verdict counted (check: n / tau)
+        have = max((math.floor(c.n / c.tau) for p in searched for c in p.checks if c.key == s.key), default=0)
         if have < (need := samples_to_hold(s, z, cfg.confidence)):
             short.append(f"{s.key}: {need}, measured at most {have}")
     if status in ("budget", "unresolved") and any(p.requests for p in searched) and short:
         messages[status] += (f"; confirming an SLO takes at least this many independent requests in one probe, none "
-                             f"missing (a closed loop's wave of sessions counts once): {'; '.join(short)}: raise "
-                             "--max-probe-s or relax the SLO")  # fmt: skip
+                             f"missing (requests that share a closed loop's wave or a queue count as fewer): "
+                             f"{'; '.join(short)}: raise --max-probe-s or relax the SLO")  # fmt: skip
     failing = [p for p in probes if p.verdict == "fail" and p.errors]
     if status == "unreachable" and failing:
         p = failing[-1]

@@ -150,6 +150,18 @@ def simulate(
     return [Timeline(arrive[j], first[j], end[j], jobs[j][1]) for j in range(n)]
 
 
+Job = tuple[int, int]  # (prompt tokens, output tokens)
+
+
+def draw(jobs: Job | Sequence[Job], n: int, rng: np.random.Generator) -> list[Job]:
+    """``n`` jobs in dispatch order: one job repeated, or each drawn at random from a mix of jobs (requests
+    of different lengths, as a real workload sends them)."""
+    if isinstance(jobs[0], int):
+        return [jobs] * n  # type: ignore[list-item]
+    mix = list(jobs)
+    return [mix[i] for i in rng.integers(len(mix), size=n)]  # type: ignore[misc]
+
+
 def latencies(timelines: Sequence[Timeline], metric: str) -> np.ndarray:
     values = [getattr(tl, metric) for tl in timelines]
     return np.asarray([v for v in values if v is not None], dtype=float)
@@ -164,17 +176,18 @@ def holds(model_timelines: Sequence[Timeline], slos: Sequence[Any]) -> bool:
 
 
 def true_capacity(
-    model: ServiceModel, job: tuple[int, int], slos: Sequence[Any], mode: str, process: str = "poisson",
+    model: ServiceModel, job: Job | Sequence[Job], slos: Sequence[Any], mode: str, process: str = "poisson",
     requests: int = 10000, seeds: int = 2, max_load: float = 4096,
 ) -> float:  # fmt: skip
     """The model's capacity under ``slos``: the highest concurrency (closed loop, steady state after a
-    wave) or the highest rate (open loop; Poisson: the exceedance over ``seeds`` × ``requests`` arrivals
-    with common random numbers; constant: exact) at which every SLO holds. Rates to 0.2 %."""
+    wave; one job: exact, a mix of jobs: over ``requests / 10`` of them) or the highest rate (open loop;
+    Poisson: the exceedance over ``seeds`` × ``requests`` arrivals with common random numbers; constant:
+    exact) at which every SLO holds. Rates to 0.2 %."""
     if mode == "concurrency":
         c = 1
         while c <= max_load:
             n = max(requests // 10, 20 * c)
-            if not holds(simulate(model, [job] * (n + 2 * c), concurrency=c)[2 * c :], slos):
+            if not holds(simulate(model, draw(job, n + 2 * c, np.random.default_rng(0)), concurrency=c)[2 * c :], slos):
                 return float(c - 1)
             c += 1
         return math.inf
@@ -184,7 +197,7 @@ def true_capacity(
 
     def ok(rate: float) -> bool:
         warm = requests // 20
-        return holds([tl for u in unit for tl in simulate(model, [job] * requests, np.cumsum(u / rate).tolist())[warm:]],
+        return holds([tl for u in unit for tl in simulate(model, draw(job, requests, np.random.default_rng(0)), np.cumsum(u / rate).tolist())[warm:]],
                      slos)  # fmt: skip
 
     lo, hi = 1e-3, 1.0
@@ -203,7 +216,7 @@ class SimProber:
     loop; decisions are checked every ``tick`` virtual seconds, as the live prober does."""
 
     def __init__(
-        self, model: Any, jobs: tuple[int, int], slos: Sequence[SLO], seed: int = 0, process: str = "poisson",
+        self, model: Any, jobs: Job | Sequence[Job], slos: Sequence[SLO], seed: int = 0, process: str = "poisson",
         tick: float = 0.25,
     ) -> None:  # fmt: skip
         self.model, self.job, self.slos, self.seed, self.process = model, jobs, list(slos), seed, process
@@ -217,11 +230,11 @@ class SimProber:
         cap = seq.max_samples if seq is not None else pilot_requests(int(load))
         # the live prober's warm-up ends before its measured requests start: they start on an idle server
         if mode == "concurrency":
-            tl = simulate(self.model, [self.job] * cap, concurrency=int(load))
+            tl = simulate(self.model, draw(self.job, cap, rng), concurrency=int(load))
         else:
             n = int(max(cap * 1.2, load * max_seconds * 1.2)) + 10
             gaps = rng.exponential(1 / load, n) if self.process == "poisson" else np.full(n, 1 / load)
-            tl = simulate(self.model, [self.job] * n, arrivals=np.cumsum(gaps).tolist())
+            tl = simulate(self.model, draw(self.job, n, rng), arrivals=np.cumsum(gaps).tolist())
         t0 = min(x.arrival for x in tl)
         arrivals = np.asarray([x.arrival - t0 for x in tl])
         ends = np.asarray([x.end - t0 for x in tl])

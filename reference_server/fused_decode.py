@@ -41,7 +41,7 @@ class FusedDecode:
             for layer, kv in zip(model.layers, kv_caches, strict=True)])
         head = model.lm_head
         self.model = QModel(s.n_layers, s.hidden, s.ffn, s.n_heads, s.n_kv_heads, s.head_dim,
-                            model.embed.shape[0], num_blocks, block_size, s.rms_eps, model.rope_cos.shape[0],
+                            model.embed.shape[0], num_blocks, block_size, int(native.vnni), s.rms_eps, model.rope_cos.shape[0],
                             model.embed.data_ptr(), model.rope_cos.data_ptr(), model.rope_sin.data_ptr(),
                             model.norm.weight.data_ptr(), _qmat(head), layers)
         self._keep = (model, kv_caches, layers)

@@ -59,7 +59,7 @@ class QModel(ctypes.Structure):
     """The whole model for ``decode_forward`` (csrc/cpu_kernels.c: qmodel)."""
 
     _fields_ = [(name, ctypes.c_int32) for name in ("n_layers", "hidden", "inter", "n_heads", "n_kv_heads", "head_dim",
-                                                    "vocab", "num_blocks", "block_size")] + [
+                                                    "vocab", "num_blocks", "block_size", "vnni")] + [
         ("eps", ctypes.c_float), ("rope_len", ctypes.c_int64), ("embed", ctypes.c_void_p),
         ("rope_cos", ctypes.c_void_p), ("rope_sin", ctypes.c_void_p), ("norm", ctypes.c_void_p), ("head", QMat),
         ("layers", ctypes.POINTER(QLayer))]
@@ -68,7 +68,8 @@ class QModel(ctypes.Structure):
 class CpuKernels:
     """The loaded kernels. Tensors are bf16 on CPU; block ids must come from the block manager (< blocks)."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, vnni: bool) -> None:
+        self.vnni = vnni  # the CPU has AVX512-VNNI: integer dot products for decode-size quantised linears
         ptr = ctypes.c_void_p
         self._attn = lib.paged_decode_attention_bf16
         self._attn.restype = ctypes.c_int
@@ -93,10 +94,11 @@ class CpuKernels:
         self._silu.argtypes = [ptr, ptr, ctypes.c_int, ctypes.c_int]
         self._qlinear = lib.qlinear_bf16
         self._qlinear.restype = ctypes.c_int
-        self._qlinear.argtypes = [ptr, ctypes.c_int64, ptr, ptr, ptr, ptr, ctypes.c_int64, ptr] + [ctypes.c_int] * 5
+        self._qlinear.argtypes = [ptr, ctypes.c_int64, ptr, ptr, ptr, ptr, ctypes.c_int64, ptr] + [ctypes.c_int] * 6
         self._decode = lib.decode_forward
         self._decode.restype = ctypes.c_int
         self._decode.argtypes = [ctypes.POINTER(QModel)] + [ptr] * 5 + [ctypes.c_int] * 3 + [ptr]
+        self.direct_rows: int = lib.qlinear_direct_rows()  # up to this many rows x goes straight to the weights
         self._qdequant = lib.qdequant_bf16
         self._qdequant.restype = ctypes.c_int
         self._qdequant.argtypes = [ptr] * 4 + [ctypes.c_int] * 4
@@ -158,8 +160,11 @@ class CpuKernels:
         self._silu(gate_up.data_ptr(), out.data_ptr(), t, i2 // 2)
         return out
 
-    def qlinear(self, x: torch.Tensor, w: QuantWeight, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """``x @ W.T (+ residual)`` for bf16 ``x`` [M, K] (rows may be strided) and a quantised ``W`` (quant.py)."""
+    def qlinear(self, x: torch.Tensor, w: QuantWeight, residual: torch.Tensor | None = None,
+                vnni: bool | None = None) -> torch.Tensor:
+        """``x @ W.T (+ residual)`` for bf16 ``x`` [M, K] (rows may be strided) and a quantised ``W`` (quant.py).
+        ``vnni``: the int8-activation integer path for up to 3 rows (default: where the CPU has it; False
+        forces the bf16 path)."""
         m, k = x.shape
         if not (x.dtype == torch.bfloat16 and x.stride(1) == 1 and k == w.k and w.qweight.is_contiguous()
                 and w.scale.is_contiguous() and w.minimum.is_contiguous()):
@@ -170,7 +175,8 @@ class CpuKernels:
         out = torch.empty((m, w.n), dtype=torch.bfloat16)
         rc = self._qlinear(x.data_ptr(), x.stride(0), w.qweight.data_ptr(), w.scale.data_ptr(), w.minimum.data_ptr(),
                            None if residual is None else residual.data_ptr(),
-                           0 if residual is None else residual.stride(0), out.data_ptr(), m, w.n, k, w.bits, w.group)
+                           0 if residual is None else residual.stride(0), out.data_ptr(), m, w.n, k, w.bits, w.group,
+                           int(self.vnni if vnni is None else vnni))
         if rc != 0:
             raise ValueError(f"qlinear: {w.bits}-bit weights in groups of {w.group} unsupported")
         return out
@@ -287,6 +293,6 @@ def cpu_kernels() -> CpuKernels | str:
         except (OSError, subprocess.SubprocessError) as e:
             return f"cannot build {SOURCE.name} into {out_dir}: {e}"
     try:
-        return CpuKernels(ctypes.CDLL(str(so)))
+        return CpuKernels(ctypes.CDLL(str(so)), "avx512_vnni" in cpu)
     except OSError as e:
         return f"cannot load {so}: {e}"

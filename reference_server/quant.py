@@ -10,9 +10,12 @@ int8 8 (+ one float32 scale per output channel), int4 4.5-5 (a scale and a minim
 * ``int8``: Q8_0 tensors block for block (int8, a scale per 32); others per output channel, symmetric
   (``w = q * s``, ``q`` in -127..127), re-quantised from the GGUF's values.
 
-The native kernel (``qlinear_bf16`` in csrc/cpu_kernels.c) dequantises weights in registers and multiplies
-with VDPBF16PS; for many rows (prefill) the layer dequantises the whole weight once into bf16 and lets
-oneDNN run the matmul."""
+The native kernel (``qlinear_bf16`` in csrc/cpu_kernels.c), for up to 3 rows (decode at low concurrency):
+on CPUs with AVX512-VNNI, integer dot products of the weights' bytes with x quantised to int8 per block of
+32 (as llama.cpp's Q8_1 activations: the activations' rounding is this path's accuracy cost), else the
+weights unpacked to bf16 in registers and VDPBF16PS; for 4-32 rows weights dequantised to bf16 tiles in
+L1 and VDPBF16PS; for more (prefill) the layer dequantises the whole weight once into bf16 and lets oneDNN
+run the matmul."""
 
 from __future__ import annotations
 
@@ -36,7 +39,8 @@ _FLOAT = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGM
 @dataclass
 class QuantWeight:
     """A weight [N, K] as packed blocks of 32 along K (layout in csrc/cpu_kernels.c): ``qweight`` uint8
-    [N, ceil(K / 32) * bits * 4], ``scale`` / ``minimum`` float32 [N, groups]."""
+    [N, ceil(K / 32) * bits * 4] (int4: two nibbles a byte; int8: ``q + 128``, the unsigned operand of the
+    integer dot product), ``scale`` / ``minimum`` float32 [N, groups]."""
 
     qweight: torch.Tensor
     scale: torch.Tensor
@@ -60,7 +64,7 @@ class QuantWeight:
         if self.bits == 4:
             q = torch.cat((q & 15, q >> 4), dim=-1).float()  # low nibbles: elements 0..15, high: 16..31
         else:
-            q = q.view(torch.int8).float()
+            q = q.float() - 128
         q = q.reshape(self.n, nblk * 32)
         per = self.group
         s = self.scale.repeat_interleave(per, dim=1)[:, : nblk * 32]
@@ -100,13 +104,14 @@ def quantize_int8(w: torch.Tensor) -> QuantWeight:
     kp = -(-k // 32) * 32
     s = w.float().abs().amax(-1) / 127
     q = torch.round(w.float() / s.clamp_min(1e-30)[:, None]).clamp(-127, 127).to(torch.int8)
-    packed = F.pad(q, (0, kp - k)).view(torch.uint8).contiguous()
+    packed = (F.pad(q, (0, kp - k)).view(torch.uint8) ^ 128).contiguous()
     return QuantWeight(packed, s[:, None].contiguous(), torch.zeros(n, 1), 8, kp, k)
 
 
 def from_gguf_blocks(raw: np.ndarray, kind: gguf.GGMLQuantizationType, n: int, k: int) -> QuantWeight:
     """The GGUF blocks of an [N, K] tensor (K % 32 == 0) as they are: Q4_0 (f16 d, 16 bytes of nibbles,
-    ``w = (q - 8) d``), Q4_1 (f16 d, f16 m, 16 bytes, ``w = q d + m``) or Q8_0 (f16 d, 32 int8, ``w = q d``)."""
+    ``w = (q - 8) d``), Q4_1 (f16 d, f16 m, 16 bytes, ``w = q d + m``) or Q8_0 (f16 d, 32 int8, ``w = q d``;
+    held as ``q + 128``)."""
     head = {gguf.GGMLQuantizationType.Q4_0: 2, gguf.GGMLQuantizationType.Q4_1: 4, gguf.GGMLQuantizationType.Q8_0: 2}[kind]
     bits = 8 if kind == gguf.GGMLQuantizationType.Q8_0 else 4
     blocks = raw.reshape(n, k // 32, head + bits * 4)
@@ -115,7 +120,7 @@ def from_gguf_blocks(raw: np.ndarray, kind: gguf.GGMLQuantizationType, n: int, k
         m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
     else:
         m = -8 * d if bits == 4 else np.zeros_like(d)
-    qs = np.ascontiguousarray(blocks[..., head:]).reshape(n, -1)
+    qs = np.ascontiguousarray(blocks[..., head:]).reshape(n, -1) ^ (128 if bits == 8 else 0)
     return QuantWeight(torch.from_numpy(qs), torch.from_numpy(d), torch.from_numpy(np.ascontiguousarray(m)), bits, 32, k)
 
 

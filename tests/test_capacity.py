@@ -4,6 +4,7 @@ SLO set) and the live service-model server on loopback, plus SLO parsing and the
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -23,8 +24,10 @@ from loadgen.capacity import (
     SearchConfig,
     Sequential,
     SloError,
+    _reach,
     check,
     linear_sweep,
+    lognormal_upper,
     parse_slos,
     samples_to_hold,
     search,
@@ -36,6 +39,7 @@ from loadgen.servicemodel import ServiceModel, ServiceModelProcess, SimProber, s
 
 SIM = ServiceModel()  # 8 slots, prefill 4 ms + 0.1 ms/token, decode step 4 ms + 1 ms per occupied slot
 SIM_JOB = (60, 16)
+SIM_MIX = [(p, o) for p in range(20, 401, 20) for o in range(2, 41, 2)]  # each request its own lengths
 
 
 def test_parse_slos_and_malformed_keys_are_named():
@@ -60,12 +64,13 @@ def test_simulator_matches_the_closed_form_below_the_slots():
     assert true_capacity(SIM, SIM_JOB, parse_slos("tpot_p90=9.5ms"), "concurrency") == 5
 
 
-def _lognormal_waves(share_over: float, wave: int, scale: float = 1.0):
-    """Closed-loop-like latencies: waves of ``wave`` requests share one lognormal value (5 % jitter each),
-    ``share_over`` of them above 100 ms (times ``scale``)."""
+def _lognormal_waves(share_over: float, wave: int, scale: float = 1.0, icc: float = 0.99):
+    """Closed-loop-like latencies: lognormal, ``share_over`` of them above 100 ms (times ``scale``); waves of
+    ``wave`` requests share ``icc`` of the log latency's variance (0.99: one value, 5 % jitter each; 0: each
+    request its own)."""
     thr = np.exp(0.5 * NormalDist().inv_cdf(1 - share_over))
-    return lambda rng: (np.repeat(rng.lognormal(0, 0.5, 600 // wave + 1) / thr * 0.1, wave)[:600]
-                        * rng.normal(1, 0.05, 600) * scale)  # fmt: skip
+    return lambda rng: np.exp(0.5 * (np.repeat(rng.normal(0, icc**0.5, 600 // wave + 1), wave)[:600]
+                                     + rng.normal(0, (1 - icc) ** 0.5, 600))) / thr * 0.1 * scale  # fmt: skip
 
 
 def _bimodal_waves(share_slow: float, wave: int):
@@ -93,15 +98,19 @@ def test_sequential_decisions_are_calibrated():
     at 12 % over the limit (truly violated) a confident pass, at 9 % or 8 % (truly holds) a confident fail;
     with misses in bursts of 10 requests (4 % of them: holds), where counting each request as independent
     evidence (no correlation time) fails ~16 % of the probes; with closed-loop waves of 8 requests sharing
-    their latency (the sessions as the correlation floor: without it ~7-13 % of these verdicts are wrong);
-    and with a bimodal tail that the lognormal margin model does not fit (12 % of waves slow: the floor of
-    independent requests keeps its confident passes rare)."""
+    their latency (the wave's design effect as the correlation floor: counting each request once, ~7-13 % of
+    these verdicts are wrong), sharing half of it, or none; and with a bimodal tail that the lognormal margin
+    model does not fit (12 % of waves slow: the floor of independent requests keeps its confident passes
+    rare)."""
     cases = [
         (lambda rng: rng.uniform(0, 0.1 / 0.88, 600), 1, "pass"),
         (lambda rng: rng.uniform(0, 0.1 / 0.91, 600), 1, "fail"),
         (lambda rng: np.where(np.repeat(rng.random(60) < 0.04, 10), 0.2, rng.uniform(0, 0.1, 600)), 1, "fail"),
         (_lognormal_waves(0.12, 8), 8, "pass"),
         (_lognormal_waves(0.08, 8), 8, "fail"),
+        (_lognormal_waves(0.12, 8, icc=0.5), 8, "pass"),
+        (_lognormal_waves(0.08, 8, icc=0.5), 8, "fail"),
+        (_lognormal_waves(0.12, 8, icc=0.0), 8, "pass"),
         (_bimodal_waves(0.12, 8), 8, "pass"),
     ]
     for i, (values, wave, wrong_verdict) in enumerate(cases):
@@ -117,16 +126,28 @@ def test_sequential_decisions_are_calibrated():
 def test_a_latency_far_under_its_slo_passes_on_its_margin():
     """Waves of 8 requests sharing one latency, the p90 at a third of the limit: a confident pass after 30
     waves (the floor: 240 requests, the look at 345; 199 of 200 seeds there), where the Wilson bound on zero misses needs ~63
-    independent waves (~500 requests); and none before the floor of independent requests."""
+    independent waves (~500 requests); and none before the floor of independent requests. When each request
+    of a wave has its own latency (intra-class correlation 0), the wave's design effect (its ICC's upper
+    bound) credits them: a pass after at most 153 requests (19 waves) in >= 190 of 200 seeds (102: 121 of
+    them); half the variance shared falls between (230 requests in most seeds)."""
     runs = _verdicts(_lognormal_waves(0.10, 8, scale=0.3), 8)
     assert all(v == "pass" and confident for v, confident, _ in runs), runs[:5]
     assert sum(n <= 345 for _, _, n in runs) >= 190, sorted(n for _, _, n in runs)[-10:]
+    assert all(n > 240 for _, _, n in runs), sorted(n for _, _, n in runs)[:5]
+    own = _verdicts(_lognormal_waves(0.10, 8, scale=0.3, icc=0.0), 8)
+    assert all(v == "pass" and confident for v, confident, _ in own), own[:5]
+    assert sum(n <= 153 for _, _, n in own) >= 190, sorted(n for _, _, n in own)[-10:]
+    half = _verdicts(_lognormal_waves(0.10, 8, scale=0.3, icc=0.5), 8)
+    assert 153 < float(np.median([n for _, _, n in half])) <= 345, sorted(n for _, _, n in half)
     short = Samples(wave=8)
     for v in np.full(230, 0.03):
         short.add(v, None, v, False)
     slo = parse_slos("ttft_p90=100ms")[0]
     assert check(short, slo, 2.64).state == "open" and check(short, slo, 2.64).value_hi == pytest.approx(0.03)
     assert samples_to_hold(slo, 2.64, 0.95) == 30
+    # just above 1 + z²/2 effective samples the tolerance factor is ~1,700: no bound, not an overflow (a
+    # search with a job mix and 4-s probes crashed on it)
+    assert lognormal_upper(np.array([0.01, 0.1, 1.0, 10.0]), 0.9, 2.64, 4.49) is None
 
 
 # The live known-answer server: 8 slots, prefill 3 ms + 0.075 ms/token, decode step 3 ms + 6 ms per occupied slot.
@@ -178,6 +199,31 @@ def test_search_interval_contains_the_true_capacity_in_virtual_time(mode, proces
     step = max(1.0, round(0.1 * truth)) if mode == "concurrency" else 0.1 * truth
     lin = run_async(linear_sweep(SimProber(SIM, SIM_JOB, slos, seed=0, process=process), slos, SearchConfig(mode), step))
     assert float(np.median(cost)) <= 0.5 * lin[0], (cost, lin[0])
+
+
+def test_a_closed_loop_wave_of_requests_with_their_own_lengths_counts_more_than_once():
+    """Sessions that each send their own prompt and answer lengths (the job mix) share only the decode batch,
+    so within a wave their E2E latencies mostly differ: at 8 sessions, well under the capacity (18) for
+    e2e_p90=800ms, every seed's probe is a confirmed pass before 30 waves (240 requests); one job size for
+    all (every request's latency the same, so the data cannot show the wave's independent part) still needs
+    the 30 waves. A search with the job mix (its true capacity 8 by simulation of 2,000 requests per
+    concurrency) contains the truth at the adjacent-integer resolution in >= 9 of 10 seeds; counting each wave
+    once, its probes at 8 and 9 sessions stayed undecided and the searches ended `unresolved` at [7, 10]."""
+    slos = parse_slos("e2e_p90=800ms")
+    for seed in range(10):
+        mix, one = (run_async(SimProber(SIM, jobs, slos, seed=seed).probe("concurrency", 8, Sequential(slos), 60, 0, "search"))
+                    for jobs in (SIM_MIX, SIM_JOB))  # fmt: skip
+        assert mix.verdict == "pass" and mix.confident and mix.requests < 240, (seed, mix.requests, mix.reason)
+        assert one.verdict == "pass" and one.confident and one.requests > 240, (seed, one.requests, one.reason)
+    slos = parse_slos("e2e_p90=470ms")
+    truth = true_capacity(SIM, SIM_MIX, slos, "concurrency", requests=20000)
+    assert truth == 8
+    hits = 0
+    for seed in range(10):
+        res = run_async(search(SimProber(SIM, SIM_MIX, slos, seed=seed), slos, SearchConfig("concurrency")))
+        lo, hi = res.interval
+        hits += res.status == "ok" and lo is not None and hi is not None and lo <= truth < hi
+    assert hits >= 9, (truth, hits)
 
 
 POISSON_CASES = [
@@ -354,6 +400,18 @@ def test_a_search_with_short_probes_starts_where_a_probe_can_count_enough_waves(
     first = next(p for p in res.probes if p.phase == "search")
     assert first.load <= 4 and first.confident and first.verdict == "pass", first
     assert res.interval[0] is not None and res.interval[0] <= 7, res.message
+
+
+def test_the_probe_time_reach_counts_a_wave_as_its_probe_measured():
+    """How many sessions can a 4-s probe confirm? With one job size a wave counts once (its requests are
+    alike): 30 waves and the first within 4 s at the probe's throughput. With the job mix the probe at 8
+    sessions measured a wave worth several requests, and the reach is more than twice as high."""
+    slos = parse_slos("e2e_p90=800ms")
+    cfg = SearchConfig("concurrency", max_probe_s=4)
+    mix, one = (run_async(SimProber(SIM, jobs, slos).probe("concurrency", 8, Sequential(slos), 60, 0, "search"))
+                for jobs in (SIM_MIX, SIM_JOB))  # fmt: skip
+    assert one.checks[0].tau == 8 and _reach(cfg, slos, one) == math.floor(one.throughput * 4 / 31)
+    assert mix.checks[0].tau < 4 and _reach(cfg, slos, mix) > 2 * _reach(cfg, slos, one), (mix.checks, one.throughput)
 
 
 def test_a_search_that_cannot_confirm_an_slo_says_how_many_requests_it_needs():

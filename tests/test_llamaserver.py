@@ -99,8 +99,9 @@ def test_default_bench_run_has_no_errors(server16, tmp_path, concurrency):
 
 def test_plain_openai_dialect_keeps_alive_without_errors(server16, tmp_path):
     """`--backend openai` keeps connections alive; llama-server closes them after streams and the
-    client resends those requests once on a fresh connection (the issue's 24-of-48 failures)."""
-    recs = default_cli_run(server16.base_url, tmp_path, 16, backend="llamacpp", args=("--backend", "openai"))
+    client resends those requests once on a fresh connection (the issue's 24-of-48 failures). 48 requests:
+    two wave boundaries where 16 finished streams' connections are reused at once."""
+    recs = default_cli_run(server16.base_url, tmp_path, 16, backend="llamacpp", n=48, args=("--backend", "openai"))
     assert sum(r["retries"] for r in recs) > 0  # the race happened and was absorbed
 
 

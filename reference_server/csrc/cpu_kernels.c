@@ -366,7 +366,7 @@ void argmax_rows_f32(const float *x, int64_t *out, int B, int V) {
  *
  * w is stored quantised, row n in blocks of 32 along k: bits 4 -> 16 bytes per block (byte j holds element
  * j in its low nibble and element j + 16 in its high nibble, GGUF's Q4_0/Q4_1 layout), unsigned 0..15;
- * bits 8 -> 32 signed bytes. Each group of `group` elements (a multiple of 32) has a scale and a minimum:
+ * bits 8 -> 32 bytes q + 128 (offset binary: the unsigned operand of VPDPBUSD, see vnni_rows). Each group of `group` elements (a multiple of 32) has a scale and a minimum:
  * w = bf16(q * scale + min), the value the bf16 model would hold (q * d + m rounded once more to bf16, as
  * dequantising to float32 and then to bf16 does). The weights are dequantised in registers into a small
  * per-thread bf16 tile (NR rows) that stays in L1, then every MR x NR block of the output is a run of
@@ -382,8 +382,8 @@ static inline void dequant_block(const uint8_t *src, int bits, __m512 scale, __m
         lo = _mm512_and_si512(v, _mm512_set1_epi32(15));
         hi = _mm512_srli_epi32(v, 4);
     } else {
-        lo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src));
-        hi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 16)));
+        lo = _mm512_cvtepi8_epi32(_mm_xor_si128(_mm_loadu_si128((const __m128i *)src), _mm_set1_epi8(-128)));
+        hi = _mm512_cvtepi8_epi32(_mm_xor_si128(_mm_loadu_si128((const __m128i *)(src + 16)), _mm_set1_epi8(-128)));
     }
     /* mul then add, two roundings: the same float32 as numpy's q * d + m in the GGUF reader */
     const __m512 flo = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lo), scale), minv);
@@ -420,8 +420,10 @@ static inline __m512bh raw_block(const uint8_t *src, int bits) {
         const __m512i v = _mm512_srlv_epi16(b, shift);
         return (__m512bh)_mm512_ternarylogic_epi32(v, _mm512_set1_epi16(0x000f), _mm512_set1_epi16(0x4300), 0xea);
     }
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 16))));
+    const __m128i sign = _mm_set1_epi8(-128);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_xor_si128(_mm_loadu_si128((const __m128i *)src), sign)));
+    const __m512 hi = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_xor_si128(_mm_loadu_si128((const __m128i *)(src + 16)), sign)));
     return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
@@ -470,14 +472,191 @@ static inline void store_out(float v, const uint16_t *residual, int64_t res_stri
         out[(size_t)m * N + n] = r;
 }
 
+/* With AVX512-VNNI (chosen at run time: vnni = 1), 1..QDIRECT rows take integer dot products instead, as
+ * llama.cpp's Q4_1 x Q8_1: each row of x is quantised once per call to int8 per block of 32 (dx = max|x| / 127,
+ * q = round(x / dx)), and VPDPBUSD multiplies 64 weight bytes (unsigned: int4 nibbles as they are, int8 as
+ * q + 128) with 64 int8 activations into 16 int32 lanes, 4 products each, exactly. No weight is unpacked to
+ * float: per 64 weight bytes (128 int4 or 64 int8 weights) one and + one shift, two (int4) or one (int8)
+ * VPDPBUSD, and a float epilogue per lane, acc += (dw * dx) * dot, dw * dx of 16 blocks formed once and spread
+ * over each chunk's lanes by one permute. int4 enters centred, (q - 8) dw + (m + 8 dw) (half the activations'
+ * error of q dw + m): the second part times the bf16 x's own sum per block, 16 blocks per vector, and both
+ * offsets (int4: -8, int8: -128 times each lane's activations) as the int32 accumulator's start.
+ * The activations' rounding (at most dx / 2 per element) is the only error beyond float32 summation.
+ *
+ * The quantised x of one row, in the order the weights are consumed: chunks of 64 weight bytes (VBPC blocks),
+ * each 128 (int4: the blocks' elements 0..15, then 16..31, matching the low and the high nibbles) or 64 (int8)
+ * activation bytes; dx: every block's dx, zero beyond the last (padded to 16 blocks); cor:
+ * 16 int32 per chunk, -128 * the sum of the lane's 4 activations; sx: the bf16 sum of every block, zero
+ * beyond the last (padded to 16 blocks). A partial last chunk is zero beyond its last block. */
+#pragma GCC push_options
+#pragma GCC target("avx512vnni")
+
+#ifndef VPREFETCH
+#define VPREFETCH 8192 /* bytes of weights prefetched ahead, rounded up to whole tiles */
+#endif
+#define VBPC(bits) ((bits) == 4 ? 4 : 2) /* blocks per 64 weight bytes */
+
+typedef struct {
+    int8_t *q;
+    float *dx, *sx;
+    int32_t *cor;
+} xquant;
+
+/* Bytes of one row's xquant: q and cor take at most U = ceil(nblk / 4) * 128 bytes each, dx and sx one
+ * float per block rounded up to 16 (every part 64-byte aligned). */
+static size_t xquant_span(int nblk) { return (size_t)(nblk + 3) / 4 * 128; }
+
+static size_t xquant_bytes(int nblk) { return 2 * xquant_span(nblk) + 2 * ((size_t)(nblk + 15) / 16 * 64); }
+
+static xquant xquant_at(uint8_t *base, int nblk) {
+    const size_t u = xquant_span(nblk);
+    xquant r;
+    r.q = (int8_t *)base;
+    r.cor = (int32_t *)(base + u);
+    r.dx = (float *)(base + 2 * u);
+    r.sx = r.dx + (nblk + 15) / 16 * 16;
+    return r;
+}
+
+static void quantize_x_row(const uint16_t *x, int K, int nblk, int bits, xquant r) {
+    const int bpc = VBPC(bits), nch = (nblk + bpc - 1) / bpc, cb = 64 * 8 / bits;
+    memset(r.q, 0, (size_t)nch * cb);
+    memset(r.dx, 0, (size_t)(nblk + 15) / 16 * 64);
+    memset(r.sx, 0, (size_t)(nblk + 15) / 16 * 64);
+    for (int b = 0; b < nblk; b++) {
+        const int n = K - b * 32 < 32 ? K - b * 32 : 32;
+        const __m512i raw = _mm512_maskz_loadu_epi16(n == 32 ? 0xffffffffu : (1u << n) - 1u, x + (size_t)b * 32);
+        const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
+        const __m512 hi =
+            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        const __m128i qlo = _mm512_cvtepi32_epi8(
+            _mm512_cvt_roundps_epi32(_mm512_mul_ps(lo, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        const __m128i qhi = _mm512_cvtepi32_epi8(
+            _mm512_cvt_roundps_epi32(_mm512_mul_ps(hi, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        const int c = b / bpc, i = b % bpc;
+        int8_t *dst = r.q + (size_t)c * cb;
+        _mm_storeu_si128((__m128i *)(dst + (bits == 4 ? i * 16 : i * 32)), qlo);
+        _mm_storeu_si128((__m128i *)(dst + (bits == 4 ? 64 + i * 16 : i * 32 + 16)), qhi);
+        r.dx[b] = amax / 127.f;
+        r.sx[b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    }
+    /* the weights' offset (int8: q + 128; int4: q - 8 is the centred value) times each lane's activations */
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int c = 0; c < nch; c++) {
+        __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_load_si512(r.q + (size_t)c * cb));
+        if (bits == 4) sum = _mm512_dpbusd_epi32(sum, ones, _mm512_load_si512(r.q + (size_t)c * cb + 64));
+        _mm512_store_si512(r.cor + (size_t)c * 16, _mm512_sub_epi32(_mm512_setzero_si512(),
+                                                                    _mm512_slli_epi32(sum, bits == 4 ? 3 : 7)));
+    }
+}
+
+/* One tile of QNR output channels for M (a constant after inlining) rows, into res[m * QNR + j]. Weights:
+ * row n at qw + n * nblk * bb; per-block scales and minimums (group 32: ngroups = nblk) or one per row
+ * (ngroups = 1). */
+static inline __attribute__((always_inline)) void vnni_tile(const uint8_t *qw, const float *scale, const float *minv,
+                                                            int n0, int N, int nblk, int ngroups, int bits,
+                                                            const xquant *xs, const int M, float *res) {
+    const int bb = bits * 4, bpc = VBPC(bits), nch = (nblk + bpc - 1) / bpc, cb = 64 * 8 / bits;
+    const __m512i nib = _mm512_set1_epi8(15);
+    /* lane i of chunk c takes the scale of block (c % (16 / bpc)) * bpc + i / (16 / bpc) of its 16 */
+    const __m512i lane_blk = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                               bits == 4 ? 2 : 3);
+    const size_t tile_bytes = (size_t)QNR * nblk * bb, ahead = (VPREFETCH + tile_bytes - 1) / tile_bytes * tile_bytes;
+    __m512 acc[QDIRECT][QNR], dwdx[QDIRECT][QNR]; /* dwdx: the 16 blocks' dw * dx, block order */
+    const uint8_t *rows[QNR];
+    size_t srow[QNR];
+    for (int j = 0; j < QNR; j++) {
+        const size_t n = (size_t)(n0 + j < N ? n0 + j : N - 1); /* a short tile repeats its last row */
+        rows[j] = qw + n * (size_t)nblk * bb;
+        srow[j] = n * (size_t)ngroups;
+        for (int m = 0; m < M; m++) acc[m][j] = dwdx[m][j] = _mm512_setzero_ps();
+    }
+    for (int c = 0; c < nch; c++) {
+        const int sc = c * bpc / 16, first = c * bpc, cis = c % (16 / bpc); /* its 16 blocks, its place in them */
+        if (cis == 0) { /* 16 blocks' scales times dx (and int4 minimums times the blocks' sums of x) per row */
+            const int nb = nblk - sc * 16 < 16 ? nblk - sc * 16 : 16;
+            const __mmask16 bm = (__mmask16)((1u << nb) - 1u);
+            for (int j = 0; j < QNR; j++) {
+                const __m512 dw =
+                    ngroups == 1 ? _mm512_set1_ps(scale[srow[j]]) : _mm512_maskz_loadu_ps(bm, scale + srow[j] + sc * 16);
+                for (int m = 0; m < M; m++) dwdx[m][j] = _mm512_mul_ps(dw, _mm512_load_ps(xs[m].dx + sc * 16));
+                if (bits == 4) { /* w = (q - 8) d + (m + 8 d) */
+                    const __m512 mn = _mm512_fmadd_ps(dw, _mm512_set1_ps(8.f),
+                                                      ngroups == 1 ? _mm512_set1_ps(minv[srow[j]])
+                                                                   : _mm512_maskz_loadu_ps(bm, minv + srow[j] + sc * 16));
+                    for (int m = 0; m < M; m++) acc[m][j] = _mm512_fmadd_ps(mn, _mm512_loadu_ps(xs[m].sx + sc * 16), acc[m][j]);
+                }
+            }
+        }
+        const int nbc = nblk - first < bpc ? nblk - first : bpc; /* blocks in this chunk */
+        const __mmask64 wm = nbc == bpc ? ~(__mmask64)0 : (((__mmask64)1 << (nbc * bb)) - 1);
+        const __m512i idx = _mm512_add_epi32(lane_blk, _mm512_set1_epi32(cis * bpc));
+        for (int j = 0; j < QNR; j++) {
+            /* the same bytes ahead_tiles tiles on (the weights stream from memory: the hardware prefetcher,
+             * given QNR interleaved row streams, leaves most of the loads waiting) */
+            _mm_prefetch((const char *)rows[j] + (size_t)c * 64 + ahead, _MM_HINT_T0);
+            const __m512i w = _mm512_maskz_loadu_epi8(wm, rows[j] + (size_t)c * 64);
+            for (int m = 0; m < M; m++) {
+                const int8_t *xq = xs[m].q + (size_t)c * cb;
+                __m512i dot = _mm512_load_si512(xs[m].cor + (size_t)c * 16);
+                if (bits == 4) {
+                    dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(w, nib), _mm512_load_si512(xq));
+                    dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(_mm512_srli_epi16(w, 4), nib),
+                                              _mm512_load_si512(xq + 64));
+                } else {
+                    dot = _mm512_dpbusd_epi32(dot, w, _mm512_load_si512(xq));
+                }
+                acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(idx, dwdx[m][j]), acc[m][j]);
+            }
+        }
+    }
+    for (int m = 0; m < M; m++)
+        for (int j = 0; j < QNR; j++) res[m * QNR + j] = _mm512_reduce_add_ps(acc[m][j]);
+}
+
+/* vnni_tile over the calling parallel region's threads; scratch: xquant_bytes(nblk) per row of x, 64-byte
+ * aligned, written by each thread for itself (the same bytes: quantising x costs less than a barrier). */
+static void vnni_rows(const uint16_t *x, int64_t x_stride, const uint8_t *qw, const float *scale, const float *minv,
+                      const uint16_t *residual, int64_t res_stride, uint16_t *out, float *out_f32, int M, int N, int K,
+                      int bits, int ngroups) {
+    const int nblk = (K + 31) / 32, ntiles = (N + QNR - 1) / QNR;
+    uint8_t *scratch = aligned_alloc(64, (size_t)M * xquant_bytes(nblk));
+    xquant xs[QDIRECT];
+    for (int m = 0; m < M; m++) {
+        xs[m] = xquant_at(scratch + (size_t)m * xquant_bytes(nblk), nblk);
+        quantize_x_row(x + (size_t)m * x_stride, K, nblk, bits, xs[m]);
+    }
+#pragma omp for schedule(static)
+    for (int t = 0; t < ntiles; t++) {
+        const int n0 = t * QNR, nr = N - n0 < QNR ? N - n0 : QNR;
+        float res[QDIRECT * QNR];
+        if (M == 1)
+            vnni_tile(qw, scale, minv, n0, N, nblk, ngroups, bits, xs, 1, res);
+        else if (M == 2)
+            vnni_tile(qw, scale, minv, n0, N, nblk, ngroups, bits, xs, 2, res);
+        else
+            vnni_tile(qw, scale, minv, n0, N, nblk, ngroups, bits, xs, 3, res);
+        for (int j = 0; j < nr; j++)
+            for (int m = 0; m < M; m++) store_out(res[m * QNR + j], residual, res_stride, out, out_f32, m, N, n0 + j);
+    }
+    free(scratch);
+}
+#pragma GCC pop_options
+
 /* The work of qlinear_bf16 (arguments checked), shared out over the calling parallel region's threads. The
  * residual may be the output itself (in place: each element is read, then written, by the same thread). */
 static void qlinear_rows(const uint16_t *x, int64_t x_stride, const uint8_t *qw, const float *scale,
                          const float *minv, const uint16_t *residual, int64_t res_stride, uint16_t *out,
-                         float *out_f32, int M, int N, int K, int bits, int group) {
+                         float *out_f32, int M, int N, int K, int bits, int group, int vnni) {
     const int Kp = (K + 31) / 32 * 32, nblk = Kp / 32, bb = bits * 4, ngroups = (Kp + group - 1) / group;
     const int ntiles = (N + QNR - 1) / QNR;
     const __mmask32 tail = K % 32 ? (__mmask32)((1u << (K % 32)) - 1u) : (__mmask32)0xffffffffu;
+    if (M <= QDIRECT && vnni && (group == 32 || ngroups == 1)) {
+        vnni_rows(x, x_stride, qw, scale, minv, residual, res_stride, out, out_f32, M, N, K, bits, ngroups);
+        return;
+    }
     if (M <= QDIRECT) {
         const int per = group / 32;
         float sx[QDIRECT * ngroups]; /* sum of x over each group (every thread its own) */
@@ -541,6 +720,12 @@ static void qlinear_rows(const uint16_t *x, int64_t x_stride, const uint8_t *qw,
     free(tile);
 }
 
+/* Whether this CPU has AVX512-VNNI: the integer path's own condition (the caller may also turn it off). */
+static int cpu_vnni(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni");
+}
+
 static int qlinear_check(int M, int N, int K, int bits, int group) {
     return (bits != 4 && bits != 8) || group < 32 || group % 32 || M < 0 || N < 1 || K < 1 ? -1 : 0;
 }
@@ -549,12 +734,16 @@ static int qlinear_check(int M, int N, int K, int bits, int group) {
  * contiguous. qw: [N, ceil(K / 32) * bits * 4] bytes; scale, minv: [N, ceil(Kp / group)] float32.
  * Returns 0, or -1 for an unsupported layout (nothing written). */
 int qlinear_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *qw, const float *scale, const float *minv,
-                 const uint16_t *residual, int64_t res_stride, uint16_t *out, int M, int N, int K, int bits, int group) {
+                 const uint16_t *residual, int64_t res_stride, uint16_t *out, int M, int N, int K, int bits, int group,
+                 int vnni) {
     if (qlinear_check(M, N, K, bits, group)) return -1;
 #pragma omp parallel
-    qlinear_rows(x, x_stride, qw, scale, minv, residual, res_stride, out, NULL, M, N, K, bits, group);
+    qlinear_rows(x, x_stride, qw, scale, minv, residual, res_stride, out, NULL, M, N, K, bits, group, vnni && cpu_vnni());
     return 0;
 }
+
+/* QDIRECT, for the Python side (tests: which rows take the integer path). */
+int qlinear_direct_rows(void) { return QDIRECT; }
 
 /* The bf16 weight [N, K] contiguous that qlinear_bf16 computes with (for many rows: a bf16 matmul on it). */
 int qdequant_bf16(const uint8_t *qw, const float *scale, const float *minv, uint16_t *out, int N, int K, int bits,
@@ -594,6 +783,7 @@ typedef struct {
 
 typedef struct {
     int32_t n_layers, hidden, inter, n_heads, n_kv_heads, head_dim, vocab, num_blocks, block_size;
+    int32_t vnni; /* 1: the integer dot products for 1..QDIRECT rows where the CPU has them (qlinear_bf16) */
     float eps;
     int64_t rope_len;                               /* positions in the rope tables */
     const uint16_t *embed, *rope_cos, *rope_sin, *norm; /* [vocab, hidden], [rope_len, D] x 2, [hidden] */
@@ -602,9 +792,9 @@ typedef struct {
 } qmodel;
 
 static void qmat_rows(const qmat *w, const uint16_t *x, int64_t x_stride, const uint16_t *residual, int64_t res_stride,
-                      uint16_t *out, float *out_f32, int M) {
+                      uint16_t *out, float *out_f32, int M, int vnni) {
     qlinear_rows(x, x_stride, w->qw, w->scale, w->minv, residual, res_stride, out, out_f32, M, w->n, w->k, w->bits,
-                 w->group);
+                 w->group, vnni);
 }
 
 /* ids, pos, slots, lens: [B]; tables: [B, max_blocks] (as paged_decode_attention); logits: [B, vocab] float32,
@@ -612,7 +802,7 @@ static void qmat_rows(const qmat *w, const uint16_t *x, int64_t x_stride, const 
 int decode_forward(const qmodel *m, const int64_t *ids, const int64_t *pos, const int64_t *slots,
                    const int64_t *tables, const int64_t *lens, int B, int max_blocks, int n_layers, float *logits) {
     const int H = m->n_heads, KVH = m->n_kv_heads, D = m->head_dim, hid = m->hidden, I = m->inter;
-    const int qkv_w = (H + 2 * KVH) * D;
+    const int qkv_w = (H + 2 * KVH) * D, vnni = m->vnni && cpu_vnni();
     const int64_t cache_tokens = (int64_t)m->num_blocks * m->block_size;
     if (B < 1 || n_layers < 0 || n_layers > m->n_layers || I % 16 || D % 2 || D > MAXD
         || attention_check(lens, B, H, KVH, D, m->block_size, max_blocks) || slots_check(slots, B, cache_tokens)
@@ -643,7 +833,7 @@ int decode_forward(const qmodel *m, const int64_t *ids, const int64_t *pos, cons
         for (int l = 0; l < n_layers; l++) {
             const qlayer *L = &m->layers[l];
             rms_norm_rows(x, hid, L->attn_norm, h, B, hid, m->eps);
-            qmat_rows(&L->qkv, h, hid, NULL, 0, qkv, NULL, B);
+            qmat_rows(&L->qkv, h, hid, NULL, 0, qkv, NULL, B, vnni);
             if (L->k_scale) { /* int8 cache: Q and K rotated in place, then K and V quantised into it */
                 rope_rows(qkv, cs, sn, slots, NULL, NULL, B, H, KVH, D, cache_tokens);
                 kv_write_rows(qkv + (size_t)H * D, qkv_w, slots, L->k_cache, L->k_scale, B, KVH, D, m->num_blocks,
@@ -657,14 +847,14 @@ int decode_forward(const qmodel *m, const int64_t *ids, const int64_t *pos, cons
                 attention_items(qkv, qkv_w, L->k_cache, L->v_cache, NULL, NULL, tables, lens, att, B, H, KVH, D,
                                 m->num_blocks, m->block_size, max_blocks, 0);
             }
-            qmat_rows(&L->o, att, (int64_t)H * D, x, hid, x, NULL, B);
+            qmat_rows(&L->o, att, (int64_t)H * D, x, hid, x, NULL, B, vnni);
             rms_norm_rows(x, hid, L->ffn_norm, h, B, hid, m->eps);
-            qmat_rows(&L->gate_up, h, hid, NULL, 0, gu, NULL, B);
+            qmat_rows(&L->gate_up, h, hid, NULL, 0, gu, NULL, B, vnni);
             silu_rows(gu, act, B, I);
-            qmat_rows(&L->down, act, I, x, hid, x, NULL, B);
+            qmat_rows(&L->down, act, I, x, hid, x, NULL, B, vnni);
         }
         rms_norm_rows(x, hid, m->norm, h, B, hid, m->eps);
-        qmat_rows(&m->head, h, hid, NULL, 0, NULL, logits, B);
+        qmat_rows(&m->head, h, hid, NULL, 0, NULL, logits, B, vnni);
     }
     free(buf);
     return 0;
