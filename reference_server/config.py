@@ -41,7 +41,7 @@ class EngineConfig:
     policy: str = "fifo"  # fifo | sjf | priority (see policies.py)
     aging_s: float = 10.0  # sjf/priority: waiting this long counts as one priority level / 64 tokens
     spec: str = "off"  # speculative decoding: off | ngram | draft | self
-    spec_k: int = 4  # most draft tokens per step (adapted per request)
+    spec_k: int = 6  # most draft tokens per step (adapted per request, capped per step by the governor)
     spec_adaptive: bool = True
     spec_max_batch: int = 4  # speculate only while at most this many requests decode
     draft_model: str = ""  # GGUF for --spec draft (same vocabulary as the model)

@@ -259,9 +259,10 @@ class ModelRunner:
             per_seq.append((row, n, end, seq.block_table))
             if end == len(tokens):  # a draft being verified needs the logits of all its positions
                 logit_rows.extend(range(row + n - 1 - len(seq.spec_token_ids), row + n))
-            if n == 1:
-                dec_rows.append(row)
-                dec_seqs.append((seq.block_table, end))
+            if n == 1 or seq.spec_token_ids:  # a decode, or a draft being verified: a decode row per token,
+                for j in range(n):  # each seeing the context up to itself (all its KV is written first)
+                    dec_rows.append(row + j)
+                    dec_seqs.append((seq.block_table, start + j + 1))
             else:
                 prefill_specs.append((row, n, start, seq.block_table[: -(-end // self.block_size)]))
         for seq in batch.padding:  # recompute the last fed position: same token, same KV, output unused

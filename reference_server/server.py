@@ -654,9 +654,9 @@ FLAG_HELP: dict[str, tuple[str, str]] = {
                             "--draft-model) or self (the model's first --self-draft-layers layers)"),
     "spec_k": ("speculation", "most draft tokens proposed per step"),
     "spec_adaptive": ("speculation", "adapt the draft length per request (grow after full acceptance, "
-                                     "shrink after a rejection), and draft only while steps with drafts "
-                                     "measure more output tokens/s than steps without (per batch size; the "
-                                     "other choice re-tried one step in 16)"),
+                                     "shrink when nothing is kept), and cap it per step at what measures the "
+                                     "most output tokens/s (0 = off, 1, 2, 4, ..., --spec-k; per batch size; "
+                                     "a neighbouring cap re-tried one step in 16)"),
     "spec_max_batch": ("speculation", "speculate only while at most this many requests decode"),
     "draft_model": ("speculation", "GGUF of the draft model for --spec draft (same vocabulary as the model)"),
     "self_draft_layers": ("speculation", "--spec self: how many of the model's layers draft"),

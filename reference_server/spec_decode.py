@@ -40,8 +40,8 @@ class SpecConfig:
     """Speculation settings (one per server)."""
 
     method: SpecMethod = "off"
-    num_draft: int = 4  # the most tokens proposed per step (k)
-    adaptive: bool = True  # grow k after full acceptance, shrink it after a rejection; draft only where it pays
+    num_draft: int = 6  # the most tokens proposed per step (k)
+    adaptive: bool = True  # grow k after full acceptance, shrink it when nothing is kept; cap it where it pays
     max_batch: int = 4  # speculate only while at most this many requests decode in a step
     ngram_max: int = 4  # n-gram lookup tries the longest suffix first ...
     ngram_min: int = 1  # ... down to this length
@@ -167,7 +167,10 @@ def verify_sampled(draft: Draft, target_probs: torch.Tensor, generator: torch.Ge
 
 
 class AdaptiveK:
-    """Per-request draft length: one longer after a fully accepted draft, one shorter after a rejection."""
+    """Per-request draft length: one longer after a fully accepted draft, one shorter after a draft with
+    nothing accepted. A partly accepted draft keeps the length: the match held for a while, and a shorter
+    draft would have lost those tokens while costing about as much (a verification pass costs little
+    more per extra row while decode is bound by weight bytes; the step cost is the governor's business)."""
 
     def __init__(self, k_max: int, adaptive: bool = True) -> None:
         self.k_max, self.adaptive = k_max, adaptive
@@ -176,44 +179,54 @@ class AdaptiveK:
     def update(self, drafted: int, accepted: int) -> None:
         if not self.adaptive or drafted == 0:
             return
-        self.k = min(self.k_max, self.k + 1) if accepted == drafted else max(1, self.k - 1)
+        if accepted == drafted:
+            self.k = min(self.k_max, self.k + 1)
+        elif accepted == 0:
+            self.k = max(1, self.k - 1)
 
 
 class Governor:
-    """Whether drafting pays, per step: the measured output tokens per second of decode-only steps with
-    drafts and without, per number of decoding requests (its own arms for 1, 2, 3-4, 5-8, ...: the step
-    cost grows with the batch while the gain of a draft does not). Each arm keeps an exponential moving
-    average over its steps; once each arm has ``WARMUP`` steps (drafting's first), the better arm runs,
-    and the other one step in ``EXPLORE`` of that batch size, so that a change (the text turns
-    unpredictable, the machine gets busy) is noticed and a wrong choice costs at most that share of the
-    steps. A drafting step counts only when a draft was found (:meth:`SpecDecoder.propose`). What it
-    measures is the whole step: the proposer's time, the longer verification pass, the acceptance, all in
-    one number."""
+    """How many draft tokens pay, per step: the measured output tokens per second of decode-only steps
+    under each draft cap (the most draft tokens any request gets in the step: 0 = off, 1, 2, 4, ...,
+    ``k_max``), per number of decoding requests (its own arms for 1, 2, 3-4, 5-8, ...: the step cost
+    grows with the rows of the batch while the gain of a draft does not). Each arm keeps an exponential
+    moving average over its steps; once each arm has ``WARMUP`` steps (the longest drafts first), the best
+    arm runs, and one step in ``EXPLORE`` of that batch size tries a neighbouring cap (one shorter, one
+    longer, in turn), so that a change (the text turns unpredictable, the machine gets busy) is noticed and
+    a wrong choice costs at most that share of the steps. A drafting step counts only when a draft was found
+    (:meth:`SpecDecoder.propose`). What it measures is the whole step: the proposer's time, the longer
+    verification pass, the acceptance, all in one number."""
 
     EXPLORE = 16
     WARMUP = 4  # steps of each arm before the averages are compared
     WEIGHT = 0.2  # of the newest step in the moving average
 
-    def __init__(self) -> None:
-        self.rate: dict[tuple[int, bool], float] = {}
-        self.count: dict[tuple[int, bool], int] = {}
+    def __init__(self, k_max: int) -> None:
+        self.caps = sorted({0, k_max} | {1 << i for i in range(k_max.bit_length()) if 1 << i < k_max})
+        self.rate: dict[tuple[int, int], float] = {}
+        self.count: dict[tuple[int, int], int] = {}
         self.steps: dict[int, int] = {}
-        self.last: tuple[int, bool] | None = None  # the arm of the step under way
+        self.last: tuple[int, int] | None = None  # the arm of the step under way
 
     @staticmethod
     def bucket(num_decoding: int) -> int:
         return 1 << (num_decoding - 1).bit_length()  # 1, 2, 4, 8, ...
 
-    def choose(self, num_decoding: int) -> bool:
+    def choose(self, num_decoding: int) -> int:
+        """The draft cap for a step with ``num_decoding`` decoding requests (0: no drafts)."""
         b = self.bucket(num_decoding)
         n = self.steps[b] = self.steps.get(b, 0) + 1
-        warming = [arm for arm in (True, False) if self.count.get((b, arm), 0) < self.WARMUP]
+        warming = [cap for cap in reversed(self.caps) if self.count.get((b, cap), 0) < self.WARMUP]
         if warming:
-            drafting = warming[0]
+            cap = warming[0]
         else:
-            drafting = (self.rate[(b, True)] >= self.rate[(b, False)]) != (n % self.EXPLORE == 0)
-        self.last = (b, drafting)
-        return drafting
+            best = max(range(len(self.caps)), key=lambda i: self.rate[(b, self.caps[i])])
+            if n % self.EXPLORE == 0:  # a neighbour: shorter and longer in turn (the other one at an end)
+                side = 1 if (n // self.EXPLORE) % 2 else -1
+                best = best + side if 0 <= best + side < len(self.caps) else best - side
+            cap = self.caps[best]
+        self.last = (b, cap)
+        return cap
 
     def observe(self, rec: IterationRecord) -> None:
         """The step's outcome (an engine ``on_iteration`` hook): decode-only steps count."""
@@ -312,7 +325,7 @@ class SpecDecoder:
         self.num_drafted = 0
         self.num_accepted = 0
         self.num_steps = 0  # verification steps that carried a draft
-        self.governor = Governor() if cfg.adaptive else None
+        self.governor = Governor(cfg.num_draft) if cfg.adaptive else None
 
     def propose(self, decoding: list[Sequence]) -> None:
         """Attach drafts to the requests about to decode (none when the batch is too big to pay)."""
@@ -320,10 +333,13 @@ class SpecDecoder:
             seq.spec_token_ids = []
         if self.governor is not None:
             self.governor.last = None
-        if not decoding or not self.cfg.active(len(decoding)) or (self.governor and not self.governor.choose(len(decoding))):
+        if not decoding or not self.cfg.active(len(decoding)):
+            return
+        cap = self.governor.choose(len(decoding)) if self.governor is not None else self.cfg.num_draft
+        if cap == 0:
             return
         ks = [self.ks.setdefault(s.seq_id, AdaptiveK(self.cfg.num_draft, self.cfg.adaptive)).k for s in decoding]
-        ks = [max(0, min(k, s.params.max_tokens - s.num_output_tokens - 1)) for k, s in zip(ks, decoding, strict=True)]
+        ks = [max(0, min(k, cap, s.params.max_tokens - s.num_output_tokens - 1)) for k, s in zip(ks, decoding, strict=True)]
         if isinstance(self.proposer, ModelProposer):
             drafts = self.proposer.propose_batch(decoding, ks)
         else:

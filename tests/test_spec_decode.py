@@ -101,6 +101,8 @@ def test_ngram_lookup():
 def test_adaptive_k_and_switch_off():
     k = AdaptiveK(k_max=4)
     k.update(drafted=4, accepted=1)
+    assert k.k == 4  # a partly kept draft keeps its length
+    k.update(drafted=4, accepted=0)
     assert k.k == 3
     k.update(drafted=3, accepted=3)
     k.update(drafted=4, accepted=4)
@@ -112,39 +114,40 @@ def test_adaptive_k_and_switch_off():
         SpecConfig(method="draft")
 
 
-
 def _record(seconds: float, tokens: int, prefill: int = 0) -> IterationRecord:
     return IterationRecord(i=0, t_unix=100.0, t_end_unix=100.0 + seconds, seq_ids=[], prefill_tokens=prefill,
                            decode_tokens=1, kv_blocks_used=0, kv_blocks_total=1, num_running=1, num_waiting=0,
                            preempted=[], padding_tokens=0, output_tokens=tokens)
 
 
-def _govern(g: Governor, n: int, steps: int, draft: tuple[float, int], plain: tuple[float, int]) -> list[bool]:
-    """``steps`` engine steps with ``n`` decoding requests; a step with drafts takes ``draft`` = (seconds,
-    output tokens), one without ``plain``. Returns the governor's choices."""
-    choices = []
+def _govern(g: Governor, n: int, steps: int, step: dict[int, tuple[float, int]]) -> list[int]:
+    """``steps`` engine steps with ``n`` decoding requests; a step under draft cap c takes ``step[c]`` =
+    (seconds, output tokens). Returns the governor's caps."""
+    caps = []
     for _ in range(steps):
-        drafting = g.choose(n)
-        g.observe(_record(*(draft if drafting else plain)))
-        choices.append(drafting)
-    return choices
+        cap = g.choose(n)
+        g.observe(_record(*step[cap]))
+        caps.append(cap)
+    return caps
 
 
-def test_governor_drafts_only_where_it_measures_faster():
-    g = Governor()
-    # one request: a draft step emits 3 tokens in 20 ms (150/s), a plain one 1 in 10 ms (100/s)
-    one = _govern(g, 1, 64, draft=(0.020, 3), plain=(0.010, 1))
-    w = Governor.WARMUP
-    assert one[: 2 * w] == [True] * w + [False] * w  # each arm measured, drafting first
-    assert sum(one) >= 64 - w - 64 // Governor.EXPLORE - 1 and not all(one[2 * w :])  # plain re-tried now and then
-    # four requests: a draft step takes 80 ms for 6 tokens (75/s), a plain one 20 ms for 4 (200/s)
-    four = _govern(g, 4, 64, draft=(0.080, 6), plain=(0.020, 4))
-    assert four[: 2 * w] == [True] * w + [False] * w
-    assert sum(four[2 * w :]) <= 64 // Governor.EXPLORE + 1 and any(four[2 * w :])  # off, drafting re-tried
-    assert g.rate[(1, True)] > g.rate[(1, False)] and g.rate[(4, True)] < g.rate[(4, False)]
+def test_governor_caps_drafts_where_it_measures_fastest():
+    g = Governor(k_max=4)
+    assert g.caps == [0, 1, 2, 4] and Governor(6).caps == [0, 1, 2, 4, 6] and Governor(1).caps == [0, 1]
+    w, e = Governor.WARMUP, Governor.EXPLORE
+    # one request: a step costs about the same whatever its draft; longer drafts emit more
+    one = _govern(g, 1, 96, {0: (0.010, 1), 1: (0.011, 2), 2: (0.011, 2), 4: (0.012, 4)})
+    assert one[: 4 * w] == [4] * w + [2] * w + [1] * w + [0] * w  # each arm measured, longest drafts first
+    assert one[4 * w :].count(4) >= 96 - 4 * w - 96 // e - 1 and 2 in one[4 * w :]  # the neighbour re-tried
+    # four requests: rows cost; the middle cap pays best (neighbours tried, drafting off never chosen)
+    four = _govern(g, 4, 96, {0: (0.020, 4), 1: (0.022, 6), 2: (0.030, 7), 4: (0.080, 8)})
+    assert four[4 * w :].count(1) >= 96 - 4 * w - 96 // e - 1 and {0, 2} <= set(four[4 * w :])
+    # eight requests: any draft costs more than it gives: off, drafting re-tried now and then
+    eight = _govern(g, 8, 96, {0: (0.030, 8), 1: (0.060, 10), 2: (0.070, 11), 4: (0.150, 12)})
+    assert eight[4 * w :].count(0) >= 96 - 4 * w - 96 // e - 1 and 1 in eight[4 * w :]
     # the text turns unpredictable: drafts stop paying at one request, and the governor follows
-    later = _govern(g, 1, 64, draft=(0.020, 1), plain=(0.010, 1))
-    assert sum(later[-32:]) <= 32 // Governor.EXPLORE + 1
+    later = _govern(g, 1, 160, {0: (0.010, 1), 1: (0.011, 1), 2: (0.011, 1), 4: (0.012, 1)})
+    assert later[-32:].count(0) >= 32 - 32 // e - 1
     # a step with prefill rows, or without output, says nothing about decode speed
     before = dict(g.rate)
     g.choose(1)

@@ -4,11 +4,13 @@ import json
 from dataclasses import replace
 
 import pytest
+import torch
 
 from reference_server.config import EngineConfig
 from reference_server.engine import Engine
 from reference_server.model_files import default_model_path
 from reference_server.model_runner import ModelRunner
+from reference_server.scheduler import ScheduledBatch
 from reference_server.sequence import SamplingParams, SeqStatus
 
 CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n"
@@ -145,3 +147,31 @@ def test_spec_counters_in_usage_and_metrics(base, live_server):
         text = httpx.get(srv.url + "/metrics").text
         assert f"servelab_spec_draft_tokens_total {float(usage['draft_tokens'])}" in text
         assert f"servelab_spec_accepted_tokens_total {float(usage['accepted_tokens'])}" in text
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_verification_rows_match_one_token_steps(quantization):
+    """A draft's verification pass (1 + k rows of one request, run as decode rows: native kernels in bf16,
+    the one-call native step with int4) gives each row the logits of decoding its token on its own: every
+    row sees its context up to itself, no more, no less (rounding aside: other row counts, other kernels)."""
+    cfg = EngineConfig(model=default_model_path(), dtype="bf16", num_kv_blocks=64, threads=1,
+                       quantization=quantization)
+    eng = Engine(cfg)
+    ids = eng.codec.encode(PROMPTS[0])
+    seq = eng.add_request(ids[:-4], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    eng.step()  # the prompt, and a first token
+    seq.token_ids[-1] = ids[-4]  # teacher-forced: the context is the prompt itself
+    eng.block_manager.grow(seq, seq.num_tokens + 3)
+    seq.spec_token_ids = ids[-3:]
+    verify = eng.runner.forward(ScheduledBatch([(seq, 4)]))
+    seq.spec_token_ids = []
+    single = []
+    for tok in ids[-4:]:
+        seq.token_ids[-1] = tok
+        single.append(eng.runner.forward(ScheduledBatch([(seq, 1)]))[0])
+        seq.num_computed_tokens += 1
+        seq.token_ids.append(tok)
+    single_t = torch.stack(single)
+    assert verify.shape == single_t.shape
+    assert (verify - single_t).abs().max() < 0.05 * single_t.abs().max(), (verify - single_t).abs().max()
+    assert torch.equal(verify.argmax(-1), single_t.argmax(-1))
