@@ -45,6 +45,7 @@ from loadgen import metrics
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, Progress, run_point
 from loadgen.fleet import ONE_PROCESS, Fleet
+from loadgen.gate import Check, GateReport, t_quantile
 from workloads.contracts import read_jsonl
 
 MODES = ("rate", "concurrency")
@@ -541,13 +542,6 @@ def _logistic(u: np.ndarray, k: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, 
     return None
 
 
-def _t_quantile(z: float, dof: int) -> float:
-    """Student's t quantile at the normal quantile ``z`` (Cornish-Fisher, three terms; within ~2 % from 3
-    degrees of freedom, ~10 % low at 2)."""
-    return z + (z**3 + z) / (4 * dof) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * dof**2) + (
-        3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * dof**3)
-
-
 def pooled_fit(slos: Sequence[SLO], probes: Sequence[Probe], confidence: float, width: float = 0.2,
                least: int = 4) -> Fit | None:
     """The capacity's interval from every open-loop search probe within ``±width`` of the crossing at once.
@@ -595,7 +589,7 @@ def pooled_fit(slos: Sequence[SLO], probes: Sequence[Probe], confidence: float, 
             if len(near) > 2:  # the probes' scatter about the fit (quasi-binomial: t with the fit's degrees of freedom)
                 share = 1 / (1 + np.exp(-(b[0] + b[1] * u)))
                 cov = cov * max(1.0, float(((k - n * share) ** 2 / (n * share * (1 - share))).sum()) / (len(near) - 2))
-                q = _t_quantile(z, len(near) - 2)
+                q = t_quantile(NormalDist().cdf(z), len(near) - 2)
             eta = b[0] + b[1] * grid
             se = np.sqrt(cov[0, 0] + 2 * cov[0, 1] * grid + cov[1, 1] * grid * grid)
             target = math.log(slo.allowed / (1 - slo.allowed))
@@ -1149,8 +1143,6 @@ def gate_capacity(baseline: str, candidate: str, rules: Sequence[Any]) -> Any:
     lies in [lo_c / hi_b, hi_c / lo_b] (both searches' intervals; an integer concurrency capacity is at most
     hi - 1); regression when that whole range is below ``1 - X``, pass when it is all at or above,
     inconclusive otherwise."""
-    from loadgen.gate import Check, GateReport
-
     rep = GateReport("invalid", baseline=baseline, candidate=candidate)
     try:
         docs = [load_capacity(baseline), load_capacity(candidate)]
