@@ -33,7 +33,8 @@ def fixed_sweep(model: ServiceModel, job: tuple[int, int], slos: list, truth: fl
     probe-seconds)."""
     prober, x, last, spent = SimProber(model, job, slos, seed=seed), 0.05 * truth, 0.0, 0.0
     while x < 2 * truth:
-        seq = Sequential(slos, max_samples=10**6, pooled=True)  # one look at the cap: its point estimate
+        # one look at the time cap (its point estimate); a sample cap well above what the probe can send
+        seq = Sequential(slos, max_samples=int(1.5 * x * probe_s) + 100, pooled=True)
         p = run_async(prober.probe("rate", x, seq, probe_s, 0, "sweep"))
         spent += p.seconds
         if p.verdict == "fail":
