@@ -800,13 +800,16 @@ def _span(records: list[dict[str, Any]]) -> float | None:
 # --- the search ---------------------------------------------------------------------------------------
 
 
+DEFAULT_PROBE_S = 60.0
+
+
 @dataclass
 class SearchConfig:
     mode: str = "rate"
     resolution: float = 0.05  # ± share of the capacity
     budget_s: float = 600.0  # probe-seconds, pilot included
     confidence: float = 0.95  # per probe verdict
-    max_probe_s: float = 60.0
+    max_probe_s: float | None = None  # None: DEFAULT_PROBE_S, longer for a slow open-loop probe (probe_cap)
     max_samples: int = 2000
     first_look: int = 30
     max_concurrency: int = 256
@@ -819,10 +822,24 @@ class SearchConfig:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if not 0 < self.resolution < 0.5:
             raise ValueError("resolution must be between 0 and 0.5 (e.g. 0.05 for ±5 %)")
-        if self.budget_s <= 0 or self.max_probe_s <= 0:
+        if self.budget_s <= 0 or (self.max_probe_s is not None and self.max_probe_s <= 0):
             raise ValueError("budget and probe time must be > 0 s")
         if not 0.5 <= self.confidence < 1:
             raise ValueError("confidence must be in [0.5, 1)")
+
+    def probe_cap(self, slos: Sequence[SLO], load: float, pooled: bool, last: Probe | None) -> float:
+        """A search probe's time cap: ``max_probe_s`` when given. By default 60 s, and a rate-mode probe that
+        does not pool runs long enough for its arrivals to bring the independent requests every latency SLO
+        needs (:func:`units_to_see`, at the correlation time ``last`` counted, at least 2: requests that share
+        a queue count as fewer), up to a quarter of the budget: at a low rate a shorter probe cannot confirm a
+        pass, and a lower rate brings even fewer requests (a closed loop goes to fewer sessions: :func:`_reach`)."""
+        if self.max_probe_s is not None:
+            return self.max_probe_s
+        if self.mode != "rate" or pooled:
+            return DEFAULT_PROBE_S
+        tau = max([2.0] + [c.tau for c in (last.checks if last is not None else [])])
+        need = max([0.0] + [units_to_see(s, self.confidence) for s in slos if s.metric != "error_rate"])
+        return max(DEFAULT_PROBE_S, min(self.budget_s / 4, 1.25 * need * tau / load))
 
 
 @dataclass
@@ -864,7 +881,7 @@ def _reach(cfg: SearchConfig, slos: Sequence[SLO], probe: Probe | None) -> float
     without a throughput."""
     if cfg.mode != "concurrency" or probe is None or not probe.throughput:
         return math.inf
-    budget, reach = probe.throughput * cfg.max_probe_s, math.inf
+    budget, reach = probe.throughput * (cfg.max_probe_s or DEFAULT_PROBE_S), math.inf
     for s in slos:
         c = next((c for c in probe.checks if c.key == s.key), None)
         if s.metric == "error_rate" or c is None:
@@ -916,7 +933,9 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
     async def run(mode: str, load: float, phase: str, pooled: bool = False) -> Probe:
         nonlocal spent
         seq = Sequential(slos, cfg.confidence, cfg.first_look, cfg.max_samples, cfg.resolution, pooled) if phase == "search" else None
-        p = await prober.probe(mode, load, seq, min(cfg.max_probe_s, max(1.0, cfg.budget_s - spent)), len(probes), phase)
+        last = next((q for q in reversed(probes) if q.phase == "search"), None)
+        cap = cfg.probe_cap(slos, load, pooled, last) if phase == "search" else cfg.max_probe_s or DEFAULT_PROBE_S
+        p = await prober.probe(mode, load, seq, min(cap, max(1.0, cfg.budget_s - spent)), len(probes), phase)
         probes.append(p)
         spent += p.seconds
         return p
@@ -1116,7 +1135,8 @@ async def linear_sweep(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, s
     x = step
     while True:
         seq = Sequential(slos, cfg.confidence, cfg.first_look, cfg.max_samples, cfg.resolution)
-        p = await prober.probe(cfg.mode, x, seq, cfg.max_probe_s, len(probes), "sweep")
+        p = await prober.probe(cfg.mode, x, seq, cfg.probe_cap(slos, x, False, probes[-1] if probes else None), len(probes),
+                               "sweep")  # fmt: skip
         probes.append(p)
         if p.verdict == "fail" or x >= (cfg.max_concurrency if cfg.mode == "concurrency" else cfg.max_rate):
             return sum(q.seconds for q in probes), probes

@@ -89,7 +89,9 @@ def capacity_command(
     resolution: Annotated[float, typer.Option(help="Target half-width of the interval, share of the capacity.")] = 0.05,
     budget: Annotated[float, typer.Option(help="Probe-seconds the whole search may take.")] = 600.0,
     confidence: Annotated[float, typer.Option(help="Confidence of each probe's verdict.")] = 0.95,
-    max_probe_s: Annotated[float, typer.Option(help="Longest probe, seconds.")] = 60.0,
+    max_probe_s: Annotated[float | None, typer.Option(help="Longest probe, seconds [default: 60, and at a rate too "
+                           "low to bring the requests the SLOs need in 60 s as long as they take, up to a quarter of "
+                           "the budget].")] = None,  # fmt: skip
     max_samples: Annotated[int, typer.Option(help="Most requests one probe measures.")] = 2000,
     max_concurrency: Annotated[int, typer.Option(help="Highest concurrency searched.")] = 256,
     max_rate: Annotated[float, typer.Option(help="Highest rate searched, req/s.")] = 1000.0,

@@ -8,11 +8,14 @@ against the service-model server (``--live``). Writes a JSON record.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
 from pathlib import Path
 from tempfile import TemporaryDirectory
+
+import numpy as np
 
 from backends.openai import OpenAIBackend
 from loadgen.calibrate import FixedWorkload
@@ -27,19 +30,22 @@ POISSON_CASES = [("live", (60, 8), "ttft_p90=60ms"), ("sim", (60, 16), "e2e_p90=
                  ("sim", (60, 16), "ttft_p99=40ms"), ("sim", (60, 16), "ttft_p90=25ms,tpot_p99=11ms")]  # fmt: skip
 
 
-def fixed_sweep(model: ServiceModel, job: tuple[int, int], slos: list, truth: float, seed: int, probe_s: float) -> tuple[float, float]:
-    """A linear sweep that places the capacity to ±5 % by point estimates: loads 5 %, 10 %, ... of the true
+def fixed_sweep(model: ServiceModel, job: tuple[int, int], slos: list, truth: float, seed: int, probe_s: float,
+                aligned: bool) -> tuple[float, float]:  # fmt: skip
+    """A linear sweep that places the capacity to ±5 % by point estimates: loads in steps of 5 % of the true
     capacity, every probe ``probe_s`` long (no early stop), until one fails; returns (the last passing load,
-    probe-seconds)."""
-    prober, x, last, spent = SimProber(model, job, slos, seed=seed), 0.05 * truth, 0.0, 0.0
-    while x < 2 * truth:
+    probe-seconds). ``aligned``: the loads are 5 %, 10 %, ... of the capacity, so one of them sits on it (the
+    sweep's best case); else the grid starts at a random 5-10 % (per seed), as a user's grid would."""
+    first = 0.05 if aligned else 0.05 + 0.05 * float(np.random.default_rng([seed, 7]).random())
+    prober, k, last, spent = SimProber(model, job, slos, seed=seed), 0, 0.0, 0.0
+    while (x := (first + 0.05 * k) * truth) < 2 * truth:
         # one look at the time cap (its point estimate); a sample cap well above what the probe can send
         seq = Sequential(slos, max_samples=int(1.5 * x * probe_s) + 100, pooled=True)
         p = run_async(prober.probe("rate", x, seq, probe_s, 0, "sweep"))
         spent += p.seconds
         if p.verdict == "fail":
             break
-        last, x = x, x + 0.05 * truth
+        last, k = x, k + 1
     return last, spent
 
 
@@ -123,12 +129,12 @@ def main() -> None:
                      "resolved": sum(r["contains"] and r["status"] == "ok" for r in runs),
                      "search_s_median": s_med, "linear_s_median": statistics.median(l_cost),
                      "ratio": s_med / statistics.median(l_cost), "where": "virtual time"})  # fmt: skip
-        for probe_s in [float(v) for v in args.sweep_s.split(",") if v]:
-            sweeps = [fixed_sweep(model_p, job, slos, truth, seed, probe_s) for seed in range(args.poisson)]
-            within = sum(abs(last / truth - 1) <= 0.05 for last, _ in sweeps)
+        for aligned, probe_s in itertools.product((True, False), [float(v) for v in args.sweep_s.split(",") if v]):
+            sweeps = [fixed_sweep(model_p, job, slos, truth, seed, probe_s, aligned) for seed in range(args.poisson)]
+            within = sum(abs(last / truth - 1) <= 0.05 + 1e-9 for last, _ in sweeps)
             rows[-1].setdefault("fixed_sweeps", []).append(
-                {"probe_s": probe_s, "within_5pct": within, "lasts": [round(x, 2) for x, _ in sweeps],
-                 "probe_s_median": statistics.median(c for _, c in sweeps)})  # fmt: skip
+                {"grid": "aligned" if aligned else "random", "probe_s": probe_s, "within_5pct": within,
+                 "lasts": [round(x, 2) for x, _ in sweeps], "probe_s_median": statistics.median(c for _, c in sweeps)})  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=1))
