@@ -500,3 +500,29 @@ def test_a_search_that_cannot_confirm_an_slo_says_how_many_requests_it_needs():
     res = run_async(search(SimProber(SIM, SIM_JOB, slos), slos, cfg))
     assert res.status == "budget" and not any(p.confident for p in res.probes if p.phase == "search")
     assert "error_rate: 690, measured at most" in res.message, res.message
+
+
+def test_a_slow_open_loop_probe_runs_long_enough_to_count_its_requests():
+    """At ~1 req/s (a CPU server whose p90 TTFT is seconds) a 60-s probe brings ~60 requests, and requests
+    that share a queue count as fewer: too few to confirm a p90, and a lower rate brings fewer still (the
+    reference server's default search ended [?, 1.08] req/s). By default a rate-mode search probe runs as long
+    as its SLOs need, up to a quarter of the budget; a given --max-probe-s, a closed loop and a pooled probe
+    keep their cap. On a model of capacity ~1.16 req/s, at half of it, 20 seeds: 12 confident passes against 5
+    with 60-s probes."""
+    slos = parse_slos("ttft_p90=1s")
+    cfg = SearchConfig("rate")
+    need = math.log(20) / 0.1  # independent requests a p90 needs at 95 %
+    assert cfg.probe_cap(slos, 20.0, False, None) == 60.0
+    assert cfg.probe_cap(slos, 0.8, False, None) == pytest.approx(1.25 * need * 2 / 0.8)
+    assert cfg.probe_cap(slos, 0.1, False, None) == 150.0
+    assert cfg.probe_cap(slos, 0.8, True, None) == 60.0
+    assert SearchConfig("concurrency").probe_cap(slos, 0.8, False, None) == 60.0
+    assert SearchConfig("rate", max_probe_s=30).probe_cap(slos, 0.8, False, None) == 30.0
+    slow = ServiceModel(slots=2, prefill_base=0.12, prefill_per_token=0.0, decode_base=0.02, decode_per_seq=0.02)
+    confirmed = {}
+    for cap in (60.0, cfg.probe_cap(slos, 0.6, False, None)):
+        probes = [run_async(SimProber(slow, SIM_JOB, slos, seed=seed).probe("rate", 0.6, Sequential(slos), cap, 0, "search"))
+                  for seed in range(20)]  # fmt: skip
+        confirmed[cap] = sum(p.verdict == "pass" and p.confident for p in probes)
+    short, long = confirmed.values()
+    assert long >= 10 and long >= 2 * short, confirmed
