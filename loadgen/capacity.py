@@ -1049,6 +1049,21 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
     return _result(status, cfg, slos, lo, hi, estimate, spent, probes, fit)
 
 
+def _probe_time_hint(searched: Sequence[Probe], needs: dict[str, int], unit: str) -> str | None:
+    """How long a probe at the highest undecided passing load would take to count the requests each short SLO
+    needs, at the rate and correlation time it measured (with the 1.25 margin of :meth:`SearchConfig.probe_cap`),
+    and the options that give the search that long: a concrete figure instead of "raise it"."""
+    pending = [p for p in searched if p.verdict == "pass" and not p.confident and p.requests]
+    if not pending:
+        return None
+    p = max(pending, key=lambda q: q.load)
+    t = max((1.25 * needs[c.key] * c.tau * p.seconds / c.n for c in p.checks if c.key in needs and c.n), default=0.0)
+    if t <= p.seconds:
+        return None
+    return (f": at {_fmt_load(p.load)} {unit} ({p.requests} requests in {p.seconds:.0f} s) that takes a probe of "
+            f"about {t:.0f} s: --max-probe-s {math.ceil(t)} --budget {4 * math.ceil(t)}, or relax the SLO")
+
+
 def _undecided(probes: Sequence[Probe], lo: float, hi: float) -> float | None:
     """The load of the latest search probe inside (lo, hi) undecided at its cap."""
     return next((p.load for p in reversed(probes) if p.phase == "search" and not p.confident and lo < p.load < hi), None)
@@ -1092,15 +1107,17 @@ def _result(
                              "(and --budget) for a server this slow")  # fmt: skip
     z = Sequential(slos, cfg.confidence, cfg.first_look, cfg.max_samples).z
     searched = [p for p in probes if p.phase == "search"]
-    short = []
+    short, needs = [], {}
     for s in slos:  # the independent requests each probe's verdict counted (check: n / tau)
         have = max((math.floor(c.n / c.tau) for p in searched for c in p.checks if c.key == s.key), default=0)
         if have < (need := samples_to_hold(s, z, cfg.confidence)):
             short.append(f"{s.key}: {need}, measured at most {have}")
+            needs[s.key] = need
     if status in ("budget", "unresolved") and any(p.requests for p in searched) and short:
         messages[status] += (f"; confirming an SLO takes at least this many independent requests in one probe, none "
                              f"missing (requests that share a closed loop's wave or a queue count as fewer): "
-                             f"{'; '.join(short)}: raise --max-probe-s or relax the SLO")  # fmt: skip
+                             f"{'; '.join(short)}")  # fmt: skip
+        messages[status] += _probe_time_hint(searched, needs, unit) or ": raise --max-probe-s or relax the SLO"
     failing = [p for p in probes if p.verdict == "fail" and p.errors]
     if status == "unreachable" and failing:
         p = failing[-1]

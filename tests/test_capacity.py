@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -494,12 +495,18 @@ def test_the_probe_time_reach_counts_a_wave_as_its_probe_measured():
 
 def test_a_search_that_cannot_confirm_an_slo_says_how_many_requests_it_needs():
     """error_rate=1% holds only after 690 error-free requests at 95 % (z 2.64 over the looks): probes capped
-    well below that end the search undecided, and the message says so instead of leaving the user guessing."""
+    well below that end the search undecided, and the message says so instead of leaving the user guessing,
+    with the probe time and budget it would take; the search run with them confirms the pass."""
     slos = parse_slos("ttft_p90=1s,error_rate=1%")
     cfg = SearchConfig("concurrency", budget_s=20, max_probe_s=3, max_concurrency=4)  # ~90 requests a probe
     res = run_async(search(SimProber(SIM, SIM_JOB, slos), slos, cfg))
     assert res.status == "budget" and not any(p.confident for p in res.probes if p.phase == "search")
     assert "error_rate: 690, measured at most" in res.message, res.message
+    hint = re.search(r"--max-probe-s (\d+) --budget (\d+)", res.message)
+    assert hint is not None and 3 < int(hint[1]) < 60, res.message
+    cfg = SearchConfig("concurrency", budget_s=int(hint[2]), max_probe_s=int(hint[1]), max_concurrency=4)
+    res = run_async(search(SimProber(SIM, SIM_JOB, slos), slos, cfg))
+    assert res.status == "not_saturated" and res.capacity == 4, res.message
 
 
 def test_a_slow_open_loop_probe_runs_long_enough_to_count_its_requests():
