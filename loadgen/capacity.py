@@ -1049,19 +1049,38 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
     return _result(status, cfg, slos, lo, hi, estimate, spent, probes, fit)
 
 
-def _probe_time_hint(searched: Sequence[Probe], needs: dict[str, int], unit: str) -> str | None:
-    """How long a probe at the highest undecided passing load would take to count the requests each short SLO
-    needs, at the rate and correlation time it measured (with the 1.25 margin of :meth:`SearchConfig.probe_cap`),
-    and the options that give the search that long: a concrete figure instead of "raise it"."""
-    pending = [p for p in searched if p.verdict == "pass" and not p.confident and p.requests]
-    if not pending:
+HINT_EVIDENCE = 10
+
+
+def _probe_time_hint(searched: Sequence[Probe], slos: Sequence[SLO], z: float, confidence: float,
+                     unit: str) -> str | None:  # fmt: skip
+    """How long a probe would take to confirm a load that passed on its point estimate, for the one of them
+    cheapest to confirm: the independent requests at which the miss share it saw holds each SLO still open
+    there (none missed: :func:`samples_to_hold`; else :func:`wilson_eff` at ``z``), at the rate and correlation time
+    it measured (from at least ``HINT_EVIDENCE`` independent requests: a short probe's correlation time and
+    miss share are too rough to extrapolate), with the 1.25 margin of
+    :meth:`SearchConfig.probe_cap`. A concrete figure instead of "raise it"."""
+    by_key = {s.key: s for s in slos}
+    best: tuple[float, Probe] | None = None
+    for p in (q for q in searched if q.verdict == "pass" and not q.confident and q.requests):
+        t = 0.0
+        for c in (c for c in p.checks if c.state == "open"):
+            allowed = by_key[c.key].allowed
+            if c.n < HINT_EVIDENCE * c.tau or c.misses / c.n >= allowed:
+                t = math.inf
+                break
+            m = float(samples_to_hold(by_key[c.key], z, confidence))  # independent requests: the bound falls with m
+            while c.misses and wilson_eff(c.misses, c.n, z, c.n / m)[1] > allowed:
+                m *= 1.1
+            t = max(t, 1.25 * m * c.tau * p.seconds / c.n)
+        if p.seconds < t < math.inf and (best is None or t < best[0]):
+            best = (t, p)
+    if best is None:
         return None
-    p = max(pending, key=lambda q: q.load)
-    t = max((1.25 * needs[c.key] * c.tau * p.seconds / c.n for c in p.checks if c.key in needs and c.n), default=0.0)
-    if t <= p.seconds:
-        return None
-    return (f": at {_fmt_load(p.load)} {unit} ({p.requests} requests in {p.seconds:.0f} s) that takes a probe of "
-            f"about {t:.0f} s: --max-probe-s {math.ceil(t)} --budget {4 * math.ceil(t)}, or relax the SLO")
+    t, p = best
+    return (f"; {_fmt_load(p.load)} {unit} passed on its point estimate ({p.requests} requests in {p.seconds:.0f} s): "
+            f"confirming it at the misses it saw takes a probe of about {t:.0f} s: --max-probe-s {math.ceil(t)} "
+            f"--budget {4 * math.ceil(t)}, or relax the SLO")  # fmt: skip
 
 
 def _undecided(probes: Sequence[Probe], lo: float, hi: float) -> float | None:
@@ -1107,17 +1126,18 @@ def _result(
                              "(and --budget) for a server this slow")  # fmt: skip
     z = Sequential(slos, cfg.confidence, cfg.first_look, cfg.max_samples).z
     searched = [p for p in probes if p.phase == "search"]
-    short, needs = [], {}
+    short = []
     for s in slos:  # the independent requests each probe's verdict counted (check: n / tau)
         have = max((math.floor(c.n / c.tau) for p in searched for c in p.checks if c.key == s.key), default=0)
         if have < (need := samples_to_hold(s, z, cfg.confidence)):
             short.append(f"{s.key}: {need}, measured at most {have}")
-            needs[s.key] = need
-    if status in ("budget", "unresolved") and any(p.requests for p in searched) and short:
-        messages[status] += (f"; confirming an SLO takes at least this many independent requests in one probe, none "
-                             f"missing (requests that share a closed loop's wave or a queue count as fewer): "
-                             f"{'; '.join(short)}")  # fmt: skip
-        messages[status] += _probe_time_hint(searched, needs, unit) or ": raise --max-probe-s or relax the SLO"
+    if status in ("budget", "unresolved") and any(p.requests for p in searched):
+        if short:
+            messages[status] += (f"; confirming an SLO takes at least this many independent requests in one probe, "
+                                 f"none missing (requests that share a closed loop's wave or a queue count as fewer): "
+                                 f"{'; '.join(short)}")  # fmt: skip
+        hint = _probe_time_hint(searched, slos, z, cfg.confidence, unit)
+        messages[status] += hint or (": raise --max-probe-s or relax the SLO" if short else "")
     failing = [p for p in probes if p.verdict == "fail" and p.errors]
     if status == "unreachable" and failing:
         p = failing[-1]

@@ -25,7 +25,9 @@ from loadgen.capacity import (
     Samples,
     SearchConfig,
     Sequential,
+    SloCheck,
     SloError,
+    _probe_time_hint,
     _reach,
     check,
     linear_sweep,
@@ -507,6 +509,29 @@ def test_a_search_that_cannot_confirm_an_slo_says_how_many_requests_it_needs():
     cfg = SearchConfig("concurrency", budget_s=int(hint[2]), max_probe_s=int(hint[1]), max_concurrency=4)
     res = run_async(search(SimProber(SIM, SIM_JOB, slos), slos, cfg))
     assert res.status == "not_saturated" and res.capacity == 4, res.message
+
+
+def test_the_probe_time_hint_counts_the_misses_a_probe_saw():
+    """A load that passed on its point estimate with misses needs more independent requests than the 30 a p90
+    needs with none (the Wilson bound at its miss share), the hint names the probe cheapest to confirm, and a
+    probe of fewer than ten independent requests tells nothing."""
+    slos = parse_slos("tpot_p90=150ms")
+
+    def probe(load: float, n: int, misses: int, tau: float, seconds: float) -> Probe:
+        c = SloCheck(key="tpot_p90", limit=0.15, n=n, misses=misses, share_lo=0.0, share_hi=0.3, value=0.1,
+                     value_lo=0.05, value_hi=None, state="open", tau=tau)  # fmt: skip
+        return Probe(0, "search", "rate", load, "pass", False, "sample/time cap", seconds, n, 0, [c])
+
+    def seconds(*probes: Probe) -> float:
+        hint = _probe_time_hint(probes, slos, 2.0, 0.95, "req/s")
+        assert hint is not None
+        return float(re.search(r"about (\d+) s", hint)[1])
+
+    assert seconds(probe(0.5, 120, 0, 8.0, 240)) == 1.25 * 30 * 8 * 240 / 120
+    assert seconds(probe(0.5, 120, 2, 8.0, 240)) > 1.5 * seconds(probe(0.5, 120, 0, 8.0, 240))
+    hint = _probe_time_hint([probe(0.5, 120, 2, 8.0, 240), probe(0.6, 120, 0, 8.0, 200)], slos, 2.0, 0.95, "req/s")
+    assert hint is not None and hint.startswith("; 0.6 req/s passed"), hint
+    assert _probe_time_hint([probe(0.5, 72, 0, 8.0, 144)], slos, 2.0, 0.95, "req/s") is None
 
 
 def test_a_slow_open_loop_probe_runs_long_enough_to_count_its_requests():
