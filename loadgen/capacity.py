@@ -801,6 +801,8 @@ def _span(records: list[dict[str, Any]]) -> float | None:
 
 
 DEFAULT_PROBE_S = 60.0
+PROBE_MARGIN = 1.25  # a probe sized to bring what its SLOs need runs this much longer (the estimate is rough)
+PROBES_IN_BUDGET = 4  # a probe sized that way runs at most this share of the budget: the search needs several
 
 
 @dataclass
@@ -833,13 +835,16 @@ class SearchConfig:
         needs (:func:`units_to_see`, at the correlation time ``last`` counted, at least 2: requests that share
         a queue count as fewer), up to a quarter of the budget: at a low rate a shorter probe cannot confirm a
         pass, and a lower rate brings even fewer requests (a closed loop goes to fewer sessions: :func:`_reach`)."""
-        if self.max_probe_s is not None:
-            return self.max_probe_s
-        if self.mode != "rate" or pooled:
-            return DEFAULT_PROBE_S
+        if self.max_probe_s is not None or self.mode != "rate" or pooled:
+            return self.fixed_probe_s
         tau = max([2.0] + [c.tau for c in (last.checks if last is not None else [])])
         need = max([0.0] + [units_to_see(s, self.confidence) for s in slos if s.metric != "error_rate"])
-        return max(DEFAULT_PROBE_S, min(self.budget_s / 4, 1.25 * need * tau / load))
+        return max(DEFAULT_PROBE_S, min(self.budget_s / PROBES_IN_BUDGET, PROBE_MARGIN * need * tau / load))
+
+    @property
+    def fixed_probe_s(self) -> float:
+        """The time cap of a probe not sized to its SLOs (pilot, closed loop, pooled): ``max_probe_s`` or 60 s."""
+        return self.max_probe_s if self.max_probe_s is not None else DEFAULT_PROBE_S
 
 
 @dataclass
@@ -881,7 +886,7 @@ def _reach(cfg: SearchConfig, slos: Sequence[SLO], probe: Probe | None) -> float
     without a throughput."""
     if cfg.mode != "concurrency" or probe is None or not probe.throughput:
         return math.inf
-    budget, reach = probe.throughput * (cfg.max_probe_s or DEFAULT_PROBE_S), math.inf
+    budget, reach = probe.throughput * cfg.fixed_probe_s, math.inf
     for s in slos:
         c = next((c for c in probe.checks if c.key == s.key), None)
         if s.metric == "error_rate" or c is None:
@@ -934,7 +939,7 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
         nonlocal spent
         seq = Sequential(slos, cfg.confidence, cfg.first_look, cfg.max_samples, cfg.resolution, pooled) if phase == "search" else None
         last = next((q for q in reversed(probes) if q.phase == "search"), None)
-        cap = cfg.probe_cap(slos, load, pooled, last) if phase == "search" else cfg.max_probe_s or DEFAULT_PROBE_S
+        cap = cfg.probe_cap(slos, load, pooled, last) if phase == "search" else cfg.fixed_probe_s
         p = await prober.probe(mode, load, seq, min(cap, max(1.0, cfg.budget_s - spent)), len(probes), phase)
         probes.append(p)
         spent += p.seconds
@@ -1058,8 +1063,8 @@ def _probe_time_hint(searched: Sequence[Probe], slos: Sequence[SLO], z: float, c
     cheapest to confirm: the independent requests at which the miss share it saw holds each SLO still open
     there (none missed: :func:`samples_to_hold`; else :func:`wilson_eff` at ``z``), at the rate and correlation time
     it measured (from at least ``HINT_EVIDENCE`` independent requests: a short probe's correlation time and
-    miss share are too rough to extrapolate), with the 1.25 margin of
-    :meth:`SearchConfig.probe_cap`. A concrete figure instead of "raise it"."""
+    miss share are too rough to extrapolate), with the margin and budget share of :meth:`SearchConfig.probe_cap`.
+    A concrete figure instead of "raise it"."""
     by_key = {s.key: s for s in slos}
     best: tuple[float, Probe] | None = None
     for p in (q for q in searched if q.verdict == "pass" and not q.confident and q.requests):
@@ -1072,7 +1077,7 @@ def _probe_time_hint(searched: Sequence[Probe], slos: Sequence[SLO], z: float, c
             m = float(samples_to_hold(by_key[c.key], z, confidence))  # independent requests: the bound falls with m
             while c.misses and wilson_eff(c.misses, c.n, z, c.n / m)[1] > allowed:
                 m *= 1.1
-            t = max(t, 1.25 * m * c.tau * p.seconds / c.n)
+            t = max(t, PROBE_MARGIN * m * c.tau * p.seconds / c.n)
         if p.seconds < t < math.inf and (best is None or t < best[0]):
             best = (t, p)
     if best is None:
@@ -1080,7 +1085,7 @@ def _probe_time_hint(searched: Sequence[Probe], slos: Sequence[SLO], z: float, c
     t, p = best
     return (f"; {_fmt_load(p.load)} {unit} passed on its point estimate ({p.requests} requests in {p.seconds:.0f} s): "
             f"confirming it at the misses it saw takes a probe of about {t:.0f} s: --max-probe-s {math.ceil(t)} "
-            f"--budget {4 * math.ceil(t)}, or relax the SLO")  # fmt: skip
+            f"--budget {PROBES_IN_BUDGET * math.ceil(t)}, or relax the SLO")  # fmt: skip
 
 
 def _undecided(probes: Sequence[Probe], lo: float, hi: float) -> float | None:
