@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup test-deps sweep test test-ray lint
+.PHONY: setup test-deps sweep test test-ray lint gpu-prepare gpu-check
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -37,3 +37,12 @@ test-ray: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+
+# The GPU machine's check (docs/performance.md, "On a GPU"): `make gpu-prepare` here fills .gpu/ (wheels that
+# machine lacks, the tokenizer; carried with the call), then `make gpu-check OUT=dir` there. Rehearsed on
+# CPU by tests/test_gpu_check.py (scripts/gpu_check.py --rehearse).
+gpu-prepare: setup
+	bash scripts/gpu_prepare.sh
+
+gpu-check:
+	bash scripts/gpu_check.sh $(or $(OUT),results/gpu-check)

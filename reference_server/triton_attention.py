@@ -13,7 +13,9 @@ block table one at a time (``BLOCK_N`` = the block size) with an online softmax 
 FlashAttention / vLLM's paged attention; keys past the tile's last query are never loaded. Q, K and V are
 widened to float32 before the two ``tl.dot``: on NVIDIA GPUs that is a TF32 tensor-core dot, exact for
 bf16/fp16 inputs (10 mantissa bits hold their 7/10), and the probabilities keep TF32 instead of bf16
-precision; at decode the kernel is bound by reading K/V, not by the dot's rate. (Triton 3.7.1's and 3.8.0's interpreter
+precision; at decode the kernel is bound by reading K/V, not by the dot's rate. A float32 cache (a float32
+model: correctness runs, e.g. greedy identity with the CPU) gets IEEE float32 dots instead: TF32 would round
+its inputs to 10 mantissa bits. (Triton 3.7.1's and 3.8.0's interpreter
 also multiplies bf16 operands as raw integers: widening keeps the tested kernel the one that runs.)
 
 Without a GPU the same kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors,
@@ -33,7 +35,7 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kh, stride_kb, stride_kn, stride_tb,
     scale,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -67,14 +69,14 @@ def _paged_attention_kernel(
         offs = block * stride_kb + n[:, None] * stride_kn + d[None, :]
         k = tl.load(kv_base + offs, mask=k_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         v = tl.load(v_base + offs, mask=k_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.dot(q, tl.trans(k), input_precision=DOT) * scale
         s = tl.where(row_ok[:, None] & k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet (padding rows)
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
         denom = denom * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT)
         m = m_new
     out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
     tl.store(o_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -109,5 +111,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
         scale, G=g, G_PAD=g_pad, BLOCK_M=block_m, BLOCK_N=bs, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
+        DOT="ieee" if k_cache.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     return out

@@ -252,6 +252,25 @@ def test_optional_series_are_optional(tmp_path):
     assert "Not recorded for this point: server state (/metrics), per-iteration record, telemetry." in text
 
 
+def test_gpu_memory_power_and_clock_get_rows_of_their_own(tmp_path):
+    """Each GPU's NVML memory, power and SM clock are drawn in their units (one row each, a line per GPU)
+    beside its utilisation %; a run without GPUs has none of these rows."""
+    run = load_run(write_synthetic_results(tmp_path, "gpu", SimConfig(seed=3, gpus=2)))
+    point = run.points[0]
+    rows = server_series.gpu_series(point)
+    assert set(rows) == {"GPU memory used, GiB", "GPU power, W", "GPU SM clock, MHz"}
+    t, mem = rows["GPU memory used, GiB"]["GPU 1"]
+    assert len(t) == len(point.telemetry) and np.allclose(mem, 70 + 2**-30)
+    assert np.allclose(rows["GPU SM clock, MHz"]["GPU 0"][1], 1980.0)
+    fig = timeline.timeline(run, point)
+    titles = [a["text"] for a in fig["layout"]["annotations"]]
+    assert all(any(title in a for a in titles) for title in rows)
+    names = [tr["name"] for tr in fig["data"]]
+    assert names.count("GPU 0") == 3 == names.count("GPU 1") and "GPU 1 util %" in names
+    bare = load_run(write_synthetic_results(tmp_path, "cpu", SimConfig(seed=3)))
+    assert server_series.gpu_series(bare.points[0]) == {}
+
+
 def test_server_state_from_llama_slots_and_failed_scrapes(run_dir, tmp_path):
     d = tmp_path / "run"
     shutil.copytree(run_dir, d)

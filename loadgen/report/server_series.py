@@ -114,6 +114,24 @@ def telemetry_series(point: PointData) -> dict[str, tuple[np.ndarray, np.ndarray
     return {label: pairs(pts) for label, pts in found.items()}
 
 
+GPU_ROWS = (("mem_used_b", "GPU memory used, GiB", 2.0**-30), ("power_w", "GPU power, W", 1.0),
+            ("sm_clock_mhz", "GPU SM clock, MHz", 1.0))
+"""NVML fields drawn as rows of their own (their units differ from a percentage): field, row title, scale."""
+
+
+def gpu_series(point: PointData) -> dict[str, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """Row title -> {"GPU i": (t, value)} for each of :data:`GPU_ROWS` that some GPU sample carries."""
+    found: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    for r in point.telemetry:
+        if not isinstance(r.get("t"), (int, float)):
+            continue
+        for i, g in enumerate(r.get("gpus") or []):
+            for key, title, scale in GPU_ROWS:
+                if isinstance(g, dict) and isinstance(g.get(key), (int, float)):
+                    found.setdefault(title, {}).setdefault(f"GPU {g.get('index', i)}", []).append((r["t"], g[key] * scale))
+    return {title: {label: pairs(pts) for label, pts in per.items()} for title, per in found.items()}
+
+
 def missing_series(run: RunData, point: PointData) -> list[str]:
     """The optional series this point has no usable samples of (said on the page, not drawn empty)."""
     checks = (

@@ -9,7 +9,7 @@ import numpy as np
 from loadgen.report import series
 from loadgen.report.load import PointData, Requests, RunData
 from loadgen.report.plot import PALETTE, Fig, axis, centers, line, subplots
-from loadgen.report.server_series import iteration_arrays, server_series, telemetry_series
+from loadgen.report.server_series import gpu_series, iteration_arrays, server_series, telemetry_series
 
 GANTT_MAX_ROWS = 500  # denser than the panel's pixel rows already; SVG cost grows with it
 MAX_STEPS_EXACT = 3000
@@ -128,6 +128,9 @@ def timeline(run: RunData, point: PointData) -> Fig | None:
                 0.8,
             )
         )
+    for title, per_gpu in gpu_series(point).items():
+        rows.append((title, [line(t, v, label, PALETTE[(i + 6) % len(PALETTE)])
+                             for i, (label, (t, v)) in enumerate(per_gpu.items())], 0.6))  # fmt: skip
 
     rows.append(
         (

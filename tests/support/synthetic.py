@@ -41,6 +41,7 @@ class SimConfig:
     server_state: bool = True
     iterations: bool = True
     telemetry: bool = True
+    gpus: int = 0  # NVML GPUs in the telemetry, as loadgen.sidecars.gpu samples them
     seed: int = 0
     speed: float = 1.0  # >1 = a faster simulated server (shorter steps)
 
@@ -265,6 +266,11 @@ def write_synthetic_results(root: Path, run_id: str = "synthetic", cfg: SimConfi
                         "server_cpu_pct": round(float(np.clip(170 * busy + rng.normal(10, 5), 0, 200)), 1),
                     }
                 )
+                if cfg.gpus:
+                    rows[-1]["gpus"] = [{"index": i, "util": 90.0 * busy, "mem_util": 40.0 * busy,
+                                         "mem_used_b": 70 * 2**30 + i, "mem_total_b": 80 * 2**30,
+                                         "power_w": 120.0 + 500 * busy, "sm_clock_mhz": 1980.0 - i}
+                                        for i in range(cfg.gpus)]  # fmt: skip
             _dump_jsonl(pdir / "telemetry.jsonl", rows)
         load = LoadSpec(
             process="closed",
