@@ -666,7 +666,7 @@ class _Coordinator:
         for h in self.handles:
             if not h.remote:
                 await h.call("close")
-            h.close()
+        fleet_mod.close_all(self.handles)
         if self._f is None or self.out is None:
             return None
         for h, path in zip(self.handles, self.paths, strict=True):
