@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup test-deps sweep test test-ray lint
+.PHONY: setup test-deps sweep test test-ray lint scale-check
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -37,3 +37,12 @@ test-ray: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+
+# Issue 38's scale check (scripts/scale_check.py): calibrate's worker scaling, an open-loop Poisson point and
+# NVML against nvidia-smi, into $(OUT)/scale_check.json and .log. Rehearsal sizes by default; SCALE=--full on
+# the 16-core GPU machine, which has no venv: there, `make scale-check PY=python3 SCALE=--full OUT=...`
+# (PYTHONPATH keeps what the caller set, e.g. a --target folder of wheels, after the repo root).
+OUT ?= results/scale-check
+SCALE ?=
+scale-check:
+	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} $(PY) scripts/scale_check.py --out $(OUT) $(SCALE)

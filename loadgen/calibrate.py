@@ -126,27 +126,37 @@ class NullTarget:
         """One point against the null server; its brief (:func:`_brief`) with the server processes' CPU
         (``server_cpu``: all of them, in cores; ``server_cpu_max``: the busiest, and ``servers_limit``
         when it is above :data:`SERVER_BUSY`) and the cores busy (client workers + servers), all over the
-        workers' load phases (warm-up and measured; not their start-up or the records' merge)."""
+        workers' load phases (``load_s``: warm-up and measured; not their start-up or the records' merge,
+        which the point's whole wall time ``point_s`` includes)."""
         for c in self.cpu:
             c.reset()
+        t0 = time.perf_counter()
         s = await run_point(self.backend, self.workload, load, out_dir, self.clock, client_kind=self.client_kind,
                             fleet=Fleet(workers))  # fmt: skip
-        wall = max((w["wall_s"] for w in s["workers"]["per_worker"] if w.get("wall_s")), default=s["t_end"] - s["t_start"])
+        point_s = time.perf_counter() - t0
+        wall = max((w["wall_s"] for w in s["workers"]["per_worker"] if w.get("wall_s")), default=point_s)
         shares = [c.seconds() / wall for c in self.cpu]
         busy = s["workers"]["cpu_s"] / wall + sum(shares)
         return {"workers": workers, **_brief(s, self.events), "server_cpu": sum(shares), "server_cpu_max": max(shares),
-                "servers_limit": max(shares) > SERVER_BUSY, "cores_busy": busy}  # fmt: skip
+                "servers_limit": max(shares) > SERVER_BUSY, "cores_busy": busy, "load_s": wall, "point_s": point_s}  # fmt: skip
 
 
 async def scaling(
     target: NullTarget, out_dir: Path, concurrency: int, num_requests: int, workers: Sequence[int],
+    max_s: float | None = None, until: float | None = None,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """The closed-loop ceiling once per worker count (the first into ``out_dir/closed``, the others into
     ``closed-w<n>``), each row with its scaling efficiency (req/s over ``n`` times the first count's per
-    worker) and ``cores_limit`` (the machine's cores, not the client or the server, set the limit)."""
-    closed = LoadSpec("closed", concurrency=concurrency, num_requests=num_requests, warmup=concurrency)
+    worker) and ``cores_limit`` (the machine's cores, not the client or the server, set the limit). A point
+    ends after ``num_requests`` or ``max_s`` seconds, whichever comes first; no count starts after the
+    ``time.monotonic()`` instant ``until`` (the rows are those of the counts that ran)."""
+    closed = LoadSpec("closed", concurrency=concurrency, num_requests=num_requests, duration=max_s, warmup=concurrency)
     cores = os.cpu_count() or 1
-    rows = [await target.point(closed, out_dir / ("closed" if n == workers[0] else f"closed-w{n}"), n) for n in workers]
+    rows = []
+    for n in workers:
+        if until is not None and time.monotonic() >= until:
+            break
+        rows.append(await target.point(closed, out_dir / ("closed" if n == workers[0] else f"closed-w{n}"), n))
     base = rows[0]["req_per_s"] / workers[0] if rows[0]["req_per_s"] else None
     for row in rows:
         row["efficiency"] = row["req_per_s"] / (row["workers"] * base) if base and row["req_per_s"] else None
@@ -189,7 +199,7 @@ def _brief(s: dict[str, Any], events: int) -> dict[str, Any]:
         "requests": s["counts"]["requests"], "errors": s["counts"]["errors"],
         "req_per_s": thr["req_per_s"], "events_per_s": (thr["req_per_s"] or 0) * events,
         "achieved_concurrency": cl["achieved_concurrency"], "requested_concurrency": cl["requested_concurrency"],
-        "achieved_rate": cl["achieved_rate"], "requested_rate": cl["requested_rate"],
+        "achieved_rate": cl["achieved_rate"], "scheduled_rate": cl["scheduled_rate"], "requested_rate": cl["requested_rate"],
         "lag_p50_ms": lag["p50"] * 1e3 if lag["p50"] is not None else None,
         "lag_p99_ms": lag["p99"] * 1e3 if lag["p99"] is not None else None,
         "client_cpu": cl["cpu"], "client_cpu_wait": cl["cpu_wait"], "warnings": cl["warnings"],
