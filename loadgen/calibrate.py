@@ -173,17 +173,15 @@ async def open_loop(target: NullTarget, out_dir: Path, rate: float, duration: fl
 
 class _Cpu:
     """CPU seconds of another (single-threaded) process since ``reset``: its main thread's time on a CPU, in
-    nanoseconds (Linux schedstat), not clock ticks, so that a short point's few milliseconds count."""
+    nanoseconds (Linux schedstat), not clock ticks, so that a short point's few milliseconds count. A process
+    that cannot be read (gone, no schedstat) raises ``OSError``: a server's CPU is never guessed as 0."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self.reset()
 
     def _read(self) -> float:
-        try:
-            return int(Path(f"/proc/{self.pid}/schedstat").read_text().split()[0]) / 1e9
-        except (OSError, IndexError, ValueError):
-            return 0.0
+        return int(Path(f"/proc/{self.pid}/schedstat").read_text().split()[0]) / 1e9
 
     def reset(self) -> None:
         self.cpu = self._read()

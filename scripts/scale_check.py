@@ -77,6 +77,16 @@ SMI_TIME = "%Y/%m/%d %H:%M:%S.%f"
 log = logging.getLogger("scale_check")
 
 
+class Budget:
+    """The run's time budget: ``left()`` seconds until its end."""
+
+    def __init__(self, seconds: float) -> None:
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+
 # ---- the NVML part -------------------------------------------------------------------------------------
 
 
@@ -184,18 +194,23 @@ def tty_output(argv: list[str]) -> Iterator[list[bytes]]:
         yield chunks
     finally:
         proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
+        try:
             proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
         reader.join(5)
         os.close(ctl)
 
 
-def nvml_part(duties: list[float], step_s: float) -> dict[str, Any]:
+def nvml_part(duties: list[float], step_s: float, budget: Budget) -> dict[str, Any]:
     """The duty-cycle steps, sampled by the project's NVML module and by ``nvidia-smi`` (see the module
     docstring; ``nvidia-smi`` writes to a pseudo-terminal: :func:`tty_output`)."""
     missing = gpu_missing()
     if missing is not None:
         return {"status": "not run", "reason": missing}
+    if (need := 1.0 + len(duties) * step_s) > budget.left():
+        return {"status": "not run", "reason": f"its {need:.0f} s do not fit the {budget.left():.0f} s of budget left"}
     probe = host_gpus()[0][0]
     steps = []
     with tty_output(["nvidia-smi", "-i", str(probe.index), f"--query-gpu={SMI_QUERY}", "--format=csv,noheader,nounits",
@@ -214,16 +229,6 @@ def nvml_part(duties: list[float], step_s: float) -> dict[str, Any]:
 
 
 # ---- the load parts --------------------------------------------------------------------------------------
-
-
-class Budget:
-    """The run's time budget: ``left()`` seconds until its end."""
-
-    def __init__(self, seconds: float) -> None:
-        self.end = time.monotonic() + seconds
-
-    def left(self) -> float:
-        return self.end - time.monotonic()
 
 
 async def _part(name: str, budget: Budget, make: Callable[[], Coroutine[Any, Any, dict[str, Any]]]) -> dict[str, Any]:
@@ -370,6 +375,15 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
+def _cgroup_cpu() -> str | None:
+    """The cgroup v2 CPU quota (``cpu.max``: "max 100000" when none), or None where there is no such file: a
+    container may be given fewer cores than ``os.cpu_count()`` shows."""
+    try:
+        return Path("/sys/fs/cgroup/cpu.max").read_text().strip()
+    except OSError:
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     a = _args(argv)
     workers = [int(x) for x in a.workers.split(",")]
@@ -380,11 +394,12 @@ def main(argv: list[str] | None = None) -> int:
     t0, budget = time.monotonic(), Budget(a.budget)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}
     log.info("configuration: %s", config)
-    machine = {"cores": os.cpu_count(), "python": platform.python_version(), "host": platform.node(),
-               "load_average_start": os.getloadavg(), "gpu": host_gpus()[1]}  # fmt: skip
+    machine = {"cores": os.cpu_count(), "cores_usable": len(os.sched_getaffinity(0)), "cgroup_cpu_max": _cgroup_cpu(),
+               "python": platform.python_version(), "host": platform.node(), "load_average_start": os.getloadavg(),
+               "gpu": host_gpus()[1]}  # fmt: skip
     t = time.monotonic()
     try:
-        nvml = nvml_part([float(x) for x in a.duty.split(",")], a.step_s)
+        nvml = nvml_part([float(x) for x in a.duty.split(",")], a.step_s, budget)
     except Exception as exc:
         log.error("nvml failed:\n%s", traceback.format_exc())
         nvml = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
