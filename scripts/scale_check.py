@@ -23,7 +23,8 @@ one port (default :func:`loadgen.calibrate.servers_for` the largest worker count
 busiest server process, and the ``servers_not_limit`` verdict says none passed half a core.
 
 Writes ``DIR/scale_check.json`` (machine, configuration, each part's result, the acceptance verdicts of
-issue 38) and ``DIR/scale_check.log``, and prints a short table last. The load points' own results (records,
+issue 38; rewritten as each part ends, so a run stopped from outside keeps what it finished) and
+``DIR/scale_check.log``, and prints a short table last. The load points' own results (records,
 summaries) go to a temporary directory that is removed at the end (``--keep-points DIR`` keeps them).
 Exit 0 when every part ran, 1 when a part failed (an unmet verdict is not a failure of the script).
 """
@@ -85,6 +86,27 @@ class Budget:
 
     def left(self) -> float:
         return self.end - time.monotonic()
+
+
+class Report:
+    """``scale_check.json``, rewritten as each part ends (verdicts included), so that a run stopped from
+    outside keeps the parts it finished; parts not yet run say ``pending``."""
+
+    def __init__(self, path: Path, machine: dict[str, Any], config: dict[str, Any]) -> None:
+        self.path, self.t0 = path, time.monotonic()
+        self.res: dict[str, Any] = {"machine": machine, "config": config,
+                                    "parts": {name: {"status": "pending"} for name in ("nvml", "open_loop", "scaling")}}  # fmt: skip
+        self.write()
+
+    def part(self, name: str, result: dict[str, Any]) -> None:
+        self.res["parts"][name] = result
+        self.write()
+
+    def write(self) -> None:
+        self.res["verdicts"] = verdicts(self.res["parts"])
+        self.res["accepted"] = all(v["pass"] is True for v in self.res["verdicts"].values())
+        self.res["seconds"] = time.monotonic() - self.t0
+        self.path.write_text(json.dumps(self.res, indent=1, default=str))
 
 
 # ---- the NVML part -------------------------------------------------------------------------------------
@@ -250,20 +272,21 @@ async def _part(name: str, budget: Budget, make: Callable[[], Coroutine[Any, Any
     return res
 
 
-async def load_parts(a: argparse.Namespace, workers: list[int], points: Path, budget: Budget) -> dict[str, Any]:
-    """The open-loop and scaling parts against one set of null-server processes."""
+async def load_parts(a: argparse.Namespace, workers: list[int], points: Path, budget: Budget, report: Report) -> None:
+    """The open-loop and scaling parts against one set of null-server processes, into ``report``."""
     servers = a.servers or servers_for(max(*workers, a.open_workers))
     try:
         with NullTarget(a.events, "aiohttp", servers) as target:  # each part records its own errors
-            out = {"open_loop": await _part("open_loop", budget, lambda: _open(target, a, points)),
-                   "scaling": await _part("scaling", budget, lambda: _scaling(target, a, workers, points, budget))}  # fmt: skip
+            report.part("open_loop", {**await _part("open_loop", budget, lambda: _open(target, a, points)),
+                                      "servers": servers})  # fmt: skip
+            report.part("scaling", {**await _part("scaling", budget, lambda: _scaling(target, a, workers, points, budget)),
+                                    "servers": servers})  # fmt: skip
     except Exception as exc:
         log.error("null servers failed:\n%s", traceback.format_exc())
-        err = {"status": "error", "error": f"null servers: {type(exc).__name__}: {exc}"}
-        out = {"open_loop": err, "scaling": dict(err)}
-    for part in out.values():
-        part["servers"] = servers
-    return out
+        for name in ("open_loop", "scaling"):
+            if report.res["parts"][name]["status"] == "pending":
+                report.part(name, {"status": "error", "error": f"null servers: {type(exc).__name__}: {exc}",
+                                   "servers": servers})  # fmt: skip
 
 
 async def _open(target: NullTarget, a: argparse.Namespace, points: Path) -> dict[str, Any]:
@@ -272,7 +295,7 @@ async def _open(target: NullTarget, a: argparse.Namespace, points: Path) -> dict
 
 async def _scaling(target: NullTarget, a: argparse.Namespace, workers: list[int], points: Path,
                    budget: Budget) -> dict[str, Any]:  # fmt: skip
-    until = time.monotonic() + budget.left() - 2 * a.max_point_s  # a count starts only with time to finish
+    until = budget.end - 2 * a.max_point_s  # a count starts only with time to finish
     rows = await scaling(target, points, a.concurrency, a.requests, workers, max_s=a.max_point_s, until=until)
     ran = {r["workers"] for r in rows}
     return {"rows": rows, "skipped": [n for n in workers if n not in ran]}
@@ -391,12 +414,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s",
                         handlers=[logging.FileHandler(a.out / "scale_check.log", mode="w"), logging.StreamHandler()])  # fmt: skip
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the null servers' health checks
-    t0, budget = time.monotonic(), Budget(a.budget)
+    budget = Budget(a.budget)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}
     log.info("configuration: %s", config)
     machine = {"cores": os.cpu_count(), "cores_usable": len(os.sched_getaffinity(0)), "cgroup_cpu_max": _cgroup_cpu(),
                "python": platform.python_version(), "host": platform.node(), "load_average_start": os.getloadavg(),
                "gpu": host_gpus()[1]}  # fmt: skip
+    report = Report(a.out / "scale_check.json", machine, config)
     t = time.monotonic()
     try:
         nvml = nvml_part([float(x) for x in a.duty.split(",")], a.step_s, budget)
@@ -405,20 +429,18 @@ def main(argv: list[str] | None = None) -> int:
         nvml = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
     nvml["seconds"] = time.monotonic() - t
     log.info("nvml: %s (%s)", nvml["status"], nvml.get("reason") or nvml.get("error") or f"{nvml['seconds']:.1f} s")
+    report.part("nvml", nvml)
     points = a.keep_points or Path(tempfile.mkdtemp(prefix="scale-check-"))
     try:
-        parts = {"nvml": nvml, **run_async(load_parts(a, workers, points, budget))}
+        run_async(load_parts(a, workers, points, budget, report))
     finally:
         if a.keep_points is None:
             shutil.rmtree(points, ignore_errors=True)
     machine["load_average_end"] = os.getloadavg()
-    res: dict[str, Any] = {"machine": machine, "config": config, "parts": parts, "verdicts": verdicts(parts),
-                           "seconds": time.monotonic() - t0}  # fmt: skip
-    res["accepted"] = all(v["pass"] is True for v in res["verdicts"].values())
-    (a.out / "scale_check.json").write_text(json.dumps(res, indent=1, default=str))
-    log.info("wrote %s", a.out / "scale_check.json")
-    print(table(res), flush=True)
-    return 1 if any(p["status"] == "error" for p in parts.values()) else 0
+    report.write()
+    log.info("wrote %s", report.path)
+    print(table(report.res), flush=True)
+    return 1 if any(p["status"] == "error" for p in report.res["parts"].values()) else 0
 
 
 if __name__ == "__main__":

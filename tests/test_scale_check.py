@@ -57,6 +57,31 @@ def test_rehearsal_runs_every_part_and_records_it(tmp_path):
     assert "PASS errors: 0" in run.stdout
 
 
+def test_a_failing_part_is_recorded_and_the_others_still_run(tmp_path):
+    """An open-loop part that cannot run (rate 0) is recorded with its error; the scaling part after it runs,
+    and the script exits 1."""
+    out = tmp_path / "scale"
+    argv = [sys.executable, "scripts/scale_check.py", "--out", str(out), "--workers", "1", "--requests", "200",
+            "--concurrency", "8", "--rate", "0"]  # fmt: skip
+    run = subprocess.run(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert run.returncode == 1, run.stderr[-3000:]
+    parts = json.loads((out / "scale_check.json").read_text())["parts"]
+    assert parts["open_loop"]["status"] == "error" and "rate > 0" in parts["open_loop"]["error"]
+    assert parts["scaling"]["status"] == "ok" and parts["scaling"]["rows"][0]["errors"] == 0
+    assert "open_loop failed:" in (out / "scale_check.log").read_text() and "open_loop: error" in run.stdout
+
+
+def test_report_is_written_as_parts_end(tmp_path):
+    path = tmp_path / "scale_check.json"
+    report = scale_check.Report(path, {"cores": 2}, {"full": False})
+    first = json.loads(path.read_text())
+    assert {p["status"] for p in first["parts"].values()} == {"pending"} and first["accepted"] is False
+    assert all(v["pass"] is None for v in first["verdicts"].values())
+    report.part("nvml", {"status": "not run", "reason": NO_GPU_LINE})
+    assert json.loads(path.read_text())["parts"]["nvml"]["reason"] == NO_GPU_LINE
+
+
 # One line per 100 ms as `nvidia-smi --query-gpu=timestamp,utilization.gpu --format=csv,noheader,nounits
 # -lms 100` writes them (525.x drivers), with a header from a run without noheader and a reading it could not
 # take; the machine's local time.
