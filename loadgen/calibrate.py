@@ -1,6 +1,6 @@
 """``bench calibrate``: the client's own ceiling on this machine, measured against the null server.
 
-The null server runs in separate processes (their own event loops and cores; one per two client workers
+The null server runs in separate processes (their own event loops and cores; one per client worker
 unless ``--servers`` says otherwise, each point checking that none was near a full core), so the figures are
 what the client can drive: closed loop (req/s and events/s at a concurrency, achieved concurrency, per
 worker count) and open loop (achieved vs requested rate, schedule lag). ``scripts/scale_check.py`` runs the
@@ -88,15 +88,15 @@ async def calibrate(
 
 CORES_BUSY = 0.85  # client workers + null server using more than this share of the machine's cores: its limit
 SERVER_BUSY = 0.5  # a null-server process busier than this share of one core may be what limits the client
-# Null-server processes by default: one per this many client workers. A null server spends about a quarter
-# of the client's CPU per 200-event request (0.13 vs 0.54-0.59 ms, docs/performance.md), so one serving two
-# workers at full speed stays near SERVER_BUSY; each point checks it (``servers_limit``).
-WORKERS_PER_SERVER = 2
 
 
 def servers_for(workers: int) -> int:
-    """Null-server processes for ``workers`` client workers (:data:`WORKERS_PER_SERVER`)."""
-    return -(-workers // WORKERS_PER_SERVER)
+    """Null-server processes for ``workers`` client workers by default: one each. A null server spends about
+    a quarter of the client's CPU per 200-event request (0.09-0.14 vs 0.53-0.64 ms, docs/performance.md), so
+    one per worker stays near a quarter of a core at full client speed, with room under :data:`SERVER_BUSY`
+    for the kernel's uneven deal of connections (one per two would sit at the threshold); each point checks
+    it (``servers_limit``). An idle server costs nothing."""
+    return workers
 
 
 class NullTarget:
@@ -259,7 +259,7 @@ def calibrate_command(
     workers: Annotated[str, typer.Option(help="Worker counts for the closed-loop ceiling, e.g. 1,2,4: the ceiling "
                                          "and the scaling efficiency per count.")] = "1",
     servers: Annotated[int | None, typer.Option(help="Null-server processes on its one port (SO_REUSEPORT); "
-                                                "default: one per two workers of the largest --workers count.")] = None,
+                                                "default: one per worker of the largest --workers count.")] = None,
 ) -> None:  # fmt: skip
     """Measure this client's own ceiling against the null SSE server (run in a separate process)."""
     if concurrency < 1 or events < 1 or num_requests < 1 or rate <= 0 or duration <= 0 or (servers or 1) < 1:

@@ -386,7 +386,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rate", type=float, help="open-loop Poisson rate, req/s")
     ap.add_argument("--duration", type=float, help="open-loop seconds")
     ap.add_argument("--open-workers", type=int, help="open-loop workers")
-    ap.add_argument("--servers", type=int, help="null-server processes (default: one per two workers)")
+    ap.add_argument("--servers", type=int, help="null-server processes (default: one per worker)")
     ap.add_argument("--duty", default=DUTY, help="GPU duty-cycle steps, fractions")
     ap.add_argument("--step-s", type=float, help="seconds per duty-cycle step")
     ap.add_argument("--budget", type=float, help="time budget for all parts, s")

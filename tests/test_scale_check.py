@@ -33,7 +33,7 @@ def test_rehearsal_runs_every_part_and_records_it(tmp_path):
     parts = res["parts"]
     assert set(parts) == {"nvml", "open_loop", "scaling"}
     rows = parts["scaling"]["rows"]
-    assert parts["scaling"]["status"] == "ok" and parts["scaling"]["skipped"] == [] and parts["scaling"]["servers"] == 1
+    assert parts["scaling"]["status"] == "ok" and parts["scaling"]["skipped"] == [] and parts["scaling"]["servers"] == 2
     assert [r["workers"] for r in rows] == [1, 2] and rows[0]["efficiency"] == 1.0
     for r in rows:
         assert r["errors"] == 0 and r["requests"] == 600 and r["req_per_s"] > 0 and 0 < r["server_cpu_max"] < 1

@@ -15,7 +15,7 @@ from support.signals import sigint_default
 
 from backends.openai import OpenAIBackend
 from loadgen import metrics
-from loadgen.calibrate import SERVER_BUSY, FixedWorkload, servers_for
+from loadgen.calibrate import SERVER_BUSY, FixedWorkload
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, Share, run_point
 from loadgen.exitcodes import ExitCode
@@ -155,17 +155,12 @@ def test_ctrl_c_stops_every_worker_and_leaves_one_summary(null_server, tmp_path)
     assert {r["error"]["kind"] for r in recs if r["error"]} == {"cancelled"}
 
 
-def test_servers_for_gives_one_null_server_per_two_workers():
-    assert [servers_for(n) for n in (1, 2, 3, 4, 8, 15, 16)] == [1, 1, 2, 2, 4, 8, 8]
-
-
 async def test_calibrate_reports_the_ceiling_per_worker_count(tmp_path):
     from loadgen.calibrate import calibrate
 
-    res = await calibrate(tmp_path, concurrency=8, events=4, num_requests=200, rate=40, duration=1, workers=(1, 2),
-                          servers=2)  # fmt: skip
+    res = await calibrate(tmp_path, concurrency=8, events=4, num_requests=200, rate=40, duration=1, workers=(1, 2))
     rows = res["scaling"]
-    assert [r["workers"] for r in rows] == [1, 2] and res["closed"] == rows[0] and res["servers"] == 2
+    assert [r["workers"] for r in rows] == [1, 2] and res["closed"] == rows[0] and res["servers"] == 2  # one per worker
     for r in rows:
         assert r["errors"] == 0 and r["requests"] == 200 and r["req_per_s"] > 0 and r["cpu_ms_per_request"] > 0
         assert r["cores_busy"] > 0 and isinstance(r["cores_limit"], bool)
