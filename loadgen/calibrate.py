@@ -157,7 +157,7 @@ async def scaling(
         if until is not None and time.monotonic() >= until:
             break
         rows.append(await target.point(closed, out_dir / ("closed" if n == workers[0] else f"closed-w{n}"), n))
-    base = rows[0]["req_per_s"] / workers[0] if rows[0]["req_per_s"] else None
+    base = rows[0]["req_per_s"] / workers[0] if rows and rows[0]["req_per_s"] else None
     for row in rows:
         row["efficiency"] = row["req_per_s"] / (row["workers"] * base) if base and row["req_per_s"] else None
         row["cores_limit"] = row["workers"] + 1 > cores or row["cores_busy"] > CORES_BUSY * cores
