@@ -232,3 +232,14 @@ def test_null_server_processes_share_one_port():
     while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
         assert time.monotonic() < deadline, "a serving process outlived stop()"
         time.sleep(0.05)
+
+
+async def test_scaling_caps_each_point_and_starts_no_count_past_its_deadline(tmp_path):
+    """`loadgen.calibrate.scaling` (the scale check's): a point ends at `max_s` when its request count would take
+    longer, and a deadline already past starts no count at all."""
+    from loadgen.calibrate import NullTarget, scaling
+
+    with NullTarget(4, "aiohttp", 1) as target:
+        (row,) = await scaling(target, tmp_path, 4, 10**6, (1,), max_s=1.0)
+        assert row["errors"] == 0 and 0 < row["requests"] < 10**6 and row["load_s"] < 10
+        assert await scaling(target, tmp_path / "late", 4, 100, (1, 2), until=time.monotonic() - 1) == []
