@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup test-deps sweep test test-ray lint gpu-prepare gpu-check
+.PHONY: setup test-deps sweep test test-ray lint gpu-prepare gpu-check scale-check
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -38,11 +38,18 @@ test-ray: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 
-# The GPU machine's check (docs/performance.md, "On a GPU"): `make gpu-prepare` here fills .gpu/ (wheels that
-# machine lacks, the tokenizer; carried with the call), then `make gpu-check OUT=dir` there. Rehearsed on
-# CPU by tests/test_gpu_check.py (scripts/gpu_check.py --rehearse).
+# The GPU machine's checks (docs/performance.md): `make gpu-prepare` here fills .gpu/ (the wheels that machine
+# lacks and the tokenizer, ~16 MB, carried with the device call); there, with no venv, `make gpu-check PY=python3
+# OUT=dir` (the reference server on the GPU, scripts/gpu_check.py) and `make scale-check PY=python3
+# SCALE=--full OUT=dir` (the load generator on 16 cores and NVML against nvidia-smi, scripts/scale_check.py).
+# scripts/gpu_run.sh installs the carried wheels first. Rehearsed on CPU in the default suite
+# (tests/test_gpu_check.py, tests/test_scale_check.py); here `make scale-check` runs the rehearsal sizes.
+SCALE ?=
 gpu-prepare: setup
 	bash scripts/gpu_prepare.sh
 
 gpu-check:
-	bash scripts/gpu_check.sh $(or $(OUT),results/gpu-check)
+	PY=$(PY) bash scripts/gpu_run.sh gpu_check.py $(or $(OUT),results/gpu-check)
+
+scale-check:
+	PY=$(PY) bash scripts/gpu_run.sh scale_check.py $(or $(OUT),results/scale-check) $(SCALE)

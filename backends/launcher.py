@@ -29,8 +29,6 @@ from typing import IO, Any
 
 import httpx
 
-from reference_server.model_files import default_model_path
-
 LLAMA_SERVER_ENV = "SERVELAB_LLAMA_SERVER"
 
 
@@ -39,7 +37,11 @@ class LaunchError(RuntimeError):
 
 
 def bundled_model() -> Path:
-    """The bundled GGUF (:func:`reference_server.model_files.default_model_path`), a :class:`LaunchError` when missing."""
+    """The bundled GGUF (:func:`reference_server.model_files.default_model_path`), a :class:`LaunchError` when missing.
+    Imported here, as ``workloads.text`` does: the model's facts need ``tokenizers``, which launching any other
+    server (the null server of ``scripts/scale_check.py`` on a machine without it) does not."""
+    from reference_server.model_files import default_model_path
+
     try:
         return default_model_path()
     except FileNotFoundError as exc:

@@ -1,8 +1,13 @@
 """``bench calibrate``: the client's own ceiling on this machine, measured against the null server.
 
-The null server runs in a separate process (its own event loop and core), so the figures are what one
-client process can drive: closed loop (req/s and events/s at a concurrency, achieved concurrency) and
-open loop (achieved vs requested rate, schedule lag).
+The null server runs in separate processes (their own event loops and cores; one per client worker
+unless ``--servers`` says otherwise, each point checking that none was near a full core), so the figures are
+what the client can drive: closed loop (req/s and events/s at a concurrency, achieved concurrency, per
+worker count) and open loop (achieved vs requested rate, schedule lag). ``scripts/scale_check.py`` runs the
+same points (:class:`NullTarget`, :func:`scaling`, :func:`open_loop`) at a many-core machine's scale.
+
+Size: the calibration points share the null-server target and its CPU meters, and the command prints them;
+the client-only micro-benchmark (:func:`stream_cost`) measures the same stream on the same workload.
 """
 
 from __future__ import annotations
@@ -59,68 +64,130 @@ class FixedWorkload(Workload):
 
 async def calibrate(
     out_dir: Path, concurrency: int = 512, events: int = 200, num_requests: int = 20000, rate: float = 300.0,
-    duration: float = 30.0, client_kind: str = "aiohttp", workers: Sequence[int] = (1,),
+    duration: float = 30.0, client_kind: str = "aiohttp", workers: Sequence[int] = (1,), servers: int | None = None,
 ) -> dict[str, Any]:
     """Run the closed-loop and the open-loop calibration points; returns {"closed": ..., "open": ...}.
 
     With several ``workers`` counts, the closed-loop point runs once per count (``--workers``) and
     ``scaling`` holds each count's ceiling, its scaling efficiency (req/s over ``n`` times the first
-    count's per worker) and the cores busy during it (client workers + null server, of ``cores``); the
-    open-loop point runs with the first count."""
-    cores = os.cpu_count() or 1
-    out: dict[str, Any] = {"load_average": os.getloadavg(), "client": client_kind, "cores": cores}
-    srv = NullServerProcess()
-    with srv as url:
-        assert srv.proc is not None
-        server_cpu = _Cpu(srv.proc.pid)
-        backend = OpenAIBackend(url, model="null")
-        wl = FixedWorkload(max_tokens=events)
-        clock = RunClock()
-        closed = LoadSpec("closed", concurrency=concurrency, num_requests=num_requests, warmup=concurrency)
-        scaling = []
-        for n in workers:
-            server_cpu.reset()
-            s = await run_point(backend, wl, closed, out_dir / ("closed" if n == workers[0] else f"closed-w{n}"),
-                                clock, client_kind=client_kind, fleet=Fleet(n))  # fmt: skip
-            busy = s["workers"]["cpu_s"] / (s["t_end"] - s["t_start"]) + server_cpu.share()
-            scaling.append({"workers": n, **_brief(s, events), "server_cpu": server_cpu.share(), "cores_busy": busy})
-        base = scaling[0]["req_per_s"] / workers[0] if scaling[0]["req_per_s"] else None
-        for row in scaling:
-            row["efficiency"] = row["req_per_s"] / (row["workers"] * base) if base and row["req_per_s"] else None
-            row["cores_limit"] = row["workers"] + 1 > cores or row["cores_busy"] > CORES_BUSY * cores
-        out["closed"] = scaling[0]
+    count's per worker), the cores busy during it (client workers + null servers, of ``cores``) and the
+    busiest null-server process (:func:`scaling`); the open-loop point runs with the first count. The null
+    server runs as ``servers`` processes (default :func:`servers_for` the largest count)."""
+    n_servers = servers or servers_for(max(workers))
+    out: dict[str, Any] = {"load_average": os.getloadavg(), "client": client_kind, "cores": os.cpu_count() or 1,
+                           "servers": n_servers}  # fmt: skip
+    with NullTarget(events, client_kind, n_servers) as target:
+        rows = await scaling(target, out_dir, concurrency, num_requests, workers)
+        out["closed"] = rows[0]
         if len(workers) > 1:
-            out["scaling"] = scaling
-        opened = LoadSpec("poisson", rate=rate, duration=duration, warmup=int(rate), seed=1)
-        s = await run_point(backend, wl, opened, out_dir / "open", clock, client_kind=client_kind,
-                            fleet=Fleet(workers[0]))  # fmt: skip
-        out["open"] = _brief(s, events)
+            out["scaling"] = rows
+        out["open"] = await open_loop(target, out_dir / "open", rate, duration, workers[0])
     (out_dir / "calibrate.json").write_text(json.dumps(out, indent=1))
     return out
 
 
 CORES_BUSY = 0.85  # client workers + null server using more than this share of the machine's cores: its limit
+SERVER_BUSY = 0.5  # a null-server process busier than this share of one core may be what limits the client
+
+
+def servers_for(workers: int) -> int:
+    """Null-server processes for ``workers`` client workers by default: one each. A null server spends about
+    a quarter of the client's CPU per 200-event request (0.09-0.14 vs 0.53-0.64 ms, docs/performance.md), so
+    one per worker stays near a quarter of a core at full client speed, with room under :data:`SERVER_BUSY`
+    for the kernel's uneven deal of connections (one per two would sit at the threshold); each point checks
+    it (``servers_limit``). An idle server costs nothing."""
+    return workers
+
+
+class NullTarget:
+    """The null server as a calibration target (``with NullTarget(events, client, servers) as t:``): its
+    ``servers`` processes (:class:`NullServerProcess`), the backend and workload that stream ``events``
+    events per request from it, one run clock, and a CPU meter per server process."""
+
+    def __init__(self, events: int, client_kind: str, servers: int) -> None:
+        self.events, self.client_kind = events, client_kind
+        self.srv = NullServerProcess(processes=servers)
+        self.workload = FixedWorkload(max_tokens=events)
+        self.clock = RunClock()
+
+    def __enter__(self) -> NullTarget:
+        try:
+            self.backend = OpenAIBackend(self.srv.start(), model="null")
+            self.cpu = [_Cpu(pid) for pid in self.srv.pids()]
+        except BaseException:
+            self.srv.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.srv.stop()
+
+    async def point(self, load: LoadSpec, out_dir: Path, workers: int) -> dict[str, Any]:
+        """One point against the null server; its brief (:func:`_brief`) with the server processes' CPU
+        (``server_cpu``: all of them, in cores; ``server_cpu_max``: the busiest, and ``servers_limit``
+        when it is above :data:`SERVER_BUSY`) and the cores busy (client workers + servers), all over the
+        workers' load phases (``load_s``: warm-up and measured; not their start-up or the records' merge,
+        which the point's whole wall time ``point_s`` includes)."""
+        for c in self.cpu:
+            c.reset()
+        t0 = time.perf_counter()
+        s = await run_point(self.backend, self.workload, load, out_dir, self.clock, client_kind=self.client_kind,
+                            fleet=Fleet(workers))  # fmt: skip
+        point_s = time.perf_counter() - t0
+        wall = max((w["wall_s"] for w in s["workers"]["per_worker"] if w.get("wall_s")), default=point_s)
+        shares = [c.seconds() / wall for c in self.cpu]
+        busy = s["workers"]["cpu_s"] / wall + sum(shares)
+        return {"workers": workers, **_brief(s, self.events), "server_cpu": sum(shares), "server_cpu_max": max(shares),
+                "servers_limit": max(shares) > SERVER_BUSY, "cores_busy": busy, "load_s": wall, "point_s": point_s}  # fmt: skip
+
+
+async def scaling(
+    target: NullTarget, out_dir: Path, concurrency: int, num_requests: int, workers: Sequence[int],
+    max_s: float | None = None, until: float | None = None,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """The closed-loop ceiling once per worker count (the first into ``out_dir/closed``, the others into
+    ``closed-w<n>``), each row with its scaling efficiency (req/s over ``n`` times the first count's per
+    worker) and ``cores_limit`` (the machine's cores, not the client or the server, set the limit). A point
+    ends after ``num_requests`` or ``max_s`` seconds, whichever comes first; no count starts after the
+    ``time.monotonic()`` instant ``until`` (the rows are those of the counts that ran)."""
+    closed = LoadSpec("closed", concurrency=concurrency, num_requests=num_requests, duration=max_s, warmup=concurrency)
+    cores = os.cpu_count() or 1
+    rows = []
+    for n in workers:
+        if until is not None and time.monotonic() >= until:
+            break
+        rows.append(await target.point(closed, out_dir / ("closed" if n == workers[0] else f"closed-w{n}"), n))
+    base = rows[0]["req_per_s"] / workers[0] if rows and rows[0]["req_per_s"] else None
+    for row in rows:
+        row["efficiency"] = row["req_per_s"] / (row["workers"] * base) if base and row["req_per_s"] else None
+        row["cores_limit"] = row["workers"] + 1 > cores or row["cores_busy"] > CORES_BUSY * cores
+    return rows
+
+
+async def open_loop(target: NullTarget, out_dir: Path, rate: float, duration: float, workers: int) -> dict[str, Any]:
+    """The open-loop point: Poisson arrivals at ``rate`` for ``duration`` s (after a second of warm-up
+    arrivals) over ``workers`` workers; achieved vs requested rate and the schedule lag."""
+    load = LoadSpec("poisson", rate=rate, duration=duration, warmup=int(rate), seed=1)
+    return await target.point(load, out_dir, workers)
 
 
 class _Cpu:
-    """CPU seconds of another process (Linux /proc), as a share of the wall time since ``reset``."""
+    """CPU seconds of another (single-threaded) process since ``reset``: its main thread's time on a CPU, in
+    nanoseconds (Linux schedstat), not clock ticks, so that a short point's few milliseconds count. A process
+    that cannot be read (gone, no schedstat) raises ``OSError``: a server's CPU is never guessed as 0."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self.reset()
 
     def _read(self) -> float:
-        try:
-            fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, IndexError, ValueError):
-            return 0.0
+        return int(Path(f"/proc/{self.pid}/schedstat").read_text().split()[0]) / 1e9
 
     def reset(self) -> None:
-        self.t, self.cpu = time.perf_counter(), self._read()
+        self.cpu = self._read()
 
-    def share(self) -> float:
-        return (self._read() - self.cpu) / max(time.perf_counter() - self.t, 1e-9)
+    def seconds(self) -> float:
+        return self._read() - self.cpu
 
 
 def _brief(s: dict[str, Any], events: int) -> dict[str, Any]:
@@ -130,7 +197,7 @@ def _brief(s: dict[str, Any], events: int) -> dict[str, Any]:
         "requests": s["counts"]["requests"], "errors": s["counts"]["errors"],
         "req_per_s": thr["req_per_s"], "events_per_s": (thr["req_per_s"] or 0) * events,
         "achieved_concurrency": cl["achieved_concurrency"], "requested_concurrency": cl["requested_concurrency"],
-        "achieved_rate": cl["achieved_rate"], "requested_rate": cl["requested_rate"],
+        "achieved_rate": cl["achieved_rate"], "scheduled_rate": cl["scheduled_rate"], "requested_rate": cl["requested_rate"],
         "lag_p50_ms": lag["p50"] * 1e3 if lag["p50"] is not None else None,
         "lag_p99_ms": lag["p99"] * 1e3 if lag["p99"] is not None else None,
         "client_cpu": cl["cpu"], "client_cpu_wait": cl["cpu_wait"], "warnings": cl["warnings"],
@@ -191,9 +258,11 @@ def calibrate_command(
     client: Client = "aiohttp", output_dir: OutputDir = Path("results"), run_id: RunId = None,
     workers: Annotated[str, typer.Option(help="Worker counts for the closed-loop ceiling, e.g. 1,2,4: the ceiling "
                                          "and the scaling efficiency per count.")] = "1",
+    servers: Annotated[int | None, typer.Option(help="Null-server processes on its one port (SO_REUSEPORT); "
+                                                "default: one per worker of the largest --workers count.")] = None,
 ) -> None:  # fmt: skip
     """Measure this client's own ceiling against the null SSE server (run in a separate process)."""
-    if concurrency < 1 or events < 1 or num_requests < 1 or rate <= 0 or duration <= 0:
+    if concurrency < 1 or events < 1 or num_requests < 1 or rate <= 0 or duration <= 0 or (servers or 1) < 1:
         console.print("[red]error[/]: all calibrate options must be positive")
         raise typer.Exit(ExitCode.USAGE)
     if client not in CLIENT_KINDS:
@@ -209,7 +278,7 @@ def calibrate_command(
         raise typer.Exit(ExitCode.USAGE)
     out_dir = output_dir / (run_id or f"calibrate-{new_run_id()}")
     console.print(f"calibrating: closed loop c={concurrency}, {events} events/stream; open loop Poisson {rate:g}/s")
-    res = run_async(calibrate(out_dir, concurrency, events, num_requests, rate, duration, client, counts))
+    res = run_async(calibrate(out_dir, concurrency, events, num_requests, rate, duration, client, counts, servers))
     t = Table(title=f"client ceiling ({client}; load average {res['load_average'][0]:.2f})")
     for col in ("point", "req/s", "events/s", "conc. achieved/req.", "rate achieved/req.", "lag p50 ms",
                 "lag p99 ms", "client CPU"):  # fmt: skip
@@ -222,22 +291,30 @@ def calibrate_command(
                   f"{r['lag_p50_ms']:.2f}", f"{r['lag_p99_ms']:.2f}", f"{r['client_cpu']:.0%}")  # fmt: skip
     parts: list[Table | Text] = [t]
     if "scaling" in res:
-        parts += _scaling_table(res)
+        parts += scaling_table(res["scaling"], res["cores"], res["servers"])
     Console(width=None if sys.stdout.isatty() else 200).print(Group(*parts, Text(f"results: {out_dir}")))
 
 
-def _scaling_table(res: dict[str, Any]) -> list[Table | Text]:
-    t = Table(title=f"closed-loop ceiling per worker count ({res['cores']} cores on this machine)")
-    for col in ("workers", "req/s", "efficiency", "conc. achieved/req.", "CPU ms/request", "cores busy"):
+def scaling_table(rows: list[dict[str, Any]], cores: int, servers: int) -> list[Table | Text]:
+    """The closed-loop rows of :func:`scaling` as a table, with a warning under it for each count whose
+    limit was the machine's cores or a null-server process."""
+    t = Table(title=f"closed-loop ceiling per worker count ({cores} cores on this machine, {servers} null-server "
+                    "processes)")  # fmt: skip
+    for col in ("workers", "req/s", "efficiency", "conc. achieved/req.", "CPU ms/request", "cores busy",
+                "busiest server"):  # fmt: skip
         t.add_column(col, justify="right")
     notes: list[Table | Text] = [t]
-    for r in res["scaling"]:
+    for r in rows:
         eff = f"{r['efficiency']:.0%}" if r["efficiency"] is not None else "-"
         t.add_row(str(r["workers"]), f"{r['req_per_s']:,.0f}", eff,
                   f"{r['achieved_concurrency']:.1f}/{r['requested_concurrency']}", f"{r['cpu_ms_per_request']:.3f}",
-                  f"{r['cores_busy']:.2f} of {res['cores']}")  # fmt: skip
+                  f"{r['cores_busy']:.2f} of {cores}", f"{r['server_cpu_max']:.0%}")  # fmt: skip
         if r["cores_limit"]:
             notes.append(Text(f"warning: with {r['workers']} worker(s) the machine's cores set the limit, not the "
-                              f"client or the server ({r['cores_busy']:.2f} of {res['cores']} cores busy with client "
+                              f"client or the server ({r['cores_busy']:.2f} of {cores} cores busy with client "
                               "workers and the null server): more workers will not scale here", style="yellow"))  # fmt: skip
+        if r["servers_limit"]:
+            notes.append(Text(f"warning: with {r['workers']} worker(s) a null-server process used "
+                              f"{r['server_cpu_max']:.0%} of a core (above {SERVER_BUSY:.0%}): the servers may be the "
+                              "limit; give it more with --servers", style="yellow"))  # fmt: skip
     return notes

@@ -151,17 +151,32 @@ class _ProcessHandle:
     def describe(self) -> dict[str, Any]:
         return {"index": self.index, "kind": "process", "pid": self.proc.pid}
 
+    def goodbye(self) -> None:
+        """Tell the worker to exit (``close`` waits for it)."""
+        if not self._closing:
+            self._closing = True
+            if self.lost is None:
+                with contextlib.suppress(OSError):
+                    self._conn.send(None)  # the worker's last message: it exits, and the reader thread sees EOF
+
     def close(self) -> None:
-        self._closing = True
-        if self.lost is None:
-            with contextlib.suppress(OSError):
-                self._conn.send(None)  # the worker's last message: it exits, and the reader thread sees EOF
+        self.goodbye()
         self.proc.join(10.0)
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join()
         self._reader.join(5.0)
         self._conn.close()
+
+
+def close_all(handles: list[Handle]) -> None:
+    """Close every handle: worker processes are all told to exit first, then waited for, so that their exits
+    (each interpreter's shutdown, ~0.1 s) overlap instead of queueing one after another."""
+    for h in handles:
+        if isinstance(h, _ProcessHandle):
+            h.goodbye()
+    for h in handles:
+        h.close()
 
 
 def _read_into(conn: Connection, loop: asyncio.AbstractEventLoop, deliver: Callable[[Any], None]) -> None:

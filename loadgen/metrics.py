@@ -25,6 +25,7 @@ docs/metrics.md); the event helpers they share would otherwise be imported back 
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
@@ -201,12 +202,15 @@ def summarize(
     if slo_from not in SLO_FROM:
         raise ValueError(f"slo_from must be one of {', '.join(SLO_FROM)}, got {slo_from!r}")
     window = steady_window(records)
-    out = _core(records, window, slo, slo_from)
+    core = _core(records, window, slo, slo_from)
+    out = copy.deepcopy(core)
     out["window"] = [window.start, window.end]
     out["client"] = client_health(records, (window.start, window.end), load or {}, client_cpu, client_wait,
                                   steady=window.valid)
-    classes = sorted({r["cls"] for r in records if not r["warmup"]})
-    out["per_class"] = {c: _core([r for r in records if r["cls"] == c], window, slo, slo_from) for c in classes}
+    out["per_class"] = {}
+    for c in sorted({r["cls"] for r in records if not r["warmup"]}):
+        mine = [r for r in records if r["cls"] == c]
+        out["per_class"][c] = core if len(mine) == len(records) else _core(mine, window, slo, slo_from)  # one class: all
     return out
 
 
@@ -231,7 +235,7 @@ def _core(records: Sequence[Record], window: Window, slo: dict[str, float] | Non
         "e2e_from_intended": stats(last_content(r) - r["intended"] for r in ok),
     }
     whole = _rates(len(ok), out_tokens, in_tokens, span)
-    steady = _steady(ok, window) if window.valid else {**whole, "req_per_s_little": None, "req_per_s_completed": None, "output_tok_per_s_events": None}
+    steady = _steady(ok, rd, window) if window.valid else {**whole, "req_per_s_little": None, "req_per_s_completed": None, "output_tok_per_s_events": None}
     steady.update(valid=window.valid, reason=window.reason, note=None)
     little, req = steady["req_per_s_little"], steady["req_per_s"]
     if little and req and abs(little / req - 1) > LITTLE_WARN:
@@ -263,13 +267,14 @@ def _core(records: Sequence[Record], window: Window, slo: dict[str, float] | Non
     return res
 
 
-def _steady(ok: Sequence[Record], w: Window) -> dict[str, Any]:
+def _steady(ok: Sequence[Record], rd: Sequence[tuple[np.ndarray, np.ndarray]], w: Window) -> dict[str, Any]:
     """Rates inside a valid window from each request's share of it: f = |[sent, end] ∩ window| /
     (end − sent). req/s = Σ f / length; output (total) tok/s = Σ f · output (+ prompt) tokens / length.
     Unbiased in a steady state whatever the request lengths and wherever the window's edges fall inside
     requests (docs/metrics.md has the proof); completions in the window are not, as none can happen
     early in it when every request started at once. Cross-checks: Little's law (mean in-flight ÷ mean
-    request length), completions in the window, and output tokens whose events arrived in it."""
+    request length), completions in the window, and output tokens whose events arrived in it (from ``rd``, each
+    request's :func:`reads`)."""
     a, b = w.start, w.end
     wlen = b - a
     if not ok:
@@ -280,7 +285,7 @@ def _steady(ok: Sequence[Record], w: Window) -> dict[str, Any]:
     prompt = np.asarray([r["prompt_tokens"] or 0 for r in ok], dtype=float)
     inflight = sum(max(0.0, min(r["end"], b) - max(r["sent"], a)) for r in ok) / wlen
     mean_len = float(np.mean([r["end"] - r["sent"] for r in ok]))
-    events = sum(tokens_of(e) for r in ok for e in r["events"] if a < e[0] <= b)
+    events = sum(int(k[(t > a) & (t <= b)].sum()) for t, k in rd)
     return {
         "seconds": wlen, "req_per_s": float(share.sum()) / wlen, "output_tok_per_s": float(share @ out) / wlen,
         "total_tok_per_s": float(share @ (out + prompt)) / wlen,

@@ -30,6 +30,15 @@ open and drops the next request that arrives on it unread: the keep-alive race, 
 streams are cut). ``GET /stats`` counts ``requests`` (generation requests handled), ``dropped_idle``
 and ``dropped_requests``.
 
+Several serving processes (``--processes N``, ``NullServerProcess(processes=N)``): for client ceilings
+beyond what one server core can answer (``bench calibrate --servers N``). The design is the kernel's
+``SO_REUSEPORT`` group on the one port: the launched process binds N listening sockets to it, then forks
+N − 1 children, each serving one socket on its own event loop, and serves the first itself; the kernel
+deals each new connection to one socket by a hash of its addresses. The client needs nothing (one URL),
+every socket listens before ``/health`` can answer (a connection that reaches a child still starting waits
+in its backlog), and the processes share the launcher's process group, so they stop together. Counters
+(``/stats``, ``die_after``) are per process.
+
 Size: one raw-asyncio HTTP/1.1 protocol and the faults it injects share one connection's state; the service-
 model server (loadgen/servicemodel.py) reuses its parts.
 """
@@ -47,6 +56,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
+
+import psutil
 
 from backends.launcher import ServerProcess, free_port
 
@@ -303,17 +314,52 @@ class Conn(asyncio.Protocol):
         self.transport = None
 
 
+BACKLOG = 4096  # pending connections per listening socket
+
+
 async def serve(
     host: str, port: int, default: Behaviour, ready: asyncio.Event | None = None,
-    protocol: Callable[[], asyncio.Protocol] | None = None,
+    protocol: Callable[[], asyncio.Protocol] | None = None, sock: socket.socket | None = None,
 ) -> None:  # fmt: skip
+    """Serve on ``host:port``, or on the listening socket ``sock`` (:func:`listeners`) when given."""
     loop = asyncio.get_running_loop()
     factory = protocol or (lambda: Conn(default))
-    server = await loop.create_server(factory, host, port, backlog=4096, reuse_address=True)
+    if sock is not None:
+        server = await loop.create_server(factory, sock=sock, backlog=BACKLOG)
+    else:
+        server = await loop.create_server(factory, host, port, backlog=BACKLOG, reuse_address=True)
     if ready is not None:
         ready.set()
     async with server:
         await server.serve_forever()
+
+
+def listeners(host: str, port: int, n: int) -> list[socket.socket]:
+    """``n`` sockets listening on ``host:port``, one ``SO_REUSEPORT`` group when ``n`` > 1."""
+    socks = []
+    for _ in range(n):
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if n > 1:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        s.bind((host, port))
+        s.listen(BACKLOG)
+        socks.append(s)
+    return socks
+
+
+def fork_over(socks: list[socket.socket]) -> socket.socket:
+    """Fork a child per socket after the first; returns the socket this process serves (the first in the
+    caller, its own in each child) with the others closed. Call it before any event loop or thread exists."""
+    mine = socks[0]
+    for s in socks[1:]:
+        if os.fork() == 0:
+            mine = s
+            break
+    for s in socks:
+        if s is not mine:
+            s.close()
+    return mine
 
 
 class NullServerProcess:
@@ -325,13 +371,15 @@ class NullServerProcess:
 
     module = "loadgen.nullserver"
 
-    def __init__(self, host: str = "127.0.0.1", **behaviour: Any) -> None:
-        self.host, self.port = host, free_port(host)
+    def __init__(self, host: str = "127.0.0.1", processes: int = 1, **behaviour: Any) -> None:
+        if processes < 1:
+            raise ValueError(f"processes must be >= 1, got {processes}")
+        self.host, self.port, self.processes = host, free_port(host), processes
         self.behaviour = Behaviour().update(behaviour)
         self.server: ServerProcess | None = None
 
     def options(self) -> list[str]:
-        return ["--behaviour", json.dumps(asdict(self.behaviour))]
+        return ["--behaviour", json.dumps(asdict(self.behaviour)), "--processes", str(self.processes)]
 
     @property
     def url(self) -> str:
@@ -340,6 +388,12 @@ class NullServerProcess:
     @property
     def proc(self) -> subprocess.Popen[bytes] | None:
         return self.server.proc if self.server is not None else None
+
+    def pids(self) -> list[int]:
+        """The serving processes: the launched one, then the children it forked (``processes``)."""
+        if self.proc is None:
+            return []
+        return [self.proc.pid, *(c.pid for c in psutil.Process(self.proc.pid).children())]
 
     def start(self, timeout: float = 60.0) -> str:
         """Start it (output to this process's stdout/stderr) and wait for ``/health``; raises
@@ -366,14 +420,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8099)
     ap.add_argument("--behaviour", default="{}", help="JSON object of default Behaviour fields")
+    ap.add_argument("--processes", type=int, default=1, help="serving processes on the one port (SO_REUSEPORT)")
     args = ap.parse_args(argv)
     default = Behaviour().update(json.loads(args.behaviour))
+    sock = fork_over(listeners(args.host, args.port, args.processes))
     try:
         import uvloop
     except ImportError:
-        asyncio.run(serve(args.host, args.port, default))
+        asyncio.run(serve(args.host, args.port, default, sock=sock))
     else:
-        uvloop.run(serve(args.host, args.port, default))
+        uvloop.run(serve(args.host, args.port, default, sock=sock))
 
 
 if __name__ == "__main__":

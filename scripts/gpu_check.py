@@ -29,7 +29,7 @@ Writes ``OUT/gpu_check.json`` (figures and verdicts) and ``OUT/gpu_check.log`` a
 report; the last lines printed are a short table. ``--budget-s`` bounds the whole run: a check that would
 start past it is recorded as not run.
 
-    python3 scripts/gpu_check.py --out DIR                  # on the GPU machine (scripts/gpu_check.sh)
+    python3 scripts/gpu_check.py --out DIR                  # on the GPU machine (make gpu-check PY=python3)
     python3 scripts/gpu_check.py --rehearse --out DIR       # on CPU, tiny shapes
     python3 scripts/gpu_check.py --export-tokenizer .gpu/tokenizer.gguf
 """

@@ -15,7 +15,7 @@ from support.signals import sigint_default
 
 from backends.openai import OpenAIBackend
 from loadgen import metrics
-from loadgen.calibrate import FixedWorkload
+from loadgen.calibrate import SERVER_BUSY, FixedWorkload
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, Share, run_point
 from loadgen.exitcodes import ExitCode
@@ -160,10 +160,11 @@ async def test_calibrate_reports_the_ceiling_per_worker_count(tmp_path):
 
     res = await calibrate(tmp_path, concurrency=8, events=4, num_requests=200, rate=40, duration=1, workers=(1, 2))
     rows = res["scaling"]
-    assert [r["workers"] for r in rows] == [1, 2] and res["closed"] == rows[0]
+    assert [r["workers"] for r in rows] == [1, 2] and res["closed"] == rows[0] and res["servers"] == 2  # one per worker
     for r in rows:
         assert r["errors"] == 0 and r["requests"] == 200 and r["req_per_s"] > 0 and r["cpu_ms_per_request"] > 0
         assert r["cores_busy"] > 0 and isinstance(r["cores_limit"], bool)
+        assert 0 < r["server_cpu_max"] <= r["server_cpu"] and r["servers_limit"] == (r["server_cpu_max"] > SERVER_BUSY)
     assert rows[0]["efficiency"] == 1.0 and rows[1]["efficiency"] == rows[1]["req_per_s"] / (2 * rows[0]["req_per_s"])
     assert res["open"]["errors"] == 0 and json.loads((tmp_path / "calibrate.json").read_text())["scaling"] == rows
 
@@ -202,3 +203,43 @@ def test_capacity_with_two_workers_finds_the_known_capacity_and_stops_probes_ear
         recs = read_jsonl(d / "requests.jsonl")  # both workers' records, the probe's cancelled ones included
         assert {r["session"] for r in recs} >= {"s1", "s2"} and len(recs) >= p["requests"]
         assert sum(len(read_jsonl(d / "workers" / f)) for f in ("w0.jsonl", "w1.jsonl")) == len(recs)
+
+
+def test_null_server_processes_share_one_port():
+    """`NullServerProcess(processes=3)`: three serving processes on one port (SO_REUSEPORT); the kernel deals
+    connections to all of them, and they stop together."""
+    import httpx
+    import psutil
+
+    from loadgen.nullserver import NullServerProcess
+
+    srv = NullServerProcess(processes=3)
+    with srv as url:
+        pids = srv.pids()
+        assert len(set(pids)) == 3
+        clients = [httpx.Client() for _ in range(30)]  # 30 keep-alive connections: all 3 get one (p ≈ 1 - 1.5e-5)
+        try:
+            for c in clients:
+                r = c.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": True})
+                assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+            held = {p: sum(1 for k in psutil.Process(p).net_connections("tcp")
+                           if k.laddr.port == srv.port and k.status == psutil.CONN_ESTABLISHED) for p in pids}  # fmt: skip
+        finally:
+            for c in clients:
+                c.close()
+    assert sum(held.values()) == 30 and min(held.values()) >= 1, held
+    deadline = time.monotonic() + 5
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+        assert time.monotonic() < deadline, "a serving process outlived stop()"
+        time.sleep(0.05)
+
+
+async def test_scaling_caps_each_point_and_starts_no_count_past_its_deadline(tmp_path):
+    """`loadgen.calibrate.scaling` (the scale check's): a point ends at `max_s` when its request count would take
+    longer, and a deadline already past starts no count at all."""
+    from loadgen.calibrate import NullTarget, scaling
+
+    with NullTarget(4, "aiohttp", 1) as target:
+        (row,) = await scaling(target, tmp_path, 4, 10**6, (1,), max_s=1.0)
+        assert row["errors"] == 0 and 0 < row["requests"] < 10**6 and row["load_s"] < 10
+        assert await scaling(target, tmp_path / "late", 4, 100, (1, 2), until=time.monotonic() - 1) == []
