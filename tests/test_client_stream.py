@@ -99,20 +99,31 @@ def test_stream_cost_benchmark_reads_every_event():
     assert 0 < stream_cost(events=20, read_size=7, repeat=3) < 1  # raises if a null stream were misread
 
 
-def test_run_gc_settings_come_back_after_overlapping_runs():
+def test_a_run_freezes_what_survives_a_young_pass_and_the_settings_come_back_after_overlapping_runs():
+    """While requests run, a young GC pass freezes its survivors (no later pass walks them: each pass stays
+    short), young cyclic garbage still dies in a young pass, and the collector is as before once the last of
+    two overlapping runs ends."""
     import gc
 
-    from loadgen.engine import _run_gc
+    from loadgen.engine import GC_YOUNG, _freeze_survivors, _run_gc
 
     before = gc.get_threshold()
     a, b = _run_gc(), _run_gc()
     a.__enter__()
     b.__enter__()
-    assert gc.get_threshold()[0] > before[0]
+    assert gc.get_threshold()[0] == GC_YOUNG > before[0]
+    frozen = gc.get_freeze_count()
+    kept = [[i] for i in range(1000)]  # alive across the next young pass
+    gc.collect(0)
+    assert gc.get_freeze_count() >= frozen + len(kept)
+    cycle: list = []
+    cycle.append(cycle)
+    del cycle
+    assert gc.collect(0) >= 1  # a cycle that died young is collected, not frozen
     a.__exit__(None, None, None)  # the first run ends while the second still runs
-    assert gc.get_threshold()[0] > before[0]
+    assert gc.get_threshold()[0] == GC_YOUNG and _freeze_survivors in gc.callbacks
     b.__exit__(None, None, None)
-    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0 and _freeze_survivors not in gc.callbacks
 
 
 def test_reading_stops_at_the_end_marker():
