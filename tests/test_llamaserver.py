@@ -100,9 +100,13 @@ def test_default_bench_run_has_no_errors(server16, tmp_path, concurrency):
 def test_plain_openai_dialect_keeps_alive_without_errors(server16, tmp_path):
     """`--backend openai` keeps connections alive; llama-server closes them after streams and the
     client resends those requests once on a fresh connection (the issue's 24-of-48 failures). 48 requests:
-    two wave boundaries where 16 finished streams' connections are reused at once."""
+    two wave boundaries where 16 finished streams' connections are reused at once. Whether the race
+    happens in a given run is timing (it once did not: 1 failure in 608 on a quiet machine), so this test
+    asserts what must hold either way: 0 errors, exact counts, at most one resend per request; the resend
+    itself is proven deterministically against a server that drops idle connections on purpose
+    (test_robust_runs.test_keepalive_race_is_retried_once_and_counted_exactly)."""
     recs = default_cli_run(server16.base_url, tmp_path, 16, backend="llamacpp", n=48, args=("--backend", "openai"))
-    assert sum(r["retries"] for r in recs) > 0  # the race happened and was absorbed
+    assert all(r["retries"] <= 1 for r in recs)
 
 
 def test_native_stream_exact_counts(server, tmp_path):
