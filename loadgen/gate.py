@@ -157,7 +157,7 @@ def _run_flag(run_json: Path, key: str) -> bool:
 
 
 # Config keys that do not change what is measured (loadgen.options.RunOptions marks them). Everything else in
-# ``config`` (workload, load, seed, model, API, client) must match.
+# ``config`` (workload, load, model, API, client) must match; the seed need not (another sample of the same workload).
 CONFIG_IGNORED = RunOptions.incomparable() | {"run_id"}  # run_id: results written before RunOptions
 ENV_IGNORED = frozenset({"load_average"})
 

@@ -80,7 +80,9 @@ class RunOptions:
     num_requests: int | None = None
     duration: float | None = None
     warmup: int = 0
-    seed: int = 0
+    # None: derived from the run id (execute); run.json records the one used. Not part of what makes runs
+    # comparable: other prompts of the same workload are another sample of it
+    seed: int | None = field(default=None, metadata=_incomparable())
     slo: str | None = None  # as given; run.json holds it in seconds (:func:`parse_slo`)
     repeat: int = field(default=1, metadata=_incomparable())
     api_key_env: str | None = field(default=None, metadata=_incomparable())
@@ -195,7 +197,9 @@ NumRequests = Annotated[int | None, typer.Option(
     help="Measured requests per point (default: run 100, sweep 32; a replayed trace runs to its end).")]
 Duration = Annotated[float | None, typer.Option(help="Seconds of dispatch per point.")]
 Warmup = Annotated[int, typer.Option(help="Warm-up sessions per point (excluded from metrics).")]
-Seed = Annotated[int, typer.Option(help="Seed for arrivals and workload sampling.")]
+Seed = Annotated[int | None, typer.Option(help="Seed for arrivals and workload sampling (default: derived from "
+                                           "the run id, so runs send fresh prompts; run.json records it: pass "
+                                           "it again to repeat a run's prompts).")]
 Slo = Annotated[str | None, typer.Option(help="Goodput SLOs, e.g. ttft=500ms,tpot=50ms,e2e=10s (bare = ms).")]
 SloFrom = Annotated[str, typer.Option(help="Judge the SLOs' TTFT and E2E from the request's actual send "
                     "(sent) or its intended send time (intended: a client running late cannot flatter goodput).")]

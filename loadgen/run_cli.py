@@ -60,7 +60,7 @@ from loadgen.report.cli import auto_report
 from loadgen.results import ResultsDir, new_run_id
 from loadgen.sidecars import telemetry
 from loadgen.sidecars.poller import ServerStatePoller
-from loadgen.sweep import PointPlan, loads_from, plan_points, run_sweep
+from loadgen.sweep import PointPlan, loads_from, plan_points, run_seed, run_sweep
 from loadgen.targets import (
     check_tokenizer,
     detect_server,
@@ -77,7 +77,7 @@ def run(
     concurrency: Annotated[int | None, typer.Option(help="Closed-loop concurrency.")] = None,
     rate: Annotated[float | None, typer.Option(help="Open-loop rate, req/s.")] = None,
     arrival: Arrival = None, burstiness: Burstiness = 1.0, workload: WorkloadOpt = "chat-short",
-    num_requests: NumRequests = None, duration: Duration = None, warmup: Warmup = 0, seed: Seed = 0,
+    num_requests: NumRequests = None, duration: Duration = None, warmup: Warmup = 0, seed: Seed = None,
     slo: Slo = None, repeat: Repeat = 1, output_dir: OutputDir = Path("results"), run_id: RunId = None,
     api_key_env: ApiKeyEnv = None, continuous_usage: ContinuousUsage = False, extra_body: ExtraBody = None,
     client: Client = "aiohttp", timeout: Timeout = 600.0, stall_timeout: StallTimeout = 60.0,
@@ -110,7 +110,7 @@ def sweep(
     rate: Annotated[str | None, typer.Option(help="Open-loop rates in req/s, e.g. 2,4,8.")] = None,
     arrival: Arrival = None, burstiness: Burstiness = 1.0,
     workload: Annotated[str, typer.Option(help="Workload name(s) or TOML path(s), comma-separated.")] = "chat-short",
-    num_requests: NumRequests = None, duration: Duration = None, warmup: Warmup = 2, seed: Seed = 0,
+    num_requests: NumRequests = None, duration: Duration = None, warmup: Warmup = 2, seed: Seed = None,
     slo: Slo = None, repeat: Repeat = 1, output_dir: OutputDir = Path("results"), run_id: RunId = None,
     api_key_env: ApiKeyEnv = None, continuous_usage: ContinuousUsage = False, extra_body: ExtraBody = None,
     client: Client = "aiohttp", timeout: Timeout = 600.0, stall_timeout: StallTimeout = 60.0,
@@ -152,7 +152,10 @@ def execute(opts: RunOptions) -> ExitCode:
     api_key = read_api_key(opts.api_key_env)
     check_tokenizer(opts.tokenizer)
     wls = [load_workload(w, opts.tokenizer) for w in opts.workloads]
+    run_id = opts.run_id or new_run_id()
     opts = opts.resolve(wls, finite=all(map(is_finite, wls)))
+    if opts.seed is None:
+        opts = replace(opts, seed=run_seed(run_id))
     open_process = opts.arrival if opts.arrival not in (None, "closed") else "poisson"
     try:
         trace = opts.arrival == "trace"
@@ -164,7 +167,7 @@ def execute(opts: RunOptions) -> ExitCode:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     plans = plan_points(wls, loads, opts.repeat)
-    results = ResultsDir(opts.output_dir / (opts.run_id or new_run_id()))
+    results = ResultsDir(opts.output_dir / run_id)
     config = opts.config()
     clock = RunClock()
     display = LiveDisplay(console, clock)

@@ -54,6 +54,26 @@ def test_bench_run_writes_the_results_layout(null_server, tmp_path):
     assert "c002" in " ".join(res.output.split())
 
 
+def test_runs_and_points_send_fresh_prompts_and_the_recorded_seed_repeats_them(null_server, tmp_path):
+    """Without --seed a run's seed comes from its run id (run.json records it) and each point has its own:
+    two runs and two points never share a seed, so neither prompts; --seed with a recorded value gives every
+    point's seed, and so its prompts, again."""
+
+    def sweep(rid: str, *extra: str) -> tuple[int, list[int]]:
+        res = runner.invoke(app, ["sweep", "--url", null_server, "--concurrency", "1,2", "--num-requests", "3",
+                                  "--warmup", "0", "--output-dir", str(tmp_path), "--run-id", rid, "--poll-hz", "0",
+                                  "--telemetry-hz", "0", *extra])
+        assert res.exit_code == 0, res.output
+        doc = json.loads((tmp_path / rid / "summary.json").read_text())
+        assert all(p["counts"]["ok"] == 3 for p in doc["points"])
+        return doc["config"]["seed"], [p["load"]["seed"] for p in doc["points"]]
+
+    seed_a, points_a = sweep("a")
+    seed_b, points_b = sweep("b")
+    assert seed_a != seed_b and len(set(points_a + points_b)) == 4
+    assert sweep("c", "--seed", str(seed_a)) == (seed_a, points_a)
+
+
 def test_bench_run_replays_a_whole_trace_by_default(null_server, tmp_path):
     """A trace is finite: without --num-requests it runs to its last row (200 here), not to a default cap."""
     res = runner.invoke(app, ["run", "--url", null_server, "--workload", "workloads/data/sample_azure.csv",

@@ -343,3 +343,26 @@ def test_length_distributions_follow_their_parameters():
     assert min(clipped) == 60 and max(clipped) == 120
     think = draw({"dist": "normal", "mean": 0.5, "std": 1.0, "min": 0}, integer=False)
     assert min(think) == 0.0 and isinstance(think[0], float)
+
+
+def test_the_points_of_a_sweep_send_fresh_prompts_and_keep_a_shared_prefix_within_each(tok):
+    """Each point and trial of a sweep gets its own seed (loadgen.sweep.point_seed), so a point's prompts are
+    not another's (a server's prefix cache would answer them: with one seed every point re-sent the first's
+    24), while shared-system-prompt's requests still share their prefix within each point. Prompts start at
+    a corpus sentence, so two of 144 can begin alike by chance (one 32-token start here)."""
+    from loadgen.engine import LoadSpec
+    from loadgen.sweep import loads_from, plan_points
+
+    wl = load_workload("chat-short")
+    plans = plan_points([wl], loads_from(LoadSpec(concurrency=1, num_requests=24, seed=7), concurrency=[1, 4, 16]), repeat=2)
+    assert len({p.load.seed for p in plans}) == 6
+    assert [p.load.seed for p in plan_points([wl], loads_from(LoadSpec(concurrency=1, num_requests=24, seed=7), concurrency=[1, 4, 16]), 2)] == [
+        p.load.seed for p in plans]  # the run's seed gives them again
+    starts = [{tuple(tok.encode(s.first().prompt).ids[:32]) for s in islice(wl.sessions(p.load.seed), 24)}
+              for p in plans]
+    assert all(len(s) == 24 for s in starts)
+    assert sum(map(len, starts)) - len(set().union(*starts)) <= 1  # (was 120: every point the first's 24)
+    shared = load_workload("shared-system-prompt")
+    for p in plan_points([shared], loads_from(LoadSpec(concurrency=1, num_requests=40, seed=7), concurrency=[1, 4])):
+        ids = [tok.encode(s.first().prompt).ids[:512] for s in islice(shared.sessions(p.load.seed), 40)]
+        assert max(ids.count(i) for i in ids) >= 30
