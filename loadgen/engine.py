@@ -287,7 +287,7 @@ class _Dispatch:
                 prog.inflight -= 1
                 prog.done += 1
                 prog.output_tokens += rec.output_tokens or 0
-                if rec.error is not None:
+                if rec.error is not None and not rec.warmup:  # as the results count them: measured requests
                     prog.errors += 1
                     kind = rec.error["kind"]
                     prog.error_kinds[kind] = prog.error_kinds.get(kind, 0) + 1
