@@ -259,6 +259,12 @@ def make_engine(path: Path, weights: tuple[ModelSpec, dict[str, torch.Tensor]], 
     return Engine(config, ModelRunner(config, *weights), TextCodec(path))
 
 
+def child_env() -> dict[str, str]:
+    """This environment with the repository first on PYTHONPATH: the subprocesses (pytest, bench sweep and the
+    server it starts) import the project from the tree, installed or not."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
 def free(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -266,8 +272,7 @@ def free(device: str) -> None:
 
 # -- checks -----------------------------------------------------------------------------------------------
 def check_pytest(ctx: Context) -> Record:
-    env = {**os.environ, MODEL_ENV: str(ctx.small_path), "PYTHONPATH": os.pathsep.join(
-        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env = {**child_env(), MODEL_ENV: str(ctx.small_path)}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *ctx.plan.pytest]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=ctx.left(), check=False)
     ctx.log(proc.stdout[-4000:] + proc.stderr[-2000:])
@@ -501,7 +506,7 @@ def check_sweep(ctx: Context) -> Record:
     cmd = [sys.executable, "-c", "from loadgen.cli import main; main()", "sweep", "--server", server, "--workload", str(workload),
            "--concurrency", ",".join(map(str, plan.sweep)), "--duration", str(plan.sweep_s),
            "--tokenizer", str(ctx.big_path), "--output-dir", str(ctx.work), "--run-id", "sweep", "--warmup", "4"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env = child_env()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=ctx.left(), check=False)
     ctx.log(proc.stdout[-6000:] + proc.stderr[-3000:])
     points = []
