@@ -355,10 +355,11 @@ async def _drain_after_end(chunks: AsyncIterator[bytes]) -> None:
     once) so that the connection can be reused, but never wait on a stream held open after it (a proxy):
     after ``DONE_GRACE_S`` of silence the connection is closed instead. Nothing read here is content,
     and no fault here is an error: the answer was complete."""
-    try:
-        while True:
-            await asyncio.wait_for(anext(chunks), DONE_GRACE_S)
-    except (StopAsyncIteration, asyncio.TimeoutError, httpx.HTTPError, aiohttp.ClientError, OSError):
+    try:  # anext with a default ends in None, not StopAsyncIteration: an exception kept by wait_for's task
+        # would hold the frames in a reference cycle, each request's garbage for the cyclic GC's pauses
+        while await asyncio.wait_for(anext(chunks, None), DONE_GRACE_S) is not None:
+            pass
+    except (asyncio.TimeoutError, httpx.HTTPError, aiohttp.ClientError, OSError):
         pass
 
 

@@ -70,6 +70,7 @@ import orjson
 from backends.base import Backend
 from loadgen import fleet as fleet_mod
 from loadgen import metrics
+from loadgen.alarm import Alarm
 from loadgen.arrivals import arrival_times
 from loadgen.client import HttpClient, execute, make_client, probe
 from loadgen.clock import RunClock, Sidecar
@@ -234,6 +235,7 @@ class _Dispatch:
         self.gone = asyncio.Event()
         self.gone_info: dict[str, Any] | None = None
         self._probe: asyncio.Task[None] | None = None
+        self.alarm = Alarm(clock)  # send times and think times: see loadgen.alarm
 
     def next_session(self) -> tuple[Session, bool, int] | None:
         """This worker's next session, whether it is a warm-up, and its index in the workload's order."""
@@ -303,7 +305,7 @@ class _Dispatch:
             think, req = nxt
             turn += 1
             intended = rec.end + think
-            await _sleep_until(self.clock, intended)
+            await self.alarm.until(intended)
 
     def suspect(self, why: str) -> None:
         """A request lost its connection: hold dispatch until a probe says whether the server is there."""
@@ -356,26 +358,28 @@ class _Dispatch:
             if load.duration is not None and t > load.duration:
                 break
             first = sess.first()  # built before its send time, so prompt building is not schedule lag
-            await _sleep_until(self.clock, intended)
             await limit.acquire()
-            task = asyncio.create_task(self.session(sess, warmup, i, intended, first))
-            self.tasks.add(task)
-            task.add_done_callback(lambda tk: (self.tasks.discard(tk), limit.release()))
+            started = asyncio.get_running_loop().create_future()
+
+            def start(sess: Session = sess, warmup: bool = warmup, i: int = i, intended: float = intended,
+                      first: GenRequest = first, started: asyncio.Future[None] = started) -> None:  # fmt: skip
+                if started.cancelled():  # dispatch was stopped while this send waited
+                    limit.release()
+                    return
+                task = asyncio.create_task(self.session(sess, warmup, i, intended, first))
+                self.tasks.add(task)
+                task.add_done_callback(lambda tk: (self.tasks.discard(tk), limit.release()))
+                started.set_result(None)
+
+            # the session's task is created by the alarm's own callback, so its first step (the send) runs in
+            # the loop's next round, not one round after the dispatcher's wake-up
+            self.alarm.call_at(intended, start)
+            await started
         if self.tasks:
             await asyncio.gather(*list(self.tasks))
 
     def dispatch(self) -> Coroutine[Any, Any, None]:
         return self.closed() if self.load.process == "closed" else self.open()
-
-
-async def _sleep_until(clock: RunClock, t: float) -> None:
-    """Wait until the run clock reaches ``t``, never returning early.
-
-    Event-loop timers (uvloop's in particular, ms resolution) may wake up to ~1 ms before the deadline,
-    so sleep to ~1 ms short, then yield to the loop until the clock has really passed ``t``.
-    """
-    while (delay := t - clock.now()) > 0:
-        await asyncio.sleep(delay - 0.001 if delay > 0.002 else 0)
 
 
 async def run_point(
@@ -494,7 +498,7 @@ class PointWorker:
         d = self._d
         assert d is not None, "warmup() comes first"
         if self.early is None:
-            await _sleep_until(self.clock, t_start)
+            await d.alarm.until(t_start)
             d.t_start = self.progress.t_start = t_start
             with _run_gc():
                 self.early = await _bounded(asyncio.ensure_future(d.dispatch()), d, self.load.duration)
@@ -507,6 +511,7 @@ class PointWorker:
             if self._d is not None:
                 if self._d._probe is not None:
                     self._d._probe.cancel()
+                self._d.alarm.close()
                 wall, wait1 = max(time.perf_counter() - self.wall0, 1e-9), _cpu_wait()
                 wait = wait1 - self.wait0 if self.wait0 is not None and wait1 is not None else None
                 self._closed = {"cpu_s": time.process_time() - self.cpu0, "wait_s": wait, "wall_s": wall}
