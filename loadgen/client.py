@@ -1,8 +1,7 @@
 """The HTTP client and one request's life: send, read the SSE stream, fill a :class:`RequestRecord`.
 
-The client is httpx. Its own connection pool collapses above ~100 concurrent streams, so the default
-transport is ``httpx-aiohttp`` (aiohttp's connector under the httpx API); ``--client httpx`` keeps the
-plain one for comparison. Measurements: docs/performance.md.
+The client is aiohttp; ``--client httpx`` sends through an httpx transport instead, for comparison (httpx's
+own connection pool collapses above ~100 concurrent streams). Measurements: docs/performance.md.
 
 Every stream event is timestamped on the run clock when its chunk arrives; the backend turns each SSE
 ``data:`` payload into deltas and this module decides the token counts and their source:
@@ -20,14 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
+from typing import Protocol
 
 import aiohttp
 import httpx
 import orjson
-from httpx_aiohttp import AiohttpTransport
 
 from backends.base import Backend, ParseState
 from loadgen.clock import RunClock
@@ -65,44 +64,85 @@ async def _on_reuse(*_: object) -> None:  # aiohttp TraceConfig signal, runs in 
         attempt.reused = True
 
 
+_REUSE_TRACE = aiohttp.TraceConfig()
+_REUSE_TRACE.on_connection_reuseconn.append(_on_reuse)
+_REUSE_TRACE.freeze()
+
+
+class Response(Protocol):
+    """What :func:`execute` reads of a response: httpx's ``Response`` has it, aiohttp's through
+    :class:`_AiohttpResponse`."""
+
+    @property
+    def status_code(self) -> int: ...
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    def aiter_raw(self) -> AsyncIterator[bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class _AiohttpResponse:
+    __slots__ = ("_resp",)
+
+    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+        self._resp = resp
+
+    @property
+    def status_code(self) -> int:
+        return self._resp.status
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        return self._resp.headers
+
+    def aiter_raw(self) -> AsyncIterator[bytes]:
+        return self._resp.content.iter_any()  # what has arrived, in one piece: one read, one timestamp
+
+    async def aclose(self) -> None:
+        self._resp.release()
+
+
 class HttpClient:
-    """httpx requests sent straight to an httpx transport.
+    """POST a request and stream its response, with as little per-request work as the transport allows.
 
-    ``httpx.AsyncClient`` adds per-request work a load generator does not need (URL re-parsing, header
-    and cookie merging, auth and redirect handling): at hundreds of requests/s it costs about as much
-    CPU as reading the streams. This keeps httpx's Request/Response and transports and skips that layer.
+    ``aiohttp`` (the default) is sent straight through ``aiohttp.ClientSession``; ``httpx`` straight to an
+    httpx transport, skipping ``httpx.AsyncClient``'s per-request work a load generator does not need (URL
+    re-parsing, header and cookie merging, auth and redirects). Before, the default went through httpx and the
+    ``httpx-aiohttp`` bridge: 155 us of CPU per request where aiohttp alone spends 85 (docs/performance.md).
 
-    ``transport`` pools keep-alive connections; ``fresh`` never reuses one (each request opens its own
+    The pooled sender keeps connections alive; ``fresh`` never reuses one (each request opens its own
     connection): it carries the one retry of a request whose pooled connection turned out to be closed.
     """
 
-    def __init__(
-        self, transport: httpx.AsyncBaseTransport, fresh: httpx.AsyncBaseTransport, timeout: httpx.Timeout,
-    ) -> None:  # fmt: skip
-        self.transport, self.fresh = transport, fresh
-        self._timeout = timeout.as_dict()
+    def __init__(self, kind: str, max_connections: int, connect_timeout: float, stall_timeout: float) -> None:
+        if kind not in CLIENT_KINDS:
+            raise ValueError(f"unknown client {kind!r}; choose one of {', '.join(CLIENT_KINDS)}")
+        self.kind, self.max_connections = kind, max_connections
+        self._sessions: dict[bool, aiohttp.ClientSession] = {}
+        self._aiohttp_timeout = aiohttp.ClientTimeout(sock_connect=connect_timeout, sock_read=stall_timeout)
+        self._httpx_timeout = httpx.Timeout(connect=connect_timeout, read=stall_timeout, write=connect_timeout,
+                                            pool=None).as_dict()  # fmt: skip
+        self._transports: dict[bool, httpx.AsyncHTTPTransport] = {}
         self._urls: dict[str, httpx.URL] = {}
 
     @asynccontextmanager
-    async def stream(
-        self, url: str, content: bytes, headers: dict[str, str], fresh: bool = False,
-    ) -> AsyncIterator[httpx.Response]:  # fmt: skip
+    async def stream(self, url: str, content: bytes, headers: dict[str, str], fresh: bool = False) -> AsyncIterator[Response]:
         """POST ``content`` to ``url``; yields the response with its body unread.
 
         Raises :class:`StaleConnection` when a reused connection failed before any response byte
         (never for ``fresh=True``, which opens a new connection)."""
-        u = self._urls.get(url)
-        if u is None:
-            u = self._urls[url] = httpx.URL(url)
         attempt = _Attempt()
-        ext: dict[str, object] = {"timeout": self._timeout}
-        if not fresh:
-            ext["trace"] = _httpcore_trace(attempt)
-        req = httpx.Request("POST", u, content=content, headers=headers, extensions=ext)
         token = _ATTEMPT.set(attempt)
         try:
-            resp = await (self.fresh if fresh else self.transport).handle_async_request(req)
-        except (httpx.HTTPError, aiohttp.ClientError, OSError) as exc:
+            if self.kind == "aiohttp":
+                resp: Response = _AiohttpResponse(await self._session(fresh).post(
+                    url, data=content, headers=headers, timeout=self._aiohttp_timeout))  # fmt: skip
+            else:
+                resp = await self._httpx(url, content, headers, fresh, attempt)
+        except (httpx.HTTPError, aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             if attempt.reused and not _is_timeout(exc):
                 raise StaleConnection(f"{type(exc).__name__}: {exc}") from exc
             raise
@@ -113,9 +153,37 @@ class HttpClient:
         finally:
             await resp.aclose()
 
+    def _session(self, fresh: bool) -> aiohttp.ClientSession:
+        """The pooled or the fresh-connection session, created on first use inside the running loop."""
+        session = self._sessions.get(fresh)
+        if session is None:
+            connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0, force_close=fresh)
+            session = self._sessions[fresh] = aiohttp.ClientSession(
+                connector=connector, cookie_jar=aiohttp.DummyCookieJar(), trace_configs=[] if fresh else [_REUSE_TRACE],
+                auto_decompress=False, skip_auto_headers=("User-Agent",))  # fmt: skip
+        return session
+
+    async def _httpx(self, url: str, content: bytes, headers: dict[str, str], fresh: bool,
+                     attempt: _Attempt) -> httpx.Response:  # fmt: skip
+        transport = self._transports.get(fresh)
+        if transport is None:
+            keep = 0 if fresh else self.max_connections
+            limits = httpx.Limits(max_connections=self.max_connections, max_keepalive_connections=keep)
+            transport = self._transports[fresh] = httpx.AsyncHTTPTransport(limits=limits, trust_env=False)
+        u = self._urls.get(url)
+        if u is None:
+            u = self._urls[url] = httpx.URL(url)
+        ext: dict[str, object] = {"timeout": self._httpx_timeout}
+        if not fresh:
+            ext["trace"] = _httpcore_trace(attempt)
+        return await transport.handle_async_request(httpx.Request("POST", u, content=content, headers=headers,
+                                                                  extensions=ext))  # fmt: skip
+
     async def aclose(self) -> None:
-        await self.transport.aclose()
-        await self.fresh.aclose()
+        for session in self._sessions.values():
+            await session.close()
+        for transport in self._transports.values():
+            await transport.aclose()
 
 
 def _httpcore_trace(attempt: _Attempt) -> Callable[[str, dict[str, object]], Awaitable[None]]:
@@ -135,10 +203,7 @@ def _httpcore_trace(attempt: _Attempt) -> Callable[[str, dict[str, object]], Awa
 
 def _is_timeout(exc: BaseException) -> bool:
     """A timeout means the server may have the request (or is too slow to take it): never resent."""
-    cause = exc.__cause__
-    if isinstance(cause, aiohttp.ClientError | asyncio.TimeoutError):  # httpx-aiohttp maps every
-        return isinstance(cause, asyncio.TimeoutError)  # connection error to ConnectTimeout: ask aiohttp
-    return isinstance(exc, httpx.TimeoutException | TimeoutError)
+    return isinstance(exc, httpx.TimeoutException | asyncio.TimeoutError | TimeoutError)
 
 
 def make_client(
@@ -146,30 +211,7 @@ def make_client(
     stall_timeout: float = 60.0,
 ) -> HttpClient:  # fmt: skip
     """``stall_timeout`` is the longest wait for any byte of a response (headers included)."""
-    timeout = httpx.Timeout(connect=connect_timeout, read=stall_timeout, write=connect_timeout, pool=None)
-    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-    no_reuse = httpx.Limits(max_connections=max_connections, max_keepalive_connections=0)
-    if kind == "aiohttp":
-        trace = aiohttp.TraceConfig()
-        trace.on_connection_reuseconn.append(_on_reuse)
-        trace.freeze()
-
-        def session_factory(force_close: bool) -> Callable[[], aiohttp.ClientSession]:
-            def session() -> aiohttp.ClientSession:  # created lazily, inside the running loop
-                connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, force_close=force_close)
-                return aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar(),
-                                             trace_configs=[] if force_close else [trace])  # fmt: skip
-
-            return session
-
-        def transport(force_close: bool) -> httpx.AsyncBaseTransport:
-            return AiohttpTransport(limits=limits, trust_env=False, client=session_factory(force_close))
-
-        return HttpClient(transport(False), transport(True), timeout)
-    if kind == "httpx":
-        return HttpClient(httpx.AsyncHTTPTransport(limits=limits, trust_env=False),
-                          httpx.AsyncHTTPTransport(limits=no_reuse, trust_env=False), timeout)  # fmt: skip
-    raise ValueError(f"unknown client {kind!r}; choose one of {', '.join(CLIENT_KINDS)}")
+    return HttpClient(kind, max_connections, connect_timeout, stall_timeout)
 
 
 async def execute(
@@ -219,7 +261,7 @@ async def execute(
             rec.set_error("cancelled", "run interrupted")
             reader.finish(req)
             raise
-        except (httpx.HTTPError, aiohttp.ClientError, OSError) as exc:
+        except (httpx.HTTPError, aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             rec.set_error(_classify(exc, rec.headers is not None), f"{type(exc).__name__}: {exc}")
         break
     rec.end = clock.now()
@@ -396,8 +438,9 @@ def _classify(exc: BaseException, got_headers: bool) -> str:
     cause = exc.__cause__ or exc
     if isinstance(cause, aiohttp.ServerDisconnectedError | httpx.RemoteProtocolError | aiohttp.ClientPayloadError):
         return "disconnect"
-    if isinstance(exc, httpx.ConnectTimeout | httpx.ConnectError) and not got_headers:
-        return "connect"  # (httpx-aiohttp maps any pre-response connection failure to ConnectTimeout)
+    if isinstance(cause, httpx.ConnectTimeout | httpx.ConnectError | aiohttp.ClientConnectorError
+                  | aiohttp.ConnectionTimeoutError) and not got_headers:  # fmt: skip
+        return "connect"
     if isinstance(exc, httpx.TimeoutException):
         return "stall" if got_headers else "timeout"
     if isinstance(cause, asyncio.TimeoutError | TimeoutError):

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import itertools
 import json
@@ -338,45 +339,69 @@ class _Dispatch:
         await asyncio.gather(*(slot() for _ in range(self.load.concurrency or 1)))
 
     async def open(self) -> None:
+        """Open-loop dispatch: up to :data:`LOOKAHEAD` upcoming sends are built and set on the alarm ahead of
+        time, and each one's task is created by the alarm's own callback: a send due right after another
+        does not wait for the dispatcher's next round. Past ``max_inflight`` requests in flight, a due send
+        waits for one to end (its lag is recorded)."""
         load = self.load
         times: Iterator[float] | None = None
         if load.process != "trace":
             times = arrival_times(load.process, load.rate or 0.0, load.seed, load.burstiness)
-        limit = asyncio.Semaphore(load.max_inflight)
+        held: deque[tuple[Session, bool, int, float, GenRequest]] = deque()  # due, waiting for max_inflight
+        scheduled = 0  # on the alarm, not yet due
+        changed = asyncio.Event()
+        stopped = False
+
+        def begin(sess: Session, warmup: bool, i: int, intended: float, first: GenRequest) -> None:
+            task = asyncio.create_task(self.session(sess, warmup, i, intended, first))
+            self.tasks.add(task)
+            task.add_done_callback(ended)
+
+        def ended(task: asyncio.Task[None]) -> None:
+            self.tasks.discard(task)
+            if held and not stopped:
+                begin(*held.popleft())
+            changed.set()
+
+        def due(args: tuple[Session, bool, int, float, GenRequest]) -> None:
+            nonlocal scheduled
+            scheduled -= 1
+            changed.set()
+            if stopped:
+                return
+            if len(self.tasks) < load.max_inflight:
+                begin(*args)
+            else:
+                held.append(args)
+
         pos = self.n_sessions  # session index of the schedule's next time (each phase's starts afresh)
-        while (item := self.next_session()) is not None:
-            sess, warmup, i = item
-            t = None
-            if times is not None:  # session i's time in the phase's schedule; the other workers' are skipped
-                t = next(itertools.islice(times, i - pos, None))
-                pos = i + 1
-            if sess.at is not None:
-                t = sess.at / load.speedup
-            if t is None:
-                raise ValueError("trace replay needs every session to carry `at`")
-            intended = self.t_start + t
-            if load.duration is not None and t > load.duration:
-                break
-            first = sess.first()  # built before its send time, so prompt building is not schedule lag
-            await limit.acquire()
-            started = asyncio.get_running_loop().create_future()
-
-            def start(sess: Session = sess, warmup: bool = warmup, i: int = i, intended: float = intended,
-                      first: GenRequest = first, started: asyncio.Future[None] = started) -> None:  # fmt: skip
-                if started.cancelled():  # dispatch was stopped while this send waited
-                    limit.release()
-                    return
-                task = asyncio.create_task(self.session(sess, warmup, i, intended, first))
-                self.tasks.add(task)
-                task.add_done_callback(lambda tk: (self.tasks.discard(tk), limit.release()))
-                started.set_result(None)
-
-            # the session's task is created by the alarm's own callback, so its first step (the send) runs in
-            # the loop's next round, not one round after the dispatcher's wake-up
-            self.alarm.call_at(intended, start)
-            await started
-        if self.tasks:
-            await asyncio.gather(*list(self.tasks))
+        try:
+            while (item := self.next_session()) is not None:
+                sess, warmup, i = item
+                t = None
+                if times is not None:  # session i's time in the phase's schedule; the other workers' are skipped
+                    t = next(itertools.islice(times, i - pos, None))
+                    pos = i + 1
+                if sess.at is not None:
+                    t = sess.at / load.speedup
+                if t is None:
+                    raise ValueError("trace replay needs every session to carry `at`")
+                if load.duration is not None and t > load.duration:
+                    break
+                while scheduled >= LOOKAHEAD:
+                    changed.clear()
+                    await changed.wait()
+                scheduled += 1  # its first request built before its send time: prompt building is not schedule lag
+                self.alarm.call_at(self.t_start + t, functools.partial(due, (sess, warmup, i, self.t_start + t, sess.first())))
+            while scheduled or held or self.tasks:  # every send made and answered
+                changed.clear()
+                await changed.wait()
+        finally:
+            stopped = True
+            if self.tasks:  # cancelled: what is in flight ends as cancelled, its record written
+                for task in self.tasks:
+                    task.cancel()
+                await asyncio.gather(*self.tasks, return_exceptions=True)
 
     def dispatch(self) -> Coroutine[Any, Any, None]:
         return self.closed() if self.load.process == "closed" else self.open()
@@ -777,6 +802,7 @@ def _run_gc() -> Iterator[None]:
             gc.unfreeze()
 
 
+LOOKAHEAD = 64  # open-loop sends built and set on the alarm ahead of their time
 GC_YOUNG = 10_000  # tracked allocations between young passes while a run lasts: a pass of ~1-6 ms here
 
 

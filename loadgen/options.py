@@ -209,7 +209,7 @@ RunId = Annotated[str | None, typer.Option(help="Run id (default: a timestamp)."
 ApiKeyEnv = Annotated[str | None, typer.Option(help="Name of the env var holding the API key (never stored).")]
 ContinuousUsage = Annotated[bool, typer.Option(help="Ask for per-chunk usage (vLLM continuous_usage_stats).")]
 ExtraBody = Annotated[str | None, typer.Option(help="JSON object merged into every request body.")]
-Client = Annotated[str, typer.Option(help="HTTP transport: aiohttp (httpx-aiohttp) or httpx.")]
+Client = Annotated[str, typer.Option(help="HTTP transport: aiohttp or httpx.")]
 Timeout = Annotated[float, typer.Option(help="Per-request limit, seconds.")]
 StallTimeout = Annotated[float, typer.Option(help="Longest silence within a response, seconds.")]
 Speedup = Annotated[float, typer.Option(help="Trace replay speed-up (send at at/speedup).")]

@@ -26,7 +26,7 @@ import pandas as pd
 from loadgen import metrics
 from workloads.contracts import read_jsonl
 
-PACKAGES = ("servelab", "torch", "httpx", "httpx-aiohttp", "aiohttp", "uvloop", "numpy", "pandas", "transformers")
+PACKAGES = ("servelab", "torch", "httpx", "aiohttp", "uvloop", "numpy", "pandas", "transformers")
 _SECRET_KEY = re.compile(r"(api[_-]?key|authorization|token(?!izer)|secret|password)", re.I)
 
 

@@ -3,7 +3,7 @@
 # carried in .gpu/wheels (made here by scripts/gpu_prepare.sh) go into a private folder on PYTHONPATH;
 # the repository goes on it too (the checks run as `$PY scripts/...`, not from an installed package).
 PY=${PY:-python3}
-if ! "$PY" -c "import fastapi, gguf, httpx_aiohttp, msgspec, orjson, plotly, uvicorn" 2>/dev/null; then
+if ! "$PY" -c "import fastapi, gguf, msgspec, orjson, plotly, uvicorn" 2>/dev/null; then
   compgen -G ".gpu/wheels/*.whl" >/dev/null || { echo "gpu_env: $PY lacks the project's packages and .gpu/wheels is empty: run make gpu-prepare first" >&2; exit 1; }
   SITE=${SERVELAB_SITE:-/tmp/servelab-site}
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .gpu/wheels/*.whl

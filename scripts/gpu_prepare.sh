@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 PKGS=(fastapi starlette pydantic pydantic_core annotated-types typing-inspection typing_extensions uvicorn orjson
-      msgspec httpx-aiohttp gguf plotly opentelemetry-api)
+      msgspec gguf plotly opentelemetry-api)
 rm -rf .gpu/wheels && mkdir -p .gpu/wheels
 pins=()
 for p in "${PKGS[@]}"; do pins+=("$p==$("$PY" -c 'import importlib.metadata as m, sys; print(m.version(sys.argv[1]))' "$p")"); done

@@ -16,7 +16,8 @@ this order, under one time budget (``--budget``; a part that would start past it
   seconds over ``--open-workers`` workers: achieved rate, schedule lag, errors.
 - **scaling**: :func:`loadgen.calibrate.scaling`, ``bench calibrate``'s closed-loop ceiling (c =
   ``--concurrency`` streams of ``--events`` events) per ``--workers`` count, each point ending after
-  ``--requests`` requests or ``--max-point-s`` seconds.
+  ``--requests`` requests or ``--max-point-s`` seconds; beside each count, :func:`machine_speed`: how fast
+  one core runs with that many busy (the ceiling of any client's efficiency on this machine).
 
 Both load parts run against one :class:`loadgen.calibrate.NullTarget`: ``--servers`` null-server processes on
 one port (default :func:`loadgen.calibrate.servers_for` the largest worker count); every point reports its
@@ -62,7 +63,7 @@ OPEN_RATE, RATE_TOLERANCE, LAG_P99_MAX_MS = 10_000.0, 0.02, 5.0  # open loop 10,
 NVML_TOLERANCE = 5.0  # NVML utilisation within 5 points of nvidia-smi's, every step
 
 SIZES = {  # --full: the 16-core GPU machine, ~3.5 min in all; rehearsal: small counts for any machine
-    "full": {"workers": "1,2,4,8,16", "requests": 30_000, "max_point_s": 10.0, "concurrency": 512, "events": 200,
+    "full": {"workers": "1,2,4,8,16", "requests": None, "max_point_s": 6.0, "concurrency": 512, "events": 200,
              "rate": OPEN_RATE, "duration": 6.0, "open_workers": 16, "step_s": 4.0, "budget": 200.0},
     "rehearsal": {"workers": "1,2", "requests": 2000, "max_point_s": 10.0, "concurrency": 64, "events": 200,
                   "rate": 200.0, "duration": 3.0, "open_workers": 2, "step_s": 2.0, "budget": 150.0},
@@ -297,8 +298,37 @@ async def _scaling(target: NullTarget, a: argparse.Namespace, workers: list[int]
                    budget: Budget) -> dict[str, Any]:  # fmt: skip
     until = budget.end - 2 * a.max_point_s  # a count starts only with time to finish
     rows = await scaling(target, points, a.concurrency, a.requests, workers, max_s=a.max_point_s, until=until)
+    speed = machine_speed([r["workers"] for r in rows])
+    for r in rows:  # the client's efficiency beside what the machine itself gives n busy processes
+        r["machine_speed"] = speed[r["workers"]] / speed[rows[0]["workers"]]
+        r["efficiency_vs_machine"] = r["efficiency"] / r["machine_speed"] if r["efficiency"] is not None else None
     ran = {r["workers"] for r in rows}
     return {"rows": rows, "skipped": [n for n in workers if n not in ran]}
+
+
+SPIN = """import sys, time
+start, end = float(sys.argv[1]), float(sys.argv[2])
+while time.time() < start:
+    pass
+n = 0
+while time.time() < end:
+    for _ in range(1000):
+        n += 1
+print(n)"""
+
+
+def machine_speed(counts: list[int], seconds: float = 1.0) -> dict[int, float]:
+    """Pure-Python loop iterations per second per process with ``n`` processes spinning at once, for each
+    ``n`` in ``counts``: a many-core machine runs each core slower when many are busy (turbo frequency,
+    shared caches, a VM's host), which bounds any client's scaling efficiency there."""
+    out = {}
+    for n in counts:
+        start = time.time() + 0.5  # all start together, after their interpreters are up
+        procs = [subprocess.Popen([sys.executable, "-c", SPIN, str(start), str(start + seconds)], stdout=subprocess.PIPE)
+                 for _ in range(n)]  # fmt: skip
+        rates = [int(p.communicate()[0]) / seconds for p in procs]
+        out[n] = sum(rates) / n
+    return out
 
 
 # ---- verdicts, table, main --------------------------------------------------------------------------------
@@ -354,7 +384,8 @@ def table(res: dict[str, Any]) -> str:
     lines = [f"scale check on {res['machine']['cores']} cores, {res['seconds']:.0f} s ({res['machine']['gpu']})"]
     for r in p["scaling"].get("rows", []):
         lines.append(f"  scaling  {r['workers']:>2} workers  {r['req_per_s']:>9,.0f} req/s  efficiency "
-                     f"{_fmt(r['efficiency'], '.0%')}  errors {r['errors']}  busiest server {r['server_cpu_max']:.0%}  "
+                     f"{_fmt(r['efficiency'], '.0%')} (machine's own {_fmt(r.get('machine_speed'), '.0%')})  "
+                     f"CPU/request {r['cpu_ms_per_request']:.3f} ms  errors {r['errors']}  busiest server {r['server_cpu_max']:.0%}  "
                      f"cores busy {r['cores_busy']:.1f}  point {r['point_s']:.1f} s (load {r['load_s']:.1f} s)")  # fmt: skip
     if skipped := p["scaling"].get("skipped"):
         lines.append(f"  scaling  not run (time budget): {', '.join(map(str, skipped))} workers")
@@ -379,7 +410,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, required=True, help="folder for scale_check.json and scale_check.log")
     ap.add_argument("--full", action="store_true", help="the 16-core GPU machine's sizes (default: rehearsal)")
     ap.add_argument("--workers", help="closed-loop worker counts, e.g. 1,2,4,8,16")
-    ap.add_argument("--requests", type=int, help="closed-loop measured requests per worker count")
+    ap.add_argument("--requests", type=int, help="closed-loop measured requests per worker count (--full: none, each "
+                    "point runs --max-point-s: a request count split over the workers ends them at different times)")
     ap.add_argument("--max-point-s", type=float, help="closed-loop point's longest measured phase, s")
     ap.add_argument("--concurrency", type=int, help="closed-loop concurrency (streams in flight)")
     ap.add_argument("--events", type=int, help="stream events per response")
