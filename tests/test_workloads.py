@@ -49,6 +49,30 @@ def test_fill_is_exact_for_the_final_string(tok):
         assert ids[: n_tokens(tok, head)] == tok.encode(head).ids
 
 
+def test_long_prompts_wrap_the_corpus_and_stay_exact(tok):
+    """Bodies longer than the corpus (58k tokens) wrap around it, more than once for 128k; only the seams are
+    encoded to check them, so each is encoded whole here."""
+    b = builder_for("bundled")
+    assert b.seams_only  # the bundled tokenizer passes the seam self-check
+    rng = random.Random(11)
+    for n in (20_000, sum(b.counts) + 1, 128_000):
+        text = b.fill(n, rng)
+        assert n_tokens(tok, text) == n
+    text = b.fill(70_000, rng, before=CHATML_USER[0], after=CHATML_USER[1])
+    assert n_tokens(tok, text) == n_tokens(tok, CHATML_USER[0]) + 70_000 + n_tokens(tok, CHATML_USER[1])
+
+
+def test_a_tokenizer_that_fails_the_seam_check_is_verified_whole(tok, monkeypatch):
+    from workloads import text as text_mod
+
+    monkeypatch.setattr(text_mod.PromptBuilder, "_seams_hold", lambda self: False)
+    b = text_mod.PromptBuilder(tok, text_mod.CORPUS.read_text(encoding="utf-8"))
+    assert not b.seams_only
+    rng = random.Random(5)
+    for n in (1, 300, 5000):
+        assert n_tokens(tok, b.fill(n, rng, after="\n")) == n + 1
+
+
 def test_synthetic_prompt_lengths_are_exact(tmp_path, tok):
     classes = "".join(
         f'[[classes]]\nname = "p{n}-{tpl}"\nprompt = {n}\noutput = 4\ntemplate = "{tpl}"\n\n'
