@@ -163,7 +163,10 @@ class Conversation(Session):
                 content = text[len(head + open_) : len(text) - len(close)]
             self.history.append({"role": "user", "content": content})
             prompt = self._transcript() + answer_start
-            prompt_tokens = b.count(prompt)
+            if fixed is None and self.turn == 0:  # the filled text is the whole prompt: its length is known
+                prompt_tokens = b.fill_tokens(max(1, target), head + open_, close)
+            else:
+                prompt_tokens = b.count(prompt)
         return GenRequest(
             request_id=rid, prompt=prompt, max_tokens=max_tokens, workload_class=cls.name, api=self.c.spec.api,
             prompt_tokens=prompt_tokens, ignore_eos=cls.ignore_eos, temperature=cls.temperature,

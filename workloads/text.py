@@ -165,6 +165,11 @@ class PromptBuilder:
                 return text
         raise ValueError(f"could not build a prompt of exactly {n} tokens after {self.count(before)} fixed tokens")
 
+    def fill_tokens(self, n: int, before: str = "", after: str = "") -> int:
+        """The tokens of ``fill(n, rng, before, after)``'s text, known without encoding it: ``before``'s (with
+        the tokenizer's special tokens), ``n``, then ``after``'s."""
+        return self.count(before) + n + len(self._plain(after))
+
     def _seams_hold(self) -> bool:
         """Do seam checks agree with encoding whole prompts for this tokenizer? A few prompts with templates
         around them, long enough to wrap the corpus and to have checked-only-at-the-seams middles."""
