@@ -76,6 +76,7 @@ from loadgen.arrivals import arrival_times
 from loadgen.client import HttpClient, execute, make_client, probe
 from loadgen.clock import RunClock, Sidecar
 from loadgen.fleet import ONE_PROCESS, Fleet
+from loadgen.prebuild import Prebuilder
 from loadgen.records import RecordWriter
 from workloads.base import Session, Workload
 from workloads.contracts import ARRIVAL_PROCESSES, OPEN_LOOP_PROCESSES, GenRequest, RequestRecord, read_jsonl
@@ -224,8 +225,8 @@ class _Dispatch:
     ) -> None:
         self.backend, self.load, self.clock, self.client = backend, load, clock, client
         self.writer, self.progress, self.share, self.signals = writer, progress, share, signals
-        self.sessions: Iterator[Session] = iter(workload.sessions(load.seed))
-        self.n_sessions = 0
+        self.workload = workload
+        self.prebuilt: Prebuilder | None = None  # started with the first session asked for (inside the loop)
         self.measured = 0
         self.warming = False  # the warm-up phase: only the first ``warmup`` sessions, no duration bound
         self.t_start = 0.0
@@ -238,18 +239,17 @@ class _Dispatch:
         self._probe: asyncio.Task[None] | None = None
         self.alarm = Alarm(clock)  # send times and think times: see loadgen.alarm
 
-    def next_session(self) -> tuple[Session, bool, int] | None:
-        """This worker's next session, whether it is a warm-up, and its index in the workload's order."""
-        while True:
-            if self.stop.is_set() or (self.warming and self.n_sessions >= self.load.warmup):
-                return None
-            sess = next(self.sessions, None)
-            if sess is None:  # workload exhausted: dispatch ends, started sessions go on
-                return None
-            i = self.n_sessions
-            self.n_sessions += 1
-            if self.share.mine(i):
-                return sess, i < self.load.warmup, i
+    async def next_session(self) -> tuple[Session, bool, int, GenRequest] | None:
+        """This worker's next session, whether it is a warm-up, its index in the workload's order and its
+        first request (built ahead, off the loop: :mod:`loadgen.prebuild`). None when the phase or the
+        workload is over (started sessions go on)."""
+        assert self.prebuilt is not None, "prebuild() comes first"
+        item = await self.prebuilt.peek()
+        if item is None or self.stop.is_set() or (self.warming and item[0] >= self.load.warmup):
+            return None
+        self.prebuilt.take()
+        i, sess, first = item
+        return sess, i < self.load.warmup, i, first
 
     def ticket(self, warmup: bool) -> bool:
         """May one more request start now? Counts it when so."""
@@ -269,9 +269,8 @@ class _Dispatch:
             self.stop.set()  # this is the last one
         return True
 
-    async def session(self, sess: Session, warmup: bool, index: int, intended: float,
-                      req: GenRequest | None = None) -> None:  # fmt: skip
-        req = req or sess.first()
+    async def session(self, sess: Session, warmup: bool, index: int, intended: float, req: GenRequest) -> None:
+        """Session ``sess`` from its first request ``req`` (built ahead) to its last turn."""
         sid = f"s{index + 1}"
         turn = 0
         while True:
@@ -333,8 +332,9 @@ class _Dispatch:
 
     async def closed(self) -> None:
         async def slot() -> None:
-            while (item := self.next_session()) is not None:
-                await self.session(*item, self.clock.now())
+            while (item := await self.next_session()) is not None:
+                sess, warmup, i, first = item
+                await self.session(sess, warmup, i, self.clock.now(), first)
 
         await asyncio.gather(*(slot() for _ in range(self.load.concurrency or 1)))
 
@@ -374,10 +374,10 @@ class _Dispatch:
             else:
                 held.append(args)
 
-        pos = self.n_sessions  # session index of the schedule's next time (each phase's starts afresh)
+        pos = 0 if self.warming else self.load.warmup  # session index of the schedule's next time (a phase's own)
         try:
-            while (item := self.next_session()) is not None:
-                sess, warmup, i = item
+            while (item := await self.next_session()) is not None:
+                sess, warmup, i, first = item
                 t = None
                 if times is not None:  # session i's time in the phase's schedule; the other workers' are skipped
                     t = next(itertools.islice(times, i - pos, None))
@@ -391,8 +391,8 @@ class _Dispatch:
                 while scheduled >= LOOKAHEAD:
                     changed.clear()
                     await changed.wait()
-                scheduled += 1  # its first request built before its send time: prompt building is not schedule lag
-                self.alarm.call_at(self.t_start + t, functools.partial(due, (sess, warmup, i, self.t_start + t, sess.first())))
+                scheduled += 1
+                self.alarm.call_at(self.t_start + t, functools.partial(due, (sess, warmup, i, self.t_start + t, first)))
             while scheduled or held or self.tasks:  # every send made and answered
                 changed.clear()
                 await changed.wait()
@@ -402,6 +402,12 @@ class _Dispatch:
                 for task in self.tasks:
                     task.cancel()
                 await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    async def prebuild(self) -> None:
+        """Start building sessions ahead (once, for both phases) and wait for the first phase's first sends."""
+        ahead = max(LOOKAHEAD, self.load.concurrency or 1)
+        self.prebuilt = Prebuilder(iter(self.workload.sessions(self.load.seed)), self.share.mine, ahead)
+        await self.prebuilt.fill(min(ahead, self.load.warmup or ahead))
 
     def dispatch(self) -> Coroutine[Any, Any, None]:
         return self.closed() if self.load.process == "closed" else self.open()
@@ -439,7 +445,7 @@ async def run_point(
     coord = _Coordinator(fleet.start(workers), progress, clock, None if single else out_dir / "requests.jsonl",
                          [w.path for w in workers])  # fmt: skip
     try:
-        t_measured, results = await coord.run(None if load.warmup else t0)
+        t_measured, results = await coord.run()
     finally:
         with _run_gc():  # records are many small acyclic containers: no GC pass needs to walk them as they load
             merged = await coord.close()
@@ -509,6 +515,7 @@ class PointWorker:
         d = self._d = _Dispatch(self.backend, self.workload, load, self.clock, self.client, self.writer,
                                 self.progress, self.share, self._sig())  # fmt: skip
         self.cpu0, self.wait0, self.wall0 = time.process_time(), _cpu_wait(), time.perf_counter()
+        await d.prebuild()
         d.t_start = self.clock.now()
         if load.warmup:  # its own phase: every warm-up ends before the first measured send
             d.warming = True
@@ -537,6 +544,8 @@ class PointWorker:
                 if self._d._probe is not None:
                     self._d._probe.cancel()
                 self._d.alarm.close()
+                if self._d.prebuilt is not None:
+                    self._d.prebuilt.close()
                 wall, wait1 = max(time.perf_counter() - self.wall0, 1e-9), _cpu_wait()
                 wait = wait1 - self.wait0 if self.wait0 is not None and wait1 is not None else None
                 self._closed = {"cpu_s": time.process_time() - self.cpu0, "wait_s": wait, "wall_s": wall}
@@ -593,10 +602,10 @@ class _Coordinator:
         self.received = [0] * len(handles)  # bytes of each worker's record file appended to out
         self._f = out.open("wb", buffering=0) if out is not None else None
 
-    async def run(self, t_start: float | None) -> tuple[float, list[dict[str, Any] | None]]:
-        """Clock offsets, the warm-up phase on every worker, then the measured phase from one instant
-        (``t_start`` for one worker in this process without warm-ups: the point's start); returns that
-        instant and each worker's result (None for a worker lost)."""
+    async def run(self) -> tuple[float, list[dict[str, Any] | None]]:
+        """Clock offsets, the warm-up phase on every worker (with the building of their first sessions), then
+        the measured phase from one instant; returns that instant and each worker's result (None for a worker
+        lost)."""
         for h in self.handles:
             with contextlib.suppress(fleet_mod.WorkerLost):
                 self.offsets[h.index] = await fleet_mod.clock_offset(h, self.clock.now)
@@ -604,7 +613,7 @@ class _Coordinator:
         if self.remote:
             t_go = self.progress.t_start = self.clock.now() + fleet_mod.START_MARGIN_S
         else:
-            t_go = self.clock.now() if t_start is None else t_start
+            t_go = self.clock.now()
         results = await self._each("measure", lambda h: (t_go + self.offsets[h.index]["offset_s"],))
         await self._poll()
         return t_go, results
@@ -802,7 +811,7 @@ def _run_gc() -> Iterator[None]:
             gc.unfreeze()
 
 
-LOOKAHEAD = 64  # open-loop sends built and set on the alarm ahead of their time
+LOOKAHEAD = 64  # sessions built ahead of dispatch; open-loop sends set on the alarm ahead of their time
 GC_YOUNG = 10_000  # tracked allocations between young passes while a run lasts: a pass of ~1-6 ms here
 
 

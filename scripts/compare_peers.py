@@ -173,8 +173,8 @@ if gate:  # the closed loop's slots start here, the point set up (its rates coun
         return await closed(self)
     engine._Dispatch.closed = wait_then_run
 if gate:  # the gate is passed before the session's intended time (the wait for it is not the server's)
-    # the closed loop's slots pass the intended time last
-    engine._Dispatch.session = gated(engine._Dispatch.session, lambda a: (*a[:-1], a[0].clock.now()))
+    # session(self, sess, warmup, index, intended, first request): the closed loop's intended time is a[4]
+    engine._Dispatch.session = gated(engine._Dispatch.session, lambda a: (*a[:4], a[0].clock.now(), a[5]))
 sys.argv[0] = "bench"
 cli.main()
 """

@@ -103,7 +103,7 @@ async def test_trace_replay_sends_at_trace_times(null_server, tmp_path):
     assert len(recs) == 200 and all(r["error"] is None for r in recs)
     by_id = {r["id"]: r for r in recs}
     for i, row in enumerate(rows):
-        assert by_id[f"r{i}"]["intended"] - s["t_start"] == pytest.approx(row.at, abs=1e-6)
+        assert by_id[f"r{i}"]["intended"] - s["t_measured"] == pytest.approx(row.at, abs=1e-6)
     lag = np.array([r["sent"] - r["intended"] for r in recs])
     assert lag.min() >= 0
     assert np.median(lag) < 0.02, f"median send lag {np.median(lag) * 1e3:.2f} ms"

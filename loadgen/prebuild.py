@@ -1,0 +1,85 @@
+"""Sessions and their first requests, built on a thread ahead of dispatch.
+
+Building a request (a prompt of exact length, a conversation's first turn) is the workload's work, and its
+cost grows with the prompt; on the event loop it delayed every send and every read timestamp behind it (a
+32,000-token prompt took 51 ms to build, docs/performance.md). Here a thread walks the workload's sessions,
+keeps this worker's share, builds each first request and hands it to the loop, at most ``ahead`` at a time
+(memory stays flat on a long run of long prompts). The loop only takes what is ready. Python code of a slow
+builder still takes the GIL for up to the interpreter's switch interval at a time; the tokenizer's and most
+of the builder's work is done in native code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+
+from workloads.base import Session
+from workloads.contracts import GenRequest
+
+Item = tuple[int, Session, GenRequest]  # session index in the workload's order, the session, its first request
+
+
+class Prebuilder:
+    """``await peek()`` the next item of this worker (None after the last), ``take()`` it."""
+
+    def __init__(self, sessions: Iterator[Session], mine: Callable[[int], bool], ahead: int) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._items: deque[Item | BaseException | None] = deque()
+        self._ready = asyncio.Event()
+        self._room = threading.Semaphore(ahead)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(sessions, mine), name="prebuild", daemon=True)
+        self._thread.start()
+
+    def _run(self, sessions: Iterator[Session], mine: Callable[[int], bool]) -> None:
+        out: Item | BaseException | None = None
+        try:
+            for i, sess in enumerate(sessions):
+                if not mine(i):
+                    continue
+                while not self._room.acquire(timeout=0.1):
+                    if self._stop.is_set():
+                        return
+                if self._stop.is_set():
+                    return
+                self._hand((i, sess, sess.first()))
+        except BaseException as exc:  # the workload's error is raised where the loop takes the item
+            out = exc
+        self._hand(out)
+
+    def _hand(self, item: Item | BaseException | None) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._put, item)
+        except RuntimeError:  # the loop is closed: nobody takes it
+            self._stop.set()
+
+    def _put(self, item: Item | BaseException | None) -> None:
+        self._items.append(item)
+        self._ready.set()
+
+    async def fill(self, n: int) -> None:
+        """Wait until ``n`` items are ready (or all there are): a phase starts with its first sends built."""
+        while len(self._items) < n and (not self._items or self._items[-1] is not None) and not self._stop.is_set():
+            if self._items and isinstance(self._items[-1], BaseException):
+                return
+            self._ready.clear()
+            await self._ready.wait()
+
+    async def peek(self) -> Item | None:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._items[0]
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def take(self) -> None:
+        self._items.popleft()
+        self._room.release()
+
+    def close(self) -> None:
+        self._stop.set()
