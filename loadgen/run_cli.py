@@ -262,7 +262,8 @@ def _fmt(v: float | None, scale: float = 1e3, digits: int = 1) -> str:
 
 
 def summary_table(summaries: list[dict[str, Any]]) -> Table:
-    t = Table(title="results (latencies in ms; throughput over the steady-state window, * = whole run: no steady state)")
+    t = Table(title="results (latencies in ms; throughput over the steady-state window, * = whole run: no steady state; "
+                    "! = the client may be limiting the point: its warning follows)")  # fmt: skip
     for col in ("point", "ok", "err", "inc", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
                 "ITL p50", "ITL p99", "E2E p50", "E2E p99", "lag p99"):  # fmt: skip
         t.add_column(col, justify="left" if col == "point" else "right")
@@ -270,7 +271,7 @@ def summary_table(summaries: list[dict[str, Any]]) -> Table:
         lat, thr, n = s["latency"], s["throughput"]["steady"], s["counts"]
         mark = "" if thr.get("valid", True) else "*"
         t.add_row(
-            s["point_id"], str(n["ok"]), str(n["errors"]), str(n.get("incomplete", 0)),
+            s["point_id"] + (" !" if s["client"]["limited"] else ""), str(n["ok"]), str(n["errors"]), str(n.get("incomplete", 0)),
             _fmt(thr["req_per_s"], 1, 2) + mark, _fmt(thr["output_tok_per_s"], 1, 0) + mark,
             _fmt(lat["ttft"]["p50"]), _fmt(lat["ttft"]["p99"]), _fmt(lat["tpot"]["p50"]), _fmt(lat["tpot"]["p99"]),
             _fmt(lat["itl"]["p50"]), _fmt(lat["itl"]["p99"]), _fmt(lat["e2e"]["p50"]), _fmt(lat["e2e"]["p99"]),

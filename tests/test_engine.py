@@ -369,3 +369,20 @@ async def test_building_prompts_does_not_delay_sends_or_reads(null_server, tmp_p
     assert lag[80] < 0.01, lag[75:]  # 9 sends in 10 within 10 ms of their time
     ttft = sorted(r["events"][0][0] - r["sent"] for r in measured)
     assert ttft[80] < 0.015, ttft[75:]  # the null server's first event comes at once
+
+
+async def test_a_client_that_cannot_keep_up_marks_the_point(null_server, tmp_path):
+    """20,000 arrivals/s is beyond one client process (~2,000/s here): the sends fall behind, and the point
+    says so in its summary and in the results table, so that its latencies are not read as the server's."""
+    from rich.console import Console
+
+    from loadgen.run_cli import summary_table
+
+    load = LoadSpec("poisson", rate=20_000.0, duration=0.5, drain=5.0, seed=2)
+    s, recs = await point(null_server, tmp_path, load, FixedWorkload(max_tokens=2))
+    assert s["counts"]["errors"] == 0 and s["counts"]["ok"] > 100
+    c = s["client"]
+    assert c["limited"] and any("achieved" in w or "lag" in w for w in c["warnings"]), c["warnings"]
+    console = Console(width=300, record=True)
+    console.print(summary_table([s]))
+    assert f"{s['point_id']} !" in console.export_text()
