@@ -62,8 +62,8 @@ class Prebuilder:
 
     async def fill(self, n: int) -> None:
         """Wait until ``n`` items are ready (or all there are): a phase starts with its first sends built."""
-        while len(self._items) < n and (not self._items or self._items[-1] is not None) and not self._stop.is_set():
-            if self._items and isinstance(self._items[-1], BaseException):
+        while len(self._items) < n and not self._stop.is_set():
+            if self._items and not isinstance(self._items[-1], tuple):  # the end: None, or the workload's error
                 return
             self._ready.clear()
             await self._ready.wait()
