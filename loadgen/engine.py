@@ -226,7 +226,7 @@ class _Dispatch:
         self.backend, self.load, self.clock, self.client = backend, load, clock, client
         self.writer, self.progress, self.share, self.signals = writer, progress, share, signals
         self.workload = workload
-        self.prebuilt: Prebuilder | None = None  # started with the first session asked for (inside the loop)
+        self.prebuilt: Prebuilder | None = None  # started by prebuild(), before the first phase's clock starts
         self.measured = 0
         self.warming = False  # the warm-up phase: only the first ``warmup`` sessions, no duration bound
         self.t_start = 0.0
