@@ -13,6 +13,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from backends.llamacpp import LLAMACPP_PROFILE
+from backends.profile import REFERENCE_PROFILE, PrefixCounters
+from backends.vllm import VLLMBackend
+
 OUT = Path(__file__).resolve().parent.parent / "docs" / "grafana"
 SEL = '{instance=~"$instance"}'
 SERVERS = {  # server -> (dashboard title, a metric every scrape has: feeds the instance picker)
@@ -33,6 +37,12 @@ def _quantiles(hist: str) -> list[tuple[str, str]]:
 
 def _ratio(num: str, den: str) -> str:
     return f"{_rate(num)} / {_rate(den)}"
+
+
+def _hit_rate(pc: PrefixCounters) -> str:
+    """Cached over looked-up prompt tokens, from a server's prefix-cache counters (backends/profile.py)."""
+    looked_up = f"({_rate(pc.hits)} + {_rate(pc.queries)})" if pc.misses else _rate(pc.queries)
+    return f"{_rate(pc.hits)} / {looked_up}"
 
 
 # (title, Grafana unit, {server: [(PromQL, legend)]}); the order is the layout (two panels per row)
@@ -75,10 +85,9 @@ PANELS: list[tuple[str, str, dict[str, list[tuple[str, str]]]]] = [
         "llamacpp": [(_rate("llamacpp:n_decode_total"), "decode calls")],
     }),
     ("Prefix cache hit rate", "percentunit", {
-        "servelab": [(_ratio("servelab_prefix_cache_hits_total", "servelab_prefix_cache_queries_total"), "hits / queried tokens")],
-        "vllm": [(_ratio("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"), "hits / queried tokens")],
-        "llamacpp": [(_ratio("llamacpp:prompt_tokens_cached_total", "llamacpp:prompt_tokens_total"),
-                      "cached / prompt tokens")],
+        server: [(_hit_rate(profile.prefix_cache), "cached / prompt tokens")]
+        for server, profile in (("servelab", REFERENCE_PROFILE), ("vllm", VLLMBackend.server), ("llamacpp", LLAMACPP_PROFILE))
+        if profile.prefix_cache
     }),
     ("Preemptions/s", "short", {
         "servelab": [(_rate("servelab_preemptions_total"), "preempted")],
