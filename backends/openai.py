@@ -159,9 +159,19 @@ def _final_usage(usage: dict[str, Any]) -> Delta:
     return Delta(
         prompt_tokens=usage.get("prompt_tokens"),
         completion_tokens=usage.get("completion_tokens"),
+        cached_tokens=cached_tokens(usage),
         tokens_source="usage",
         extra={"spec_decode": spec} if spec else {},
     )
+
+
+def cached_tokens(usage: dict[str, Any]) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens``: the prompt tokens a prefix cache served (vLLM with
+    ``--enable-prompt-tokens-details``, llama-server, SGLang with ``--enable-cache-report``, the reference
+    server); None where the server does not say."""
+    details = usage.get("prompt_tokens_details")
+    n = details.get("cached_tokens") if isinstance(details, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
 
 
 def _spec_counts(usage: dict[str, Any]) -> dict[str, int] | None:

@@ -16,6 +16,20 @@ _VLLM_SPEC_SUFFIXES = ("spec_decode_num_draft_tokens_total", "spec_decode_num_ac
 
 
 @dataclass(frozen=True)
+class PrefixCounters:
+    """A server's prefix-cache counters: prompt tokens found in the cache, and the prompt tokens looked up
+    (or, with ``misses``, those not found: llama.cpp's ``prompt_tokens_total`` leaves cached ones out)."""
+
+    hits: str
+    queries: str
+    misses: bool = False
+
+    def tokens(self, hits: float, other: float) -> float:
+        """The prompt tokens looked up, from the two counters' values."""
+        return hits + other if self.misses else other
+
+
+@dataclass(frozen=True)
 class ServerProfile:
     """Where a server keeps its state, and which of its counters count speculative tokens."""
 
@@ -31,6 +45,10 @@ class ServerProfile:
     waiting: tuple[str, ...] = ()
     kv_usage: tuple[str, ...] = ()
     kv_blocks: tuple[str, str] | None = None
+    # the prefix cache's counters (each summed over its label sets), and the POST path that empties the
+    # cache, where the server has them
+    prefix_cache: PrefixCounters | None = None
+    reset_cache: str | None = None
 
     def spec_counters(self, names: set[str]) -> tuple[str, str] | None:
         """Of the counter base ``names`` a server exports, its drafted/accepted pair: the profile's own,
@@ -52,6 +70,8 @@ DEFAULT_PROFILE = ServerProfile()
 REFERENCE_PROFILE = ServerProfile(
     spec_drafted=REFERENCE_SPEC[0], spec_accepted=REFERENCE_SPEC[1], running=("servelab_requests_running",),
     waiting=("servelab_requests_waiting",), kv_blocks=REFERENCE_KV_BLOCKS,
+    prefix_cache=PrefixCounters("servelab_prefix_cache_hits_total", "servelab_prefix_cache_queries_total"),
+    reset_cache="/reset_prefix_cache",
 )  # fmt: skip
 
 

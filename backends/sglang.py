@@ -9,7 +9,8 @@ the stream ends with ``data: [DONE]``. With speculative decoding ``meta_info`` h
 ``/metrics`` (``--enable-metrics``; ``docs/references/production_metrics.md``) exposes
 ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``, ``sglang:token_usage``, ``sglang:gen_throughput``,
 ``sglang:prompt_tokens_total``, ``sglang:generation_tokens_total`` and, when speculating,
-``sglang:spec_accept_length``.
+``sglang:spec_accept_length``; ``sglang:cached_tokens_total`` (labelled ``cache_source``) counts prompt
+tokens found in the radix cache. ``POST /flush_cache`` empties that cache.
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ from typing import Any, ClassVar
 from backends.base import Delta, HttpCall, ParseState, loads_json
 from backends.native import NativeBackend
 from backends.openai import OpenAIBackend
-from backends.profile import ServerProfile
+from backends.profile import PrefixCounters, ServerProfile
 from workloads.contracts import GenRequest
 
 SGLANG_PROFILE = ServerProfile(
     iterations_path=None, running=("sglang:num_running_reqs",), waiting=("sglang:num_queue_reqs",),
-    kv_usage=("sglang:token_usage",),
-)
+    kv_usage=("sglang:token_usage",), prefix_cache=PrefixCounters("sglang:cached_tokens_total", "sglang:prompt_tokens_total"),
+    reset_cache="/flush_cache",
+)  # fmt: skip
 
 
 class SGLangNativeBackend(NativeBackend):
@@ -77,6 +79,7 @@ class SGLangNativeBackend(NativeBackend):
         if finish:
             out.finish_reason = finish.get("type") if isinstance(finish, dict) else str(finish)
             out.completion_tokens = total
+            out.cached_tokens = meta.get("cached_tokens")
             if meta.get("spec_verify_ct"):
                 out.extra["spec_verify_ct"] = meta["spec_verify_ct"]
         if not out.text and not out.tokens and not finish:

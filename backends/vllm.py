@@ -9,7 +9,8 @@ because servers older than 0.10.2 reject unknown fields. ``/metrics`` (``vllm/v1
 ``vllm/v1/spec_decode/metrics.py``): ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
 ``vllm:kv_cache_usage_perc``, ``vllm:prefix_cache_queries``/``hits``, ``vllm:generation_tokens`` and the
 ``vllm:spec_decode_num_drafts``/``num_draft_tokens``/``num_accepted_tokens`` counters (``_total`` on the
-wire), all labelled ``engine``/``model_name``.
+wire), all labelled ``engine``/``model_name``. Usage carries ``prompt_tokens_details.cached_tokens`` only
+with ``--enable-prompt-tokens-details``; the prefix-cache counters are there without it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from backends.openai import OpenAIBackend
-from backends.profile import ServerProfile
+from backends.profile import PrefixCounters, ServerProfile
 from workloads.contracts import Api
 
 
@@ -29,6 +30,8 @@ class VLLMBackend(OpenAIBackend):
         running=("vllm:num_requests_running",),
         waiting=("vllm:num_requests_waiting",),
         kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+        prefix_cache=PrefixCounters("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"),
+        reset_cache="/reset_prefix_cache",  # served only with VLLM_SERVER_DEV_MODE=1 (serve/dev/cache/api_router.py)
     )
 
     def __init__(

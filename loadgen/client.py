@@ -350,6 +350,8 @@ class StreamReader:
                     self.usage_prompt = d.prompt_tokens
                 elif d.prompt_tokens is not None:
                     self.chunk_prompt = d.prompt_tokens
+                if d.cached_tokens is not None:
+                    rec.cached_tokens = d.cached_tokens
                 if d.extra:
                     rec.extra.update(d.extra)
                 if d.done:

@@ -476,6 +476,7 @@ async def run_point(
         except Exception as exc:  # a broken sidecar must not lose the point's results
             summary[sc.name] = {"error": f"{type(exc).__name__}: {exc}"}
     metrics.add_energy_per_token(summary)
+    metrics.add_prefix_cache(summary, workload.shares_prefix())
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary
 

@@ -41,6 +41,10 @@ INCOMPLETE_KINDS = ("cancelled",)  # ended by the harness (end of a duration-bou
 LAG_WARN_S = 0.010  # schedule lag p99 above this: the client, not the server, is late
 SHORTFALL = 0.95  # achieved below 95 % of requested rate/concurrency: client-limited
 LITTLE_WARN = 0.10  # the two steady request-rate estimates differ by more than this: say so
+# A workload that shares no prefix yet got more than this share of its prompt tokens from the server's
+# prefix cache: the server had seen the prompts before. Not near 0: a chat template's first tokens are
+# shared by every request (a block or two of a short prompt) and hit legitimately.
+CACHE_WARN = 0.5
 
 
 def stats(values: Iterable[float] | np.ndarray) -> dict[str, float | int | None]:
@@ -138,6 +142,34 @@ def spec_decode(records: Sequence[Record]) -> dict[str, Any] | None:
     drafted, accepted = sum(c["drafted"] for c in counts), sum(c["accepted"] for c in counts)
     return {"requests": len(counts), "drafted": drafted, "accepted": accepted,
             "acceptance": accepted / drafted if drafted else None}  # fmt: skip
+
+
+def prefix_cache(records: Sequence[Record]) -> dict[str, Any] | None:
+    """Prompt tokens the server's prefix cache served, over successful requests whose responses said
+    (usage ``cached_tokens``, llama.cpp ``timings.cache_n``); None when none did."""
+    said = [r for r in records if r["error"] is None and r.get("cached_tokens") is not None]
+    if not said:
+        return None
+    cached, prompt = sum(r["cached_tokens"] for r in said), sum(r["prompt_tokens"] or 0 for r in said)
+    return {"source": "responses", "requests": len(said), "cached_tokens": cached, "prompt_tokens": prompt,
+            "hit_rate": cached / prompt if prompt else None}  # fmt: skip
+
+
+def add_prefix_cache(point: dict[str, Any], shares_prefix: bool | None) -> None:
+    """Set a PointSummary's ``prefix_cache`` from its responses, else from the server's counters over the
+    point (warm-up included), and warn where a workload that shares no prefix (``shares_prefix`` False;
+    None: unknown) got more than :data:`CACHE_WARN` of its prompt tokens from the cache."""
+    pc = point.get("prefix_cache")
+    if pc is None:
+        counted = (((point.get("server") or {}).get("point") or {}).get("prefix_cache"))
+        if counted is None:
+            return
+        pc = point["prefix_cache"] = {"source": "server counters (whole point, warm-up included)", **counted}
+    rate = pc.get("hit_rate")
+    if shares_prefix is False and rate is not None and rate > CACHE_WARN:
+        pc["warning"] = (f"{rate:.0%} of the prompt tokens came from the server's prefix cache, yet the workload "
+                         "shares no prefix: the server had seen these prompts before (a run with the same --seed?), "
+                         "so latency and throughput are a warm cache's; run with a new --seed, or --reset-cache")  # fmt: skip
 
 
 def meets_slo(r: Record, slo: dict[str, float], slo_from: str = "sent") -> bool:
@@ -256,6 +288,8 @@ def _core(records: Sequence[Record], window: Window, slo: dict[str, float] | Non
         res["latency"]["incomplete_age"] = stats(r["end"] - r["sent"] for r in measured if incomplete(r))
     if (spec := spec_decode(measured)) is not None:
         res["spec_decode"] = spec
+    if (pc := prefix_cache(measured)) is not None:
+        res["prefix_cache"] = pc
     if slo:
         good = sum(1 for r in ok if meets_slo(r, slo, slo_from))
         share = good / len(ok) if ok else 0.0

@@ -314,3 +314,46 @@ def test_native_backends_take_the_cli_options(cls):
     assert flat["top_k"] == 1 and flat["top_p"] == 0.5
     with pytest.raises(ValueError, match="plain-text"):
         cls("http://127.0.0.1:1", api="chat")
+
+
+def test_prompt_tokens_served_from_the_prefix_cache_each_dialect():
+    """Each server's own word for the prompt tokens its prefix cache served reaches the delta: OpenAI
+    usage ``prompt_tokens_details.cached_tokens`` (llama-server server-task.cpp usage_json_oaicompat, vLLM,
+    the reference server), llama.cpp native ``timings.cache_n`` (server-common.cpp), SGLang ``meta_info``."""
+    usage = {"choices": [], "usage": {"completion_tokens": 1, "prompt_tokens": 90, "total_tokens": 91,
+                                      "prompt_tokens_details": {"cached_tokens": 64}}}
+    for b in (LlamaCppBackend("http://127.0.0.1:1"), VLLMBackend("http://127.0.0.1:1")):
+        (final,) = [d for d in run(b, [usage, "[DONE]"]) if d.completion_tokens is not None]
+        assert (final.prompt_tokens, final.cached_tokens) == (90, 64)
+    bare = {"choices": [], "usage": {"completion_tokens": 1, "prompt_tokens": 9, "prompt_tokens_details": None}}
+    assert [d.cached_tokens for d in run(VLLMBackend("http://127.0.0.1:1"), [bare])] == [None]
+    native = {"content": "", "stop": True, "stop_type": "limit", "tokens_predicted": 1, "tokens_evaluated": 90,
+              "timings": {"cache_n": 80, "prompt_n": 10, "predicted_n": 1}}
+    assert run(LlamaCppNativeBackend("http://127.0.0.1:1"), [native])[-1].cached_tokens == 80
+    stream = [*SGLANG_STREAM[:2], {**SGLANG_STREAM[2], "meta_info": {**SGLANG_STREAM[2]["meta_info"], "cached_tokens": 5}}]
+    assert [d.cached_tokens for d in run(SGLangNativeBackend("http://127.0.0.1:1"), stream)] == [None, None, 5]
+
+
+def test_prefix_cache_counters_of_each_server():
+    """Hits over tokens looked up from each server's counters, summed over label sets: vLLM's
+    queries/hits, SGLang's cached/prompt tokens, and llama.cpp's, whose prompt_tokens_total leaves the cached
+    tokens out (server-task.cpp to_metrics); a server driven as plain OpenAI is found by its names."""
+    pages = {
+        VLLMBackend.server: "# TYPE vllm:prefix_cache_queries_total counter\nvllm:prefix_cache_queries_total{{engine=\"0\"}} {q}\n"
+                            "# TYPE vllm:prefix_cache_hits_total counter\nvllm:prefix_cache_hits_total{{engine=\"0\"}} {h}\n",
+        SGLangNativeBackend.server: "# TYPE sglang:prompt_tokens_total counter\nsglang:prompt_tokens_total {q}\n"
+                                    "# TYPE sglang:cached_tokens_total counter\n"
+                                    "sglang:cached_tokens_total{{cache_source=\"device\"}} {h}\n"
+                                    "sglang:cached_tokens_total{{cache_source=\"host\"}} 0\n",
+        LlamaCppBackend.server: "# TYPE llamacpp:prompt_tokens_total counter\nllamacpp:prompt_tokens_total {q}\n"
+                                "# TYPE llamacpp:prompt_tokens_cached_total counter\nllamacpp:prompt_tokens_cached_total {h}\n",
+        ServerProfile(): "# TYPE servelab_prefix_cache_queries_total counter\nservelab_prefix_cache_queries_total {q}\n"
+                         "# TYPE servelab_prefix_cache_hits_total counter\nservelab_prefix_cache_hits_total {h}\n",
+    }  # fmt: skip
+    for profile, page in pages.items():
+        samples, counters = samples_of([page.format(q=100, h=10), page.format(q=400, h=160)], [0.0, 1.0])
+        pc = reconcile(samples, counters, profile, None)["point"]["prefix_cache"]
+        looked_up = 450 if profile is LlamaCppBackend.server else 300  # llama: 300 computed + 150 cached
+        assert pc == {"cached_tokens": 150, "prompt_tokens": looked_up, "hit_rate": 150 / looked_up}, profile
+    assert "prefix_cache" not in reconcile(*samples_of([TGI_METRICS.format(b=0, q=0, n=1, gen=1)] * 2, [0.0, 1.0]),
+                                           ServerProfile(), None)["point"]  # fmt: skip

@@ -131,3 +131,30 @@ def test_client_health_flags_schedule_lag_and_rate_shortfall():
     assert c["achieved_rate"] == pytest.approx(50.0)
     assert c["scheduled_rate"] == pytest.approx(100.0)
     assert c["limited"] and len(c["warnings"]) == 2
+
+
+def test_prefix_cache_hits_from_responses_else_server_counters_and_the_warning():
+    """A point's prefix-cache hits come from the responses (measured, successful requests that said), else
+    from the server's counters; a workload that shares nothing and got most of its prompt from the cache is
+    warned about, one that shares on purpose (or cannot tell) is not."""
+    warm = [{**rec(0.0, [(0.1, 1)], 0.2, prompt=100), "cached_tokens": 96} for _ in range(3)]
+    cold = {**rec(0.0, [(0.1, 1)], 0.2, prompt=100), "cached_tokens": 0}
+    silent = rec(0.0, [(0.1, 1)], 0.2, prompt=100)  # a server that did not say: left out, not counted as 0
+    failed = {**rec(0.0, [], 0.2, error={"kind": "http", "message": "500"}), "cached_tokens": 100}
+    s = metrics.summarize([*warm, cold, silent, failed])
+    assert s["prefix_cache"] == {"source": "responses", "requests": 4, "cached_tokens": 288, "prompt_tokens": 400,
+                                 "hit_rate": 0.72}  # fmt: skip
+    for shares, warned in ((False, True), (True, False), (None, False)):
+        point = metrics.summarize([*warm, cold])
+        metrics.add_prefix_cache(point, shares)
+        assert ("warning" in point["prefix_cache"]) is warned
+    point = metrics.summarize([*warm, cold, cold, cold])  # 288 of 600: below CACHE_WARN
+    metrics.add_prefix_cache(point, False)
+    assert "warning" not in point["prefix_cache"]
+    point = metrics.summarize([silent])
+    point["server"] = {"point": {"prefix_cache": {"cached_tokens": 90.0, "prompt_tokens": 100.0, "hit_rate": 0.9}}}
+    metrics.add_prefix_cache(point, False)
+    assert point["prefix_cache"]["source"].startswith("server counters") and "--reset-cache" in point["prefix_cache"]["warning"]
+    bare = metrics.summarize([silent])
+    metrics.add_prefix_cache(bare, False)
+    assert "prefix_cache" not in bare

@@ -65,3 +65,8 @@ class Workload(ABC):
     def describe(self) -> dict[str, object]:
         """The workload's identity for fingerprints (everything that changes the traffic)."""
         return {"name": self.name}
+
+    def shares_prefix(self) -> bool | None:
+        """Whether its requests share prompt prefixes on purpose (a server's prefix cache should hit them):
+        True, False, or None when it cannot tell (recorded traffic)."""
+        return None

@@ -63,6 +63,7 @@ class RequestRecord:
     events: list[list[float | None]] = field(default_factory=list)
     prompt_tokens: int | None = None
     prompt_tokens_source: str = "unknown"
+    cached_tokens: int | None = None  # of the prompt, served from the server's prefix cache (when it says)
     output_tokens: int | None = None
     output_tokens_source: str = "unknown"
     # how per-event token counts were known: "stated" by the protocol, "one_per_event" (assumed and

@@ -220,6 +220,10 @@ class SyntheticWorkload(Workload):
                 yield sess
             index += 1
 
+    def shares_prefix(self) -> bool:
+        """Shared prefixes and multi-turn sessions (each turn re-sends the conversation) share on purpose."""
+        return any(c.shared_prefix is not None or c.turns is not None for c in self.spec.classes)
+
     def describe(self) -> dict[str, object]:
         src = Path(self.spec.source)
         # a shipped file is named, not located, so fingerprints match across checkouts

@@ -169,10 +169,18 @@ def _ms(v: Any) -> str:
     return f"{v * 1e3:,.1f}" if isinstance(v, (int, float)) else "–"
 
 
+def _share(pc: Any) -> Cell:
+    """A point's prefix-cache hit rate, marked where it is a warning."""
+    rate = pc.get("hit_rate") if isinstance(pc, dict) else None
+    if not isinstance(rate, (int, float)):
+        return "–"
+    return Span(f"{rate:.0%}", "up" if pc.get("warning") else "")
+
+
 def answer_first(runs: list[RunData]) -> dict[str, Any] | None:
     """The one-screen summary at the top: per point, throughput, latency percentiles, errors, warnings."""
     header = ["point", "requests ok", "errors", "output tokens/s", "requests/s", "TTFT p50 / p99 (ms)",
-              "ITL p50 / p99 (ms)", "E2E p50 / p99 (ms)"]  # fmt: skip
+              "ITL p50 / p99 (ms)", "E2E p50 / p99 (ms)", "prefix-cache hits"]  # fmt: skip
     rows: list[list[Cell]] = []
     notes: list[str] = []
     for run in runs:
@@ -192,9 +200,10 @@ def answer_first(runs: list[RunData]) -> dict[str, Any] | None:
             rows.append([pid, str(counts.get("ok", "–")), Span(err, "up" if kinds else ""),
                          f"{tok:,.1f}" if isinstance(tok, (int, float)) else "–",
                          f"{req:,.2f}" if isinstance(req, (int, float)) else "–",
-                         pair["ttft"], pair["itl"], pair["e2e"]])  # fmt: skip
+                         pair["ttft"], pair["itl"], pair["e2e"], _share(p.get("prefix_cache"))])  # fmt: skip
             notes += [f"{pid}: the client may be limiting this point: {w}"
                       for w in (p.get("client") or {}).get("warnings") or []]  # fmt: skip
+            notes += [f"{pid}: {w}"] if (w := (p.get("prefix_cache") or {}).get("warning")) else []
     return {"table": Table(header, rows, "answer"), "notes": notes} if rows else None
 
 

@@ -4,8 +4,8 @@ Every ``1/hz`` seconds it scrapes ``/metrics`` (Prometheus text, :mod:`loadgen.s
 the server has one, ``/slots`` (llama.cpp). Each sample is stamped on the run clock with the time
 the scrape started and the scrape's latency, and appended to ``server_state.jsonl``. At the end it
 reconciles counters: the delta of every ``counter`` sample over the point (and over the steady-state
-window), rates derived from those deltas, gauge mean/max, and speculative-decoding acceptance when the
-server exposes drafted/accepted counters. When the server offers ``/v1/iterations`` (the bundled
+window), rates derived from those deltas, gauge mean/max, and speculative-decoding acceptance and
+prefix-cache hits when the server exposes their counters. When the server offers ``/v1/iterations`` (the bundled
 reference server), its per-iteration records for the point are written to ``iterations.jsonl``.
 """
 
@@ -17,7 +17,8 @@ from typing import Any
 
 import httpx
 
-from backends.profile import DEFAULT_PROFILE, ServerProfile
+from backends.profile import DEFAULT_PROFILE, PrefixCounters, ServerProfile
+from backends.registry import server_profiles
 from loadgen.clock import RunClock
 from loadgen.metrics import stats
 from loadgen.sidecars.prometheus import parse_metrics
@@ -49,6 +50,15 @@ def _at(samples: list[dict[str, Any]], t: float, before: bool) -> dict[str, Any]
     return later[0] if later else samples[-1]
 
 
+def prefix_counters(profile: ServerProfile, names: set[str]) -> PrefixCounters | None:
+    """Of the counter base ``names`` a server exports, its prefix-cache pair: the profile's own, else any
+    known server's (the reference server is driven as plain OpenAI)."""
+    for p in (profile, *server_profiles()):
+        if p.prefix_cache is not None and {p.prefix_cache.hits, p.prefix_cache.queries} <= names:
+            return p.prefix_cache
+    return None
+
+
 def reconcile(
     samples: list[dict[str, Any]],
     counters: set[str],
@@ -75,7 +85,13 @@ def reconcile(
         }
         res: dict[str, Any] = {"t0": first["t"], "t1": last["t"], "counters": d}
         res["rates"] = {k: v / dt for k, v in d.items()} if dt > 0 else {}
-        spec = profile.spec_counters({k.split("{", 1)[0] for k in d})
+        names = {k.split("{", 1)[0] for k in d}
+        if pc := prefix_counters(profile, names):
+            hits = _family_sum(d, pc.hits)
+            looked_up = pc.tokens(hits, _family_sum(d, pc.queries))
+            res["prefix_cache"] = {"cached_tokens": hits, "prompt_tokens": looked_up,
+                                   "hit_rate": hits / looked_up if looked_up else None}  # fmt: skip
+        spec = profile.spec_counters(names)
         if spec:
             drafted, accepted = _family_sum(d, spec[0]), _family_sum(d, spec[1])
             res["spec_decode"] = {
