@@ -99,6 +99,7 @@ class RunOptions:
     max_error_rate: float = 0.05
     wait_for_server: float = 0.0
     slo_from: str = "sent"
+    reset_cache: bool = False  # empty the server's prefix cache before each point
     workers: int = field(default=1, metadata=_incomparable())
     ray: str | None = field(default=None, metadata=_incomparable())
     # how the run is carried out, not what it measures: not in run.json
@@ -221,4 +222,6 @@ Workers = Annotated[int, typer.Option(help="Load processes on this machine (or R
                                       "its own event loop and HTTP client; the load of each point is split over them.")]
 Ray = Annotated[str | None, typer.Option(help="Run the workers as Ray actors: 'local' (start Ray here), 'auto' or "
                                          "a cluster address (needs pip install 'servelab[ray]').")]
+ResetCache = Annotated[bool, typer.Option(help="Empty the server's prefix cache before each point (vLLM "
+                      "/reset_prefix_cache with VLLM_SERVER_DEV_MODE=1, SGLang /flush_cache, the reference server).")]
 TelemetryUrl = Annotated[str | None, typer.Option(help="Prometheus URL of a DCGM/node exporter on the server's host.")]

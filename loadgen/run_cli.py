@@ -38,6 +38,7 @@ from loadgen.options import (
     PollHz,
     Ray,
     Repeat,
+    ResetCache,
     RunId,
     RunOptions,
     Seed,
@@ -69,6 +70,7 @@ from loadgen.targets import (
     load_workload,
     make_backend,
     read_api_key,
+    reset_cache_path,
 )
 
 
@@ -83,7 +85,7 @@ def run(
     client: Client = "aiohttp", timeout: Timeout = 600.0, stall_timeout: StallTimeout = 60.0,
     speedup: Speedup = 1.0, poll_hz: PollHz = 10.0, telemetry_hz: TelemetryHz = 10.0,
     telemetry_url: TelemetryUrl = None, tokenizer: TokenizerOpt = None, max_error_rate: MaxErrorRate = 0.05,
-    slo_from: SloFrom = "sent", workers: Workers = 1, ray: Ray = None,
+    slo_from: SloFrom = "sent", workers: Workers = 1, ray: Ray = None, reset_cache: ResetCache = False,
 ) -> None:  # fmt: skip
     """Run one load point (closed loop at --concurrency or open loop at --rate)."""
     if concurrency is not None and rate is not None:
@@ -100,7 +102,7 @@ def run(
         continuous_usage=continuous_usage, extra_body=extra_body, client=client, timeout=timeout,
         stall_timeout=stall_timeout, speedup=speedup, default_num_requests=100, poll_hz=poll_hz,
         telemetry_hz=telemetry_hz, telemetry_url=telemetry_url, tokenizer=tokenizer, max_error_rate=max_error_rate,
-        slo_from=slo_from, workers=workers, ray=ray,
+        slo_from=slo_from, workers=workers, ray=ray, reset_cache=reset_cache,
     ))  # fmt: skip
 
 
@@ -121,7 +123,7 @@ def sweep(
     grid: Annotated[list[str] | None, typer.Option(help="Server grid axis NAME=V1,V2 (repeat for a product).")] = None,
     server_timeout: Annotated[float, typer.Option(help="Seconds to wait for a started server's health.")] = 300.0,
     tokenizer: TokenizerOpt = None, max_error_rate: MaxErrorRate = 0.05, wait_for_server: WaitForServer = 0.0,
-    slo_from: SloFrom = "sent", workers: Workers = 1, ray: Ray = None,
+    slo_from: SloFrom = "sent", workers: Workers = 1, ray: Ray = None, reset_cache: ResetCache = False,
 ) -> None:  # fmt: skip
     """Run a list of load points (concurrencies and/or rates × workloads) into one results directory."""
 
@@ -140,6 +142,7 @@ def sweep(
             server=server, grid=[axis for g in grid or [] for axis in g.split()], server_timeout=server_timeout,
             telemetry_hz=telemetry_hz, telemetry_url=telemetry_url, tokenizer=tokenizer,
             max_error_rate=max_error_rate, wait_for_server=wait_for_server, slo_from=slo_from, workers=workers, ray=ray,
+            reset_cache=reset_cache,
         ))  # fmt: skip
 
     guard(body)
@@ -181,6 +184,7 @@ def execute(opts: RunOptions) -> ExitCode:
             name, how = opts.backend, f"forced; the server looks like {det.server}" if det.server else "forced"
         console.print(f"[dim]backend: {name} ({how}; {det.evidence})[/]")
         be = make_backend(name, target, opts.model, opts.api, api_key, opts.continuous_usage, opts.extra_body)
+        reset_path = reset_cache_path(be) if opts.reset_cache else None
         todo = plans if gp is None else [
             replace(p, point_id=f"{gp.label}/{p.point_id}", labels={**p.labels, **gp.params}) for p in plans
         ]  # fmt: skip
@@ -194,7 +198,7 @@ def execute(opts: RunOptions) -> ExitCode:
                                    slo_from=opts.slo_from, client_kind=opts.client,
                                    live=display.points(todo, where), previous=previous or [],
                                    wait_for_server=0 if gp else opts.wait_for_server,
-                                   fleet=opts.fleet(),
+                                   fleet=opts.fleet(), reset_path=reset_path,
                                    run_extra={"backend_detection": {"requested": opts.backend, **det.describe()}}))  # fmt: skip
 
     log = results.path / "server.log" if opts.url is None and not opts.server else None  # the embedded server's
@@ -263,9 +267,10 @@ def _fmt(v: float | None, scale: float = 1e3, digits: int = 1) -> str:
 
 def summary_table(summaries: list[dict[str, Any]]) -> Table:
     t = Table(title="results (latencies in ms; throughput over the steady-state window, * = whole run: no steady state; "
-                    "! = the client may be limiting the point: its warning follows)")  # fmt: skip
+                    "! = the client may be limiting the point: its warning follows; cached = prompt tokens the server's "
+                    "prefix cache served)")  # fmt: skip
     for col in ("point", "ok", "err", "inc", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
-                "ITL p50", "ITL p99", "E2E p50", "E2E p99", "lag p99"):  # fmt: skip
+                "ITL p50", "ITL p99", "E2E p50", "E2E p99", "lag p99", "cached"):  # fmt: skip
         t.add_column(col, justify="left" if col == "point" else "right")
     for s in summaries:
         lat, thr, n = s["latency"], s["throughput"]["steady"], s["counts"]
@@ -275,7 +280,7 @@ def summary_table(summaries: list[dict[str, Any]]) -> Table:
             _fmt(thr["req_per_s"], 1, 2) + mark, _fmt(thr["output_tok_per_s"], 1, 0) + mark,
             _fmt(lat["ttft"]["p50"]), _fmt(lat["ttft"]["p99"]), _fmt(lat["tpot"]["p50"]), _fmt(lat["tpot"]["p99"]),
             _fmt(lat["itl"]["p50"]), _fmt(lat["itl"]["p99"]), _fmt(lat["e2e"]["p50"]), _fmt(lat["e2e"]["p99"]),
-            _fmt(s["client"]["schedule_lag"]["p99"], 1e3, 2),
+            _fmt(s["client"]["schedule_lag"]["p99"], 1e3, 2), _fmt((s.get("prefix_cache") or {}).get("hit_rate"), 100, 0) + "%" if s.get("prefix_cache") else "-",
         )  # fmt: skip
     return t
 
@@ -286,6 +291,10 @@ def notes(s: dict[str, Any]) -> list[str]:
     out = [f"no steady state: {thr['reason']}"] if thr.get("reason") else []
     out += [w["note"]] if (w := s.get("workers") or {}).get("note") else []
     out += [thr["note"]] if thr.get("note") else []
+    out += [pc["warning"]] if (pc := s.get("prefix_cache") or {}).get("warning") else []
+    if (reset := s.get("cache_reset")) and not reset["ok"]:
+        out.append(f"the prefix cache was not reset before this point (POST {reset['path']}: "
+                   f"{reset.get('status') or reset.get('error')})")  # fmt: skip
     if n.get("incomplete"):
         out.append(f"{n['incomplete']} request(s) cancelled by the harness (run end or interrupt): counted as "
                    "incomplete, not as errors; latency percentiles leave them out")  # fmt: skip

@@ -27,6 +27,7 @@ from loadgen.clock import RunClock, Sidecar
 from loadgen.engine import LoadSpec, Progress, interrupted_by, run_point
 from loadgen.fleet import ONE_PROCESS, Fleet
 from loadgen.results import ResultsDir
+from loadgen.targets import reset_cache
 from workloads.base import Workload
 
 
@@ -90,12 +91,13 @@ async def run_sweep(
     slo: dict[str, float] | None = None, slo_from: str = "sent", client_kind: str = "aiohttp",
     live: Callable[[PointPlan, Progress], AbstractContextManager[Any]] | None = None,
     run_extra: dict[str, Any] | None = None, previous: Sequence[dict[str, Any]] = (),
-    wait_for_server: float = 0.0, fleet: Fleet = ONE_PROCESS,
+    wait_for_server: float = 0.0, fleet: Fleet = ONE_PROCESS, reset_path: str | None = None,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Run ``plans`` in order; returns the PointSummaries (also in summary.json / sweep.csv).
 
     ``previous``: summaries already in this results directory (earlier server grid points), kept in
-    summary.json / sweep.csv ahead of the new ones."""
+    summary.json / sweep.csv ahead of the new ones. ``reset_path``: the server's prefix cache is emptied
+    (``POST``) before each point, and the summary's ``cache_reset`` says how that went."""
     ids = [*(s["point_id"] for s in previous), *(p.point_id for p in plans)]
     if len(set(ids)) != len(ids):
         raise ValueError(f"duplicate point ids in the sweep: {ids}")
@@ -106,6 +108,7 @@ async def run_sweep(
         if interrupted_by() is not None:
             break
         progress = Progress()
+        reset = await reset_cache(backend, reset_path) if reset_path else None
         scs = sidecars(plan) if callable(sidecars) else sidecars
         with live(plan, progress) if live else contextlib.nullcontext():
             s = await run_point(
@@ -114,6 +117,8 @@ async def run_sweep(
                 progress=progress, fleet=fleet,
             )  # fmt: skip
         s["trial"] = plan.trial
+        if reset is not None:
+            s["cache_reset"] = reset
         summaries.append(s)
         results.write_summary(run, summaries)
         if s["status"] == "interrupted":

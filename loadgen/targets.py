@@ -19,7 +19,8 @@ import httpx
 from backends.base import Backend
 from backends.detect import Detection, ServerUnreachable, detect
 from backends.launcher import LaunchError, ServerProcess, free_port
-from backends.registry import available, get_backend
+from backends.profile import profile_of
+from backends.registry import available, get_backend, server_profiles
 from loadgen.exitcodes import ServerGone, UsageError, console
 from workloads.base import Workload
 
@@ -62,6 +63,37 @@ def read_api_key(api_key_env: str | None) -> str | None:
     if not api_key:
         raise UsageError(f"--api-key-env {api_key_env}: that environment variable is not set")
     return api_key
+
+
+def reset_cache_path(backend: Backend) -> str:
+    """The path whose ``POST`` empties the server's prefix cache (``--reset-cache``), found by trying the
+    backend's own, then every known server's, on the server itself (so the first reset happens here)."""
+    paths = dict.fromkeys(p for p in (profile_of(backend).reset_cache, *(q.reset_cache for q in server_profiles())) if p)
+    tried: list[str] = []
+    with httpx.Client(timeout=30.0, trust_env=False, headers=backend.auth_headers()) as client:
+        for path in paths:
+            try:
+                status = client.post(backend.base_url + path).status_code
+            except httpx.HTTPError as exc:
+                raise ServerGone(f"--reset-cache: POST {path}: {type(exc).__name__}: {exc}") from None
+            if 200 <= status < 300:
+                return path
+            tried.append(f"POST {path}: {status}")
+    raise UsageError(
+        f"--reset-cache: the server at {backend.base_url} offers no prefix-cache reset ({'; '.join(tried)}). vLLM "
+        "serves POST /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1 set; SGLang has POST /flush_cache; "
+        "llama-server has none. Without it, each point's fresh prompts (the default) already miss the cache."
+    )
+
+
+async def reset_cache(backend: Backend, path: str) -> dict[str, Any]:
+    """Empty the server's prefix cache before a point; what happened, for the point's summary."""
+    try:
+        async with httpx.AsyncClient(timeout=30.0, trust_env=False, headers=backend.auth_headers()) as client:
+            status = (await client.post(backend.base_url + path)).status_code
+    except httpx.HTTPError as exc:
+        return {"path": path, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+    return {"path": path, "ok": 200 <= status < 300, "status": status}
 
 
 def detect_server(url: str, api_key: str | None) -> Detection:

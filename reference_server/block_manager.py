@@ -75,6 +75,14 @@ class BlockManager:
             prev = h
         return hits
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (``POST /reset_prefix_cache``): later prompts find no hits. Blocks in
+        use keep their KV and their sequences; only the index that would hand them to another prompt goes."""
+        self.cached.clear()
+        for bid in self.free:
+            block = self.blocks[bid]
+            block.hash, block.parent, block.token_ids = None, b"", ()
+
     def can_admit(self, seq: Sequence, hits: list[int], num_tokens: int) -> bool:
         """Whether ``seq`` can start with ``hits`` and room for ``num_tokens`` tokens in total."""
         reused_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)

@@ -147,6 +147,12 @@ class Engine:
         self._commands.put(("abort", seq_id))
         self._wake.set()
 
+    def reset_prefix_cache(self) -> None:
+        """Empty the prefix cache on the loop's thread, in order: a request added after this call finds
+        nothing that was cached before it."""
+        self._commands.put(("reset_prefix_cache", None))
+        self._wake.set()
+
     @property
     def alive(self) -> bool:
         """Whether the loop is running and can serve requests."""
@@ -158,7 +164,7 @@ class Engine:
 
     # -- the loop --------------------------------------------------------------------------------------
     def _queued(self) -> Iterator[tuple[str, object]]:
-        """The commands queued so far (add / abort), taken without waiting."""
+        """The commands queued so far (add / abort / reset_prefix_cache), taken without waiting."""
         while True:
             try:
                 yield self._commands.get_nowait()
@@ -176,6 +182,8 @@ class Engine:
                     stops |= self.codec.stop_ids
                 self._stop_ids[arg.seq_id] = stops
                 self.scheduler.add(arg)
+            elif cmd == "reset_prefix_cache":
+                self.block_manager.reset_prefix_cache()
             else:
                 seq = self._seqs.get(str(arg))
                 if seq is not None and seq.status is not SeqStatus.FINISHED:

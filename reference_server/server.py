@@ -591,6 +591,11 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.post("/reset_prefix_cache")  # vLLM's path (a dev-mode endpoint there): benchmarks reset both alike
+    async def reset_prefix_cache() -> Response:
+        engine.reset_prefix_cache()
+        return Response(status_code=200)
+
     @app.get("/v1/iterations")
     async def iterations(since: int = 0, limit: int = 1000) -> dict[str, Any]:
         recs = engine.iterations_since(since, max(1, min(limit, 10000)))

@@ -175,6 +175,31 @@ def test_bench_run_matches_server_timings(server, tmp_path):
     assert point["counts"]["output_tokens"] == sum(t["predicted_n"] for t in timings) == 3 * 32
 
 
+def test_a_rerun_against_llama_server_is_seen_in_its_cache(server, tmp_path):
+    """llama-server keeps prompts (its slots and its RAM prompt cache): the same run twice (one --seed)
+    finds the second's prompts cached, which each response's usage says and the summary warns about; a new
+    run id's prompts (no --seed) miss. It offers no cache reset, so --reset-cache is refused with exit 2."""
+    (tmp_path / "long.toml").write_text(LONG_PROMPTS.replace("value = 32", "value = 4"))
+
+    def run(run_id: str, *extra: str) -> dict:
+        res = CliRunner().invoke(app, [
+            "run", "--url", server.base_url, "--workload", str(tmp_path / "long.toml"), "--concurrency", "1",
+            "--num-requests", "2", "--output-dir", str(tmp_path), "--run-id", run_id, *extra,
+        ])  # fmt: skip
+        assert res.exit_code == 0, res.output
+        (point,) = json.loads((tmp_path / run_id / "summary.json").read_text())["points"]
+        assert point["counts"]["ok"] == 2 and point["counts"]["errors"] == 0
+        return point
+
+    first, again, fresh = run("first", "--seed", "21"), run("again", "--seed", "21"), run("fresh")
+    assert first["prefix_cache"]["hit_rate"] < 0.1 and "warning" not in first["prefix_cache"]
+    assert again["prefix_cache"]["hit_rate"] > 0.9 and "warning" in again["prefix_cache"]
+    assert fresh["prefix_cache"]["hit_rate"] < 0.1 and "warning" not in fresh["prefix_cache"]
+    res = CliRunner().invoke(app, ["run", "--url", server.base_url, "--workload", str(tmp_path / "long.toml"),
+                                   "--num-requests", "1", "--output-dir", str(tmp_path), "--reset-cache"])  # fmt: skip
+    assert res.exit_code == 2 and "offers no prefix-cache reset" in " ".join(res.output.split()), res.output
+
+
 SHORT_PROMPTS = """
 [[classes]]
 name = "short"
