@@ -3,8 +3,10 @@
 The null server runs in separate processes (their own event loops and cores; one per client worker
 unless ``--servers`` says otherwise, each point checking that none was near a full core), so the figures are
 what the client can drive: closed loop (req/s and events/s at a concurrency, achieved concurrency, per
-worker count) and open loop (achieved vs requested rate, schedule lag). ``scripts/scale_check.py`` runs the
-same points (:class:`NullTarget`, :func:`scaling`, :func:`open_loop`) at a many-core machine's scale.
+worker count) and open loop (achieved vs requested rate, schedule lag), for one traffic: the prompt's length,
+the output tokens (one per stream event) and the API (``--prompt-tokens``, ``--output-tokens``, ``--api``;
+:attr:`NullTarget.traffic`). ``scripts/scale_check.py`` runs the same points (:class:`NullTarget`,
+:func:`scaling`, :func:`open_loop`) at a many-core machine's scale.
 
 Size: the calibration points share the null-server target and its CPU meters, and the command prints them;
 the client-only micro-benchmark (:func:`stream_cost`) measures the same stream on the same workload.
@@ -16,12 +18,13 @@ import argparse
 import itertools
 import json
 import os
+import random
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 import orjson
 import typer
@@ -39,13 +42,18 @@ from loadgen.nullserver import Behaviour, NullServerProcess, Stream
 from loadgen.options import Client, OutputDir, RunId, parse_list
 from loadgen.results import new_run_id
 from workloads.base import ArrivalSpec, Session, SingleShot, Workload
-from workloads.contracts import GenRequest, RequestRecord
+from workloads.contracts import APIS, Api, GenRequest, RequestRecord
+from workloads.text import PromptBuilder, builder_for
+
+EVENTS = 200  # stream events per response (the null server's output tokens, one per event) by default
 
 
 @dataclass
 class FixedWorkload(Workload):
-    """Identical requests (``extra_bodies`` cycle per request, e.g. null-server faults); for calibration
-    and tests, where the prompt content does not matter."""
+    """Identical requests (``extra_bodies`` cycle per request, e.g. null-server faults) on ``api``; for
+    calibration and tests, where the prompt content does not matter. With ``prompt_tokens``, each request's
+    prompt is instead its own text of that many tokens (the bundled tokenizer's), cut from the corpus as a
+    synthetic workload cuts its prompts (:meth:`workloads.text.PromptBuilder.fill`)."""
 
     max_tokens: int = 16
     prompt: str = "Say something."
@@ -53,20 +61,43 @@ class FixedWorkload(Workload):
     extra_bodies: list[dict[str, Any]] = field(default_factory=lambda: [{}])
     name: str = "fixed"
     arrival: ArrivalSpec = field(default_factory=ArrivalSpec)
+    prompt_tokens: int | None = None
+    api: Api = "completions"
+    builder: PromptBuilder | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # now, as a synthetic workload's: a missing tokenizer fails before any run starts, and the workers get
+        # the builder (the corpus tokenized once) with the workload
+        self.builder = builder_for() if self.prompt_tokens is not None else None
 
     def sessions(self, seed: int) -> Iterator[Session]:
+        rng = random.Random(seed)
         for i, extra in zip(itertools.count(), itertools.cycle(self.extra_bodies)):
-            yield SingleShot(GenRequest(f"r{i}", self.prompt, self.max_tokens, self.cls, extra_body=extra, seed=seed))
+            prompt, tokens = self._prompt(rng)
+            yield SingleShot(GenRequest(f"r{i}", prompt, self.max_tokens, self.cls, self.api, tokens, extra_body=extra,
+                                        seed=seed))  # fmt: skip
+
+    def _prompt(self, rng: random.Random) -> tuple[str, int | None]:
+        """The fixed prompt, or ``prompt_tokens`` of corpus text, with its tokens where known: a chat server
+        adds its template's, so there the count is left to its usage (as with a synthetic workload)."""
+        if self.builder is None or self.prompt_tokens is None:
+            return self.prompt, None
+        tokens = self.builder.fill_tokens(self.prompt_tokens) if self.api == "completions" else None
+        return self.builder.fill(self.prompt_tokens, rng), tokens
 
     def describe(self) -> dict[str, object]:
-        return {"name": self.name, "max_tokens": self.max_tokens, "extra_bodies": self.extra_bodies}
+        return {"name": self.name, "max_tokens": self.max_tokens, "extra_bodies": self.extra_bodies,
+                "prompt_tokens": self.prompt_tokens, "api": self.api}  # fmt: skip
 
 
 async def calibrate(
-    out_dir: Path, concurrency: int = 512, events: int = 200, num_requests: int = 20000, rate: float = 300.0,
+    out_dir: Path, concurrency: int = 512, events: int = EVENTS, num_requests: int = 20000, rate: float = 300.0,
     duration: float = 30.0, client_kind: str = "aiohttp", workers: Sequence[int] = (1,), servers: int | None = None,
-) -> dict[str, Any]:
-    """Run the closed-loop and the open-loop calibration points; returns {"closed": ..., "open": ...}.
+    prompt_tokens: int | None = None, api: Api = "completions",
+) -> dict[str, Any]:  # fmt: skip
+    """Run the closed-loop and the open-loop calibration points of one traffic (``prompt_tokens``-token
+    prompts, default the short fixed one, on ``api``, ``events`` events each: :attr:`NullTarget.traffic`);
+    returns {"traffic": ..., "closed": ..., "open": ...}.
 
     With several ``workers`` counts, the closed-loop point runs once per count (``--workers``) and
     ``scaling`` holds each count's ceiling, its scaling efficiency (req/s over ``n`` times the first
@@ -76,7 +107,8 @@ async def calibrate(
     n_servers = servers or servers_for(max(workers))
     out: dict[str, Any] = {"load_average": os.getloadavg(), "client": client_kind, "cores": os.cpu_count() or 1,
                            "servers": n_servers}  # fmt: skip
-    with NullTarget(events, client_kind, n_servers) as target:
+    with NullTarget(events, client_kind, n_servers, prompt_tokens, api) as target:
+        out["traffic"] = target.traffic
         rows = await scaling(target, out_dir, concurrency, num_requests, workers)
         out["closed"] = rows[0]
         if len(workers) > 1:
@@ -103,13 +135,21 @@ def servers_for(workers: int) -> int:
 class NullTarget:
     """The null server as a calibration target (``with NullTarget(events, client, servers) as t:``): its
     ``servers`` processes (:class:`NullServerProcess`), the backend and workload that stream ``events``
-    events per request from it, one run clock, and a CPU meter per server process."""
+    events per request from it (one output token each) for prompts of ``prompt_tokens`` tokens (default:
+    :class:`FixedWorkload`'s short fixed prompt) on ``api``, one run clock, and a CPU meter per server process."""
 
-    def __init__(self, events: int, client_kind: str, servers: int) -> None:
+    def __init__(self, events: int, client_kind: str, servers: int, prompt_tokens: int | None = None,
+                 api: Api = "completions") -> None:  # fmt: skip
         self.events, self.client_kind = events, client_kind
         self.srv = NullServerProcess(processes=servers)
-        self.workload = FixedWorkload(max_tokens=events)
+        self.workload = FixedWorkload(max_tokens=events, prompt_tokens=prompt_tokens, api=api)
         self.clock = RunClock()
+
+    @property
+    def traffic(self) -> dict[str, Any]:
+        """Which traffic the points measure: ``api``, ``prompt_tokens`` (None: the short fixed prompt) and
+        ``events`` per response (= output tokens)."""
+        return {"api": self.workload.api, "prompt_tokens": self.workload.prompt_tokens, "events": self.events}
 
     def __enter__(self) -> NullTarget:
         try:
@@ -209,7 +249,7 @@ def _brief(s: dict[str, Any], events: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def stream_cost(events: int = 200, read_size: int = 16384, repeat: int = 2000) -> float:
+def stream_cost(events: int = EVENTS, read_size: int = 16384, repeat: int = 2000) -> float:
     """Client CPU seconds to turn one null-server response of ``events`` events, read ``read_size``
     bytes at a time, into its finished record line: the client's per-event work without the network
     (``python -m loadgen.calibrate``). Best of 5 rounds of ``repeat`` requests."""
@@ -244,7 +284,7 @@ def stream_cost(events: int = 200, read_size: int = 16384, repeat: int = 2000) -
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(prog="python -m loadgen.calibrate", description=stream_cost.__doc__)
-    ap.add_argument("--events", type=int, default=200)
+    ap.add_argument("--events", type=int, default=EVENTS)
     ap.add_argument("--read-size", type=int, default=16384)
     ap.add_argument("--repeat", type=int, default=2000)
     a = ap.parse_args()
@@ -254,7 +294,13 @@ if __name__ == "__main__":
 
 def calibrate_command(
     concurrency: Annotated[int, typer.Option(help="Closed-loop concurrency.")] = 512,
-    events: Annotated[int, typer.Option(help="Stream events per response.")] = 200,
+    events: Annotated[int | None, typer.Option(help=f"Stream events per response (default {EVENTS}); the null "
+                                               "server sends one output token per event.")] = None,
+    output_tokens: Annotated[int | None, typer.Option(help="Output tokens per response: --events by another "
+                                                      "name (one token per event).")] = None,
+    prompt_tokens: Annotated[int | None, typer.Option(help="Tokens in each request's prompt, each its own "
+                                                      "corpus text (default: a short fixed prompt).")] = None,
+    api: Annotated[str, typer.Option(help="completions or chat.")] = "completions",
     num_requests: Annotated[int, typer.Option(help="Closed-loop measured requests.")] = 20000,
     rate: Annotated[float, typer.Option(help="Open-loop Poisson rate, req/s.")] = 300.0,
     duration: Annotated[float, typer.Option(help="Open-loop seconds.")] = 30.0,
@@ -264,9 +310,18 @@ def calibrate_command(
     servers: Annotated[int | None, typer.Option(help="Null-server processes on its one port (SO_REUSEPORT); "
                                                 "default: one per worker of the largest --workers count.")] = None,
 ) -> None:  # fmt: skip
-    """Measure this client's own ceiling against the null SSE server (run in a separate process)."""
-    if concurrency < 1 or events < 1 or num_requests < 1 or rate <= 0 or duration <= 0 or (servers or 1) < 1:
+    """Measure this client's own ceiling against the null SSE server (run in a separate process), for the
+    traffic given (prompt length, output tokens, API)."""
+    counts_given = (concurrency, events, output_tokens, prompt_tokens, num_requests, servers)
+    if any(n is not None and n < 1 for n in counts_given) or rate <= 0 or duration <= 0:
         console.print("[red]error[/]: all calibrate options must be positive")
+        raise typer.Exit(ExitCode.USAGE)
+    if events is not None and output_tokens is not None and events != output_tokens:
+        console.print(f"[red]error[/]: --events {events} and --output-tokens {output_tokens} are one setting (the "
+                      "null server sends one token per event): give one")  # fmt: skip
+        raise typer.Exit(ExitCode.USAGE)
+    if api not in APIS:
+        console.print(f"[red]error[/]: --api must be {' or '.join(APIS)}, got {api!r}")
         raise typer.Exit(ExitCode.USAGE)
     if client not in CLIENT_KINDS:
         console.print(f"[red]error[/]: --client must be aiohttp or httpx, got {client!r}")
@@ -279,9 +334,13 @@ def calibrate_command(
     if any(n > concurrency for n in counts):
         console.print(f"[red]error[/]: every --workers count must be at most --concurrency ({concurrency})")
         raise typer.Exit(ExitCode.USAGE)
+    n_events = events or output_tokens or EVENTS
     out_dir = output_dir / (run_id or f"calibrate-{new_run_id()}")
-    console.print(f"calibrating: closed loop c={concurrency}, {events} events/stream; open loop Poisson {rate:g}/s")
-    res = run_async(calibrate(out_dir, concurrency, events, num_requests, rate, duration, client, counts, servers))
+    prompt = f"{prompt_tokens}-token prompts" if prompt_tokens else f"prompt {FixedWorkload.prompt!r}"
+    console.print(f"calibrating {api} API, {prompt}, {n_events} events (output tokens) per response: closed loop "
+                  f"c={concurrency}; open loop Poisson {rate:g}/s")  # fmt: skip
+    res = run_async(calibrate(out_dir, concurrency, n_events, num_requests, rate, duration, client, counts, servers,
+                              prompt_tokens, cast(Api, api)))  # fmt: skip
     t = Table(title=f"client ceiling ({client}; load average {res['load_average'][0]:.2f})")
     for col in ("point", "req/s", "events/s", "conc. achieved/req.", "rate achieved/req.", "lag p50 ms",
                 "lag p99 ms", "client CPU"):  # fmt: skip
@@ -293,6 +352,9 @@ def calibrate_command(
         t.add_row(name, f"{r['req_per_s']:,.0f}", f"{r['events_per_s']:,.0f}", conc, rt,
                   f"{r['lag_p50_ms']:.2f}", f"{r['lag_p99_ms']:.2f}", f"{r['client_cpu']:.0%}")  # fmt: skip
     parts: list[Table | Text] = [t]
+    # the busy null server of a point in the table (the closed point's row of a scaling table warns there)
+    parts += [servers_note(res[name], f"at the {name}-loop point") for name in ("closed", "open")
+              if res[name]["servers_limit"] and not (name == "closed" and "scaling" in res)]  # fmt: skip
     if "scaling" in res:
         parts += scaling_table(res["scaling"], res["cores"], res["servers"])
     Console(width=None if sys.stdout.isatty() else 200).print(Group(*parts, Text(f"results: {out_dir}")))
@@ -317,7 +379,12 @@ def scaling_table(rows: list[dict[str, Any]], cores: int, servers: int) -> list[
                               f"client or the server ({r['cores_busy']:.2f} of {cores} cores busy with client "
                               "workers and the null server): more workers will not scale here", style="yellow"))  # fmt: skip
         if r["servers_limit"]:
-            notes.append(Text(f"warning: with {r['workers']} worker(s) a null-server process used "
-                              f"{r['server_cpu_max']:.0%} of a core (above {SERVER_BUSY:.0%}): the servers may be the "
-                              "limit; give it more with --servers", style="yellow"))  # fmt: skip
+            notes.append(servers_note(r, f"with {r['workers']} worker(s)"))
     return notes
+
+
+def servers_note(r: dict[str, Any], where: str) -> Text:
+    """The warning for a point whose busiest null-server process was above :data:`SERVER_BUSY`."""
+    return Text(f"warning: {where} a null-server process used {r['server_cpu_max']:.0%} of a core (above "
+                f"{SERVER_BUSY:.0%}): the servers may be the limit; give it more with --servers",
+                style="yellow")  # fmt: skip

@@ -1,12 +1,15 @@
 """`bench`: input validation (clear message, non-zero exit, before any traffic) and a real run."""
 
+import itertools
 import json
 
 import pytest
 from typer.testing import CliRunner
 
+from loadgen.calibrate import FixedWorkload
 from loadgen.cli import app
 from loadgen.options import parse_slo
+from workloads.contracts import GenRequest, read_jsonl
 
 runner = CliRunner()
 
@@ -23,6 +26,10 @@ runner = CliRunner()
         (["sweep", "--url", "http://127.0.0.1:9", "--rate", "0"], "> 0"),
         (["run", "--url", "http://127.0.0.1:9", "--api-key-env", "SERVELAB_TEST_UNSET_VAR"], "not set"),
         (["calibrate", "--concurrency", "0"], "positive"),
+        (["calibrate", "--prompt-tokens", "0"], "positive"),
+        (["calibrate", "--output-tokens", "-5"], "positive"),
+        (["calibrate", "--api", "grpc"], "--api must be completions or chat"),
+        (["calibrate", "--events", "16", "--output-tokens", "32"], "give one"),
     ],
 )
 def test_bad_input_is_a_clear_error(args, message, monkeypatch):
@@ -101,3 +108,47 @@ def test_tokenizer_option_uses_the_given_file_and_rejects_bad_ones(null_server, 
         assert res.exit_code == 2, res.output
         out = " ".join(res.output.split())
         assert "error" in out and "--tokenizer" in out and message in out
+
+
+def test_calibrate_measures_the_traffic_given_and_records_it(tmp_path):
+    """`bench calibrate --prompt-tokens 2000 --api chat --output-tokens 50`: both points send 2000-token prompts,
+    each its own, on the chat API and get 50 events (tokens) back, and calibrate.json says so."""
+    res = runner.invoke(app, ["calibrate", "--concurrency", "4", "--num-requests", "40", "--duration", "1", "--rate",
+                              "20", "--prompt-tokens", "2000", "--api", "chat", "--output-tokens", "50",
+                              "--output-dir", str(tmp_path), "--run-id", "cal"])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    header = "calibrating chat API, 2000-token prompts, 50 events (output tokens) per response"
+    assert header in " ".join(res.output.split())
+    doc = json.loads((tmp_path / "cal" / "calibrate.json").read_text())
+    assert doc["traffic"] == {"api": "chat", "prompt_tokens": 2000, "events": 50}
+    for point in ("closed", "open"):
+        assert doc[point]["errors"] == 0 and doc[point]["requests"] > 0
+        assert json.loads((tmp_path / "cal" / point / "point.json").read_text())["workload"]["api"] == "chat"
+        recs = read_jsonl(tmp_path / "cal" / point / "requests.jsonl")
+        # the null server's usage counts the whitespace-separated words of the message it received: each word is
+        # at least one token, and the corpus has about 0.83 words a token; each prompt its own, so counts vary
+        words = [r["prompt_tokens"] for r in recs]
+        assert {r["prompt_tokens_source"] for r in recs} == {"usage"}
+        assert all(1400 < w <= 2000 for w in words), words
+        assert len(set(words)) > len(recs) // 4 and {r["output_tokens"] for r in recs} == {50}
+
+
+def test_fixed_workload_prompts_are_exact_and_each_its_own():
+    """`FixedWorkload(prompt_tokens=N)` (bench calibrate --prompt-tokens): every request's prompt is N tokens
+    of the bundled tokenizer and differs from the others; on completions the request says so (chat leaves the
+    count to the server, whose template adds tokens); the same seed gives the same prompts."""
+
+    def firsts(wl: FixedWorkload, n: int) -> list[GenRequest]:
+        return [s.first() for s in itertools.islice(wl.sessions(7), n)]
+
+    wl = FixedWorkload(max_tokens=8, prompt_tokens=300)
+    reqs = firsts(wl, 20)
+    assert wl.builder is not None and all(wl.builder.count(r.prompt) == 300 for r in reqs)
+    assert len({r.prompt for r in reqs}) == 20
+    assert {(r.prompt_tokens, r.api) for r in reqs} == {(300, "completions")}
+    assert firsts(wl, 20) == reqs
+    chat = firsts(FixedWorkload(prompt_tokens=300, api="chat"), 3)
+    assert {(r.prompt_tokens, r.api) for r in chat} == {(None, "chat")}
+    assert all(wl.builder.count(r.prompt) == 300 for r in chat)
+    assert {r.prompt for r in firsts(FixedWorkload(), 3)} == {FixedWorkload.prompt}
+    assert FixedWorkload().builder is None  # no tokenizer loaded for the short fixed prompt
