@@ -57,6 +57,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+import orjson
 import psutil
 
 from backends.launcher import ServerProcess, free_port
@@ -110,6 +111,13 @@ def _json_response(status: int, obj: Any, extra_headers: str = "") -> bytes:
     return head.encode() + body
 
 
+def _words(text: str) -> int:
+    """The prompt's "tokens" in the null server's usage: its words, counted by their separators (spaces and
+    newlines) rather than split out, which cost 4.3 ms of the server's time for a 128,000-token prompt."""
+    text = text.strip()
+    return text.count(" ") + text.count("\n") + 1 if text else 0
+
+
 class Stream:
     """The SSE events of one response."""
 
@@ -119,7 +127,7 @@ class Stream:
         max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
         self.n = b.events if b.events is not None else max(1, -(-max_tokens // b.tokens_per_event))
         prompt = body.get("prompt") if not self.chat else " ".join(m.get("content", "") for m in body["messages"])
-        self.prompt_tokens = len(str(prompt).split())
+        self.prompt_tokens = _words(str(prompt))
         opts = body.get("stream_options") or {}
         self.usage = bool(opts.get("include_usage"))
         self.continuous = bool(opts.get("continuous_usage_stats"))
@@ -215,7 +223,9 @@ class Conn(asyncio.Protocol):
             t.write(_json_response(404, {"error": {"message": f"no route {method} {path}"}}))
             return
         try:
-            body = json.loads(raw)
+            body = orjson.loads(raw)  # 0.25 ms for a 128,000-token prompt's body, json.loads 0.6
+            if not isinstance(body, dict):
+                raise ValueError("the request body is not a JSON object")
             b = self.default.update(body.get("nullserver") or {})
             stream = Stream(body, b)
         except (ValueError, TypeError) as exc:

@@ -68,6 +68,21 @@ def run(url: str, out: Path, client: str, n: int, concurrency: int = 4, bodies: 
 
 
 @pytest.mark.parametrize("client", ["aiohttp", "httpx"])
+def test_long_sse_lines_and_large_bodies_are_read_whole(tmp_path, null_server, client):
+    """Stream events of 200 KB, one line each (aiohttp's own line reader raises "Chunk too big" above
+    128 KiB) after a 750 KB request body: every event, token and byte arrives, 0 errors."""
+    wl = FixedWorkload(max_tokens=150_000, prompt="word " * 150_000,
+                       extra_bodies=[{"nullserver": {"tokens_per_event": 50_000}}])  # fmt: skip
+    load = LoadSpec("closed", concurrency=2, num_requests=6, timeout=30, stall_timeout=10)
+    s = run_async(run_point(OpenAIBackend(null_server, model="null"), wl, load, tmp_path, RunClock(), client_kind=client))
+    recs = read_jsonl(tmp_path / "requests.jsonl")
+    assert s["counts"]["errors"] == 0 and len(recs) == 6, s["errors"]
+    for r in recs:
+        assert r["error"] is None and len(r["events"]) == 3 and r["output_tokens"] == 150_000
+        assert r["prompt_tokens"] == 150_000  # the server read the whole body (its words)
+
+
+@pytest.mark.parametrize("client", ["aiohttp", "httpx"])
 def test_keepalive_race_is_retried_once_and_counted_exactly(tmp_path, client):
     """The server drops every request that arrives on a reused connection (the keep-alive race, every
     time): each is resent once on a fresh connection, so 0 errors, and the records' retries equal
