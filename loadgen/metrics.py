@@ -26,8 +26,10 @@ docs/metrics.md); the event helpers they share would otherwise be imported back 
 from __future__ import annotations
 
 import copy
+import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from statistics import NormalDist
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -45,21 +47,45 @@ LITTLE_WARN = 0.10  # the two steady request-rate estimates differ by more than 
 # prefix cache: the server had seen the prompts before. Not near 0: a chat template's first tokens are
 # shared by every request (a block or two of a short prompt) and hit legitimately.
 CACHE_WARN = 0.5
+RERUN_SPREAD = 0.10  # a p50 whose 95 % interval reaches further than this either side is said to be unsettled
 
 
 def stats(values: Iterable[float] | np.ndarray) -> dict[str, float | int | None]:
-    """count, mean, p50/p90/p95/p99 (linear interpolation, as numpy and vLLM), min, max.
+    """count, mean, p50/p90/p95/p99 (linear interpolation, as numpy and vLLM), min, max, and the median's
+    95 % interval ``p50_lo``..``p50_hi`` (:func:`median_ranks`; None under 6 values).
 
     The one percentile method of the project: the summary, the report, the server-state poller and
     telemetry all call it."""
     arr = np.asarray(values if isinstance(values, np.ndarray) else list(values), dtype=float)
     if arr.size == 0:
-        return {"count": 0, "mean": None, **{f"p{p}": None for p in PERCENTILES}, "min": None, "max": None}
+        return {"count": 0, "mean": None, **{f"p{p}": None for p in PERCENTILES}, "min": None, "max": None,
+                "p50_lo": None, "p50_hi": None}  # fmt: skip
     pct = np.percentile(arr, PERCENTILES)
+    ranks = median_ranks(int(arr.size))
+    lo, hi = np.partition(arr, ranks)[list(ranks)] if ranks else (None, None)
     return {
         "count": int(arr.size), "mean": float(arr.mean()), **{f"p{p}": float(v) for p, v in zip(PERCENTILES, pct, strict=True)},
         "min": float(arr.min()), "max": float(arr.max()),
+        "p50_lo": None if lo is None else float(lo), "p50_hi": None if hi is None else float(hi),
     }  # fmt: skip
+
+
+def median_ranks(n: int, confidence: float = 0.95) -> tuple[int, int] | None:
+    """The 0-based ranks (j, n-1-j) of the sorted values that bound the median with at least ``confidence``
+    whatever the distribution: the median lies below the (j+1)-th smallest of n values with probability
+    P(Binomial(n, 1/2) <= j), so j is the largest with that tail <= (1 - confidence) / 2 (exact up to 1,000
+    values, the normal approximation above). None when n is too small for any interval to reach it."""
+    alpha = (1 - confidence) / 2
+    if n > 1000:
+        j = int(math.floor(n / 2 - NormalDist().inv_cdf(1 - alpha) * math.sqrt(n) / 2)) - 1
+        return (j, n - 1 - j) if j >= 0 else None
+    tail, j = 0.0, -1
+    for k in range(n // 2 + 1):
+        tail += math.comb(n, k) / 2**n
+        if tail > alpha:
+            break
+        j = k
+    return (j, n - 1 - j) if j >= 0 else None
 
 
 def tokens_of(event: Sequence[float | None]) -> int:

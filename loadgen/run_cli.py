@@ -17,6 +17,7 @@ from rich.table import Table
 
 from backends.launcher import GridPoint, sweep_servers
 from backends.profile import profile_of
+from loadgen import metrics
 from loadgen.clock import RunClock, Sidecar
 from loadgen.engine import LoadSpec, run_async
 from loadgen.exitcodes import ExitCode, UsageError, console, guard, worst
@@ -285,6 +286,16 @@ def summary_table(summaries: list[dict[str, Any]]) -> Table:
     return t
 
 
+def _wide_median(st: dict[str, Any]) -> str | None:
+    """Why a rerun's TTFT p50 may differ by more than :data:`metrics.RERUN_SPREAD`: its 95 % interval is wider."""
+    p50, lo, hi = st["p50"], st.get("p50_lo"), st.get("p50_hi")
+    if not p50 or lo is None or hi is None or (1 - metrics.RERUN_SPREAD) * p50 <= lo <= hi <= (1 + metrics.RERUN_SPREAD) * p50:
+        return None
+    return (f"TTFT p50 {p50 * 1e3:,.1f} ms rests on {st['count']} requests: its 95 % interval is {lo * 1e3:,.1f}-"
+            f"{hi * 1e3:,.1f} ms, so a rerun may differ by more than {metrics.RERUN_SPREAD:.0%}; more requests "
+            "(--num-requests) narrow it")  # fmt: skip
+
+
 def notes(s: dict[str, Any]) -> list[str]:
     """What a reader of the table must know about a point: no steady state, unsteady load, cancelled requests."""
     thr, n = s["throughput"]["steady"], s["counts"]
@@ -292,6 +303,8 @@ def notes(s: dict[str, Any]) -> list[str]:
     out += [w["note"]] if (w := s.get("workers") or {}).get("note") else []
     out += [thr["note"]] if thr.get("note") else []
     out += [pc["warning"]] if (pc := s.get("prefix_cache") or {}).get("warning") else []
+    if (wide := _wide_median(s["latency"]["ttft"])) is not None:
+        out.append(wide)
     if (reset := s.get("cache_reset")) and not reset["ok"]:
         out.append(f"the prefix cache was not reset before this point (POST {reset['path']}: "
                    f"{reset.get('status') or reset.get('error')})")  # fmt: skip

@@ -158,3 +158,20 @@ def test_prefix_cache_hits_from_responses_else_server_counters_and_the_warning()
     bare = metrics.summarize([silent])
     metrics.add_prefix_cache(bare, False)
     assert "prefix_cache" not in bare
+
+
+def test_the_medians_interval_covers_it_and_a_wide_one_is_said():
+    """stats' p50_lo..p50_hi (order statistics, no distribution assumed) holds the true median in at least
+    95 % of samples; the run table's notes say when a TTFT p50 is too uncertain to repeat within 10 %."""
+    from loadgen.run_cli import notes
+
+    rng = np.random.default_rng(1)
+    for n in (6, 16, 100, 2000):
+        misses = sum(not (s["p50_lo"] <= np.log(2) <= s["p50_hi"])
+                     for s in (metrics.stats(rng.exponential(1.0, n)) for _ in range(2000)))  # fmt: skip
+        assert misses <= 0.05 * 2000 * 1.2, (n, misses)  # 5 % at most, with room for the sample's own noise
+    assert metrics.stats([1.0, 2.0, 3.0])["p50_lo"] is None  # 3 values cannot bound the median at 95 %
+    few = metrics.summarize([rec(0.0, [(t, 1)], 1.0) for t in (0.1, 0.2, 0.3, 0.5, 0.8, 0.9, 0.9, 1.0)])
+    assert any("rests on 8 requests" in line for line in notes(few))
+    tight = metrics.summarize([rec(0.0, [(0.5 + 0.001 * (i % 7), 1)], 1.0) for i in range(200)])
+    assert not any("rests on" in line for line in notes(tight))
