@@ -49,6 +49,7 @@ their own modules.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import gc
@@ -238,6 +239,7 @@ class _Dispatch:
         self.gone_info: dict[str, Any] | None = None
         self._probe: asyncio.Task[None] | None = None
         self.alarm = Alarm(clock)  # send times and think times: see loadgen.alarm
+        self.turns: concurrent.futures.ThreadPoolExecutor | None = None  # builds later turns of conversations (next_turn)
 
     async def next_session(self) -> tuple[Session, bool, int, GenRequest] | None:
         """This worker's next session, whether it is a warm-up, its index in the workload's order and its
@@ -299,13 +301,22 @@ class _Dispatch:
                 if rec.error["kind"] in _CONNECTION_LOST:
                     self.suspect(rec.error["message"])
                 return
-            nxt = sess.next(text)
+            nxt = await self.next_turn(sess, text)
             if nxt is None:
                 return
             think, req = nxt
             turn += 1
             intended = rec.end + think
             await self.alarm.until(intended)
+
+    async def next_turn(self, sess: Session, text: str) -> tuple[float, GenRequest] | None:
+        """A session's next request, built off the loop (on one thread of this dispatcher) where the session
+        has turns: its prompt carries the whole conversation, and counting its tokens grows with it."""
+        if type(sess).next is Session.next:
+            return None
+        if self.turns is None:
+            self.turns = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="turns")
+        return await asyncio.get_running_loop().run_in_executor(self.turns, sess.next, text)
 
     def suspect(self, why: str) -> None:
         """A request lost its connection: hold dispatch until a probe says whether the server is there."""
@@ -547,6 +558,8 @@ class PointWorker:
                 self._d.alarm.close()
                 if self._d.prebuilt is not None:
                     self._d.prebuilt.close()
+                if self._d.turns is not None:
+                    self._d.turns.shutdown(wait=False, cancel_futures=True)
                 wall, wait1 = max(time.perf_counter() - self.wall0, 1e-9), _cpu_wait()
                 wait = wait1 - self.wait0 if self.wait0 is not None and wait1 is not None else None
                 self._closed = {"cpu_s": time.process_time() - self.cpu0, "wait_s": wait, "wall_s": wall}

@@ -1,6 +1,7 @@
 """The dispatcher and client against the real null/fault server on loopback."""
 
 import asyncio
+import dataclasses
 import gc
 import json
 from dataclasses import dataclass, field
@@ -369,6 +370,54 @@ async def test_building_prompts_does_not_delay_sends_or_reads(null_server, tmp_p
     assert lag[80] < 0.01, lag[75:]  # 9 sends in 10 within 10 ms of their time
     ttft = sorted(r["events"][0][0] - r["sent"] for r in measured)
     assert ttft[80] < 0.015, ttft[75:]  # the null server's first event comes at once
+
+
+class SlowTurns(FixedWorkload):
+    """Three-turn sessions whose later turns take ``build_s`` each to build (as a long conversation's
+    transcript takes to count), a sleep: the GIL is free meanwhile."""
+
+    build_s: float = 0.03
+
+    def sessions(self, seed: int):
+        for sess in super().sessions(seed):
+            yield ThreeTurns(sess.first(), self.build_s)
+
+
+class ThreeTurns(Session):
+    def __init__(self, req: GenRequest, build_s: float) -> None:
+        self.req, self.build_s, self.turn = req, build_s, 0
+
+    @property
+    def cls(self) -> str:  # type: ignore[override]
+        return self.req.workload_class
+
+    def first(self) -> GenRequest:
+        return self.req
+
+    def next(self, response_text: str):
+        import time
+
+        if self.turn == 2:
+            return None
+        self.turn += 1
+        time.sleep(self.build_s)
+        return 0.0, dataclasses.replace(self.req, request_id=f"{self.req.request_id}.{self.turn}")
+
+
+async def test_building_later_turns_does_not_delay_sends_or_reads(null_server, tmp_path):
+    """A conversation's later turns are built off the loop too: with 20 turns/s taking 30 ms each to build
+    (60 % of one thread), new sessions still start on schedule and every stream's first event is read at
+    once; built on the loop, each build held up the sends and reads behind it for 30 ms."""
+    wl = SlowTurns(max_tokens=4, extra_bodies=[ns(itl=0.01)])
+    load = LoadSpec("constant", rate=10.0, num_requests=120, seed=1)  # requests: turns included
+    s, recs = await point(null_server, tmp_path, load, wl)
+    measured = [r for r in recs if not r["warmup"]]
+    assert s["counts"]["errors"] == 0 and len(measured) == 120
+    firsts = sorted(r["sent"] - r["intended"] for r in measured if r["turn"] == 0)
+    assert len(firsts) >= 40 and sum(r["turn"] == 2 for r in measured) >= 35  # the later turns were built
+    assert firsts[int(0.9 * len(firsts))] < 0.01, firsts[30:]  # 9 in 10 new sessions sent within 10 ms
+    ttft = sorted(r["events"][0][0] - r["sent"] for r in measured)
+    assert ttft[108] < 0.015, ttft[100:]
 
 
 async def test_a_client_that_cannot_keep_up_marks_the_point(null_server, tmp_path):
