@@ -35,6 +35,7 @@ from rich.text import Text
 from backends.openai import OpenAIBackend
 from loadgen.client import CLIENT_KINDS, StreamReader
 from loadgen.clock import RunClock
+from loadgen.defaults import RESULTS_ROOT
 from loadgen.engine import LoadSpec, run_async, run_point
 from loadgen.exitcodes import ExitCode, UsageError, console
 from loadgen.fleet import Fleet
@@ -304,7 +305,7 @@ def calibrate_command(
     num_requests: Annotated[int, typer.Option(help="Closed-loop measured requests.")] = 20000,
     rate: Annotated[float, typer.Option(help="Open-loop Poisson rate, req/s.")] = 300.0,
     duration: Annotated[float, typer.Option(help="Open-loop seconds.")] = 30.0,
-    client: Client = "aiohttp", output_dir: OutputDir = Path("results"), run_id: RunId = None,
+    client: Client = "aiohttp", output_dir: OutputDir = RESULTS_ROOT, run_id: RunId = None,
     workers: Annotated[str, typer.Option(help="Worker counts for the closed-loop ceiling, e.g. 1,2,4: the ceiling "
                                          "and the scaling efficiency per count.")] = "1",
     servers: Annotated[int | None, typer.Option(help="Null-server processes on its one port (SO_REUSEPORT); "

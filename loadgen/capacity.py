@@ -43,6 +43,7 @@ import numpy as np
 
 from loadgen import metrics
 from loadgen.clock import RunClock
+from loadgen.defaults import REQUEST_TIMEOUT_S
 from loadgen.engine import LoadSpec, Progress, run_point
 from loadgen.fleet import ONE_PROCESS, Fleet
 from loadgen.gate import Check, GateReport, t_quantile
@@ -699,7 +700,7 @@ class LiveProber:
 
     def __init__(
         self, backend: Any, workload: Any, slos: Sequence[SLO], out_dir: Path, clock: RunClock | None = None,
-        process: str = "poisson", seed: int = 0, tick: float = 0.25, timeout: float = 600.0,
+        process: str = "poisson", seed: int = 0, tick: float = 0.25, timeout: float = REQUEST_TIMEOUT_S,
         client_kind: str = "aiohttp", fleet: Fleet = ONE_PROCESS,
     ) -> None:  # fmt: skip
         self.backend, self.workload, self.slos, self.out_dir = backend, workload, list(slos), out_dir

@@ -22,6 +22,7 @@ from rich.table import Table
 from backends.launcher import GridPoint, LaunchError, server_grid, sweep_servers
 from loadgen.capacity import MODES, CapacityResult, LiveProber, SearchConfig, SloError, parse_slos, search
 from loadgen.clock import RunClock
+from loadgen.defaults import REQUEST_TIMEOUT_S, RESULTS_ROOT
 from loadgen.engine import run_async
 from loadgen.exitcodes import ExitCode, UsageError, console, exits
 from loadgen.fleet import Fleet
@@ -95,8 +96,8 @@ def capacity_command(
     max_samples: Annotated[int, typer.Option(help="Most requests one probe measures.")] = 2000,
     max_concurrency: Annotated[int, typer.Option(help="Highest concurrency searched.")] = 256,
     max_rate: Annotated[float, typer.Option(help="Highest rate searched, req/s.")] = 1000.0,
-    seed: Seed = 0, output_dir: OutputDir = Path("results"), run_id: RunId = None, api_key_env: ApiKeyEnv = None,
-    extra_body: ExtraBody = None, client: Client = "aiohttp", timeout: Timeout = 600.0,
+    seed: Seed = 0, output_dir: OutputDir = RESULTS_ROOT, run_id: RunId = None, api_key_env: ApiKeyEnv = None,
+    extra_body: ExtraBody = None, client: Client = "aiohttp", timeout: Timeout = REQUEST_TIMEOUT_S,
     server: Annotated[str | None, typer.Option(help="Start this server command per grid point, e.g. "
                       "'llama-server -m {model} -np {np} --port {port}'.")] = None,  # fmt: skip
     grid: Annotated[list[str] | None, typer.Option(help="Server grid axis NAME=V1,V2 (repeat for a product).")] = None,

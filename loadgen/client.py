@@ -30,6 +30,7 @@ import orjson
 
 from backends.base import Backend, ParseState
 from loadgen.clock import RunClock
+from loadgen.defaults import REQUEST_TIMEOUT_S, STALL_TIMEOUT_S
 from loadgen.sse import SSEError, SSEEvent, SSEParser, decode_data
 from workloads.contracts import GenRequest, RequestRecord
 
@@ -208,7 +209,7 @@ def _is_timeout(exc: BaseException) -> bool:
 
 def make_client(
     kind: str = "aiohttp", max_connections: int = 1024, connect_timeout: float = 10.0,
-    stall_timeout: float = 60.0,
+    stall_timeout: float = STALL_TIMEOUT_S,
 ) -> HttpClient:  # fmt: skip
     """``stall_timeout`` is the longest wait for any byte of a response (headers included)."""
     return HttpClient(kind, max_connections, connect_timeout, stall_timeout)
@@ -216,7 +217,7 @@ def make_client(
 
 async def execute(
     client: HttpClient, backend: Backend, req: GenRequest, rec: RequestRecord, clock: RunClock,
-    timeout: float = 600.0,
+    timeout: float = REQUEST_TIMEOUT_S,
 ) -> str:
     """Send ``req``, fill ``rec`` (times, events, counts, error) and return the response text.
 

@@ -76,6 +76,7 @@ from loadgen.alarm import Alarm
 from loadgen.arrivals import arrival_times
 from loadgen.client import HttpClient, execute, make_client, probe
 from loadgen.clock import RunClock, Sidecar
+from loadgen.defaults import REQUEST_TIMEOUT_S, STALL_TIMEOUT_S
 from loadgen.fleet import ONE_PROCESS, Fleet
 from loadgen.prebuild import Prebuilder
 from loadgen.records import RecordWriter
@@ -125,8 +126,8 @@ class LoadSpec:
     warmup: int = 0  # warm-up sessions, excluded from metrics
     seed: int = 0
     speedup: float = 1.0  # trace replay: send at ``at / speedup``
-    timeout: float = 600.0  # per request, whole response
-    stall_timeout: float = 60.0  # longest silence within a response
+    timeout: float = REQUEST_TIMEOUT_S  # per request, whole response
+    stall_timeout: float = STALL_TIMEOUT_S  # longest silence within a response
     drain: float | None = None  # wait for in-flight requests after dispatch stops (None: timeout)
     max_inflight: int = 4096  # open-loop safety bound on concurrent requests
 

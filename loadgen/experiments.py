@@ -18,6 +18,7 @@ import typer
 from rich.console import Console
 
 from backends.profile import REFERENCE_KV_BLOCKS
+from loadgen.defaults import RESULTS_ROOT
 from loadgen.engine import LoadSpec
 from loadgen.experiment import (
     SPEC,
@@ -53,7 +54,7 @@ def experiment_command(
         Console(stderr=True).print(f"[red]error:[/] unknown experiment {name!r}: choose one of {', '.join(EXPERIMENTS)}")
         raise typer.Exit(2)
     exp = EXPERIMENTS[name]()
-    run_experiment(exp, out or Path("results") / f"exp-{name}-{new_run_id()}", quick, model, Console())
+    run_experiment(exp, out or RESULTS_ROOT / f"exp-{name}-{new_run_id()}", quick, model, Console())
 
 
 def _plans(workload: Workload, load: LoadSpec, prefix: str | None = None) -> list[PointPlan]:

@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from loadgen.defaults import RESULTS_ROOT
 from loadgen.exitcodes import UsageError, console, exits
 from loadgen.gate import (
     GateError,
@@ -55,7 +56,7 @@ def gate(
     seed: Annotated[int, typer.Option(help="--ab: seed (trial k uses seed + k on both sides).")] = 0,
     backend: Annotated[str, typer.Option(help="--ab: server dialect (auto: ask the server).")] = "auto",
     model: Annotated[str | None, typer.Option(help="--ab: model name (default: GET /v1/models).")] = None,
-    output_dir: Annotated[Path, typer.Option(help="--ab: results root.")] = Path("results"),
+    output_dir: Annotated[Path, typer.Option(help="--ab: results root.")] = RESULTS_ROOT,
     run_id: Annotated[str | None, typer.Option(help="--ab: run id (default: gate-<timestamp>).")] = None,
 ) -> None:
     """Compare a candidate with a baseline: exit 0 pass, 1 regression, 2 inconclusive or invalid."""

@@ -15,6 +15,7 @@ import typer
 from backends.launcher import GridPoint, LaunchError, server_grid
 from loadgen import metrics
 from loadgen.client import CLIENT_KINDS
+from loadgen.defaults import REQUEST_TIMEOUT_S, RESULTS_ROOT, STALL_TIMEOUT_S
 from loadgen.exitcodes import UsageError
 from loadgen.fleet import Fleet
 from loadgen.sidecars import telemetry
@@ -89,8 +90,8 @@ class RunOptions:
     continuous_usage: bool = False
     extra_body: str | None = None
     client: str = "aiohttp"
-    timeout: float = field(default=600.0, metadata=_incomparable())
-    stall_timeout: float = field(default=60.0, metadata=_incomparable())
+    timeout: float = field(default=REQUEST_TIMEOUT_S, metadata=_incomparable())
+    stall_timeout: float = field(default=STALL_TIMEOUT_S, metadata=_incomparable())
     speedup: float = 1.0
     poll_hz: float = field(default=10.0, metadata=_incomparable())
     server: str | None = field(default=None, metadata=_incomparable())
@@ -103,7 +104,7 @@ class RunOptions:
     workers: int = field(default=1, metadata=_incomparable())
     ray: str | None = field(default=None, metadata=_incomparable())
     # how the run is carried out, not what it measures: not in run.json
-    output_dir: Path = field(default=Path("results"), metadata=_not_config())
+    output_dir: Path = field(default=RESULTS_ROOT, metadata=_not_config())
     run_id: str | None = field(default=None, metadata=_not_config())
     telemetry_hz: float = field(default=10.0, metadata=_not_config())
     telemetry_url: str | None = field(default=None, metadata=_not_config())

@@ -19,6 +19,7 @@ from backends.launcher import GridPoint, sweep_servers
 from backends.profile import profile_of
 from loadgen import metrics
 from loadgen.clock import RunClock, Sidecar
+from loadgen.defaults import REQUEST_TIMEOUT_S, RESULTS_ROOT, STALL_TIMEOUT_S
 from loadgen.engine import LoadSpec, run_async
 from loadgen.exitcodes import ExitCode, UsageError, console, guard, worst
 from loadgen.live import LiveDisplay
@@ -81,9 +82,9 @@ def run(
     rate: Annotated[float | None, typer.Option(help="Open-loop rate, req/s.")] = None,
     arrival: Arrival = None, burstiness: Burstiness = 1.0, workload: WorkloadOpt = "chat-short",
     num_requests: NumRequests = None, duration: Duration = None, warmup: Warmup = 0, seed: Seed = None,
-    slo: Slo = None, repeat: Repeat = 1, output_dir: OutputDir = Path("results"), run_id: RunId = None,
+    slo: Slo = None, repeat: Repeat = 1, output_dir: OutputDir = RESULTS_ROOT, run_id: RunId = None,
     api_key_env: ApiKeyEnv = None, continuous_usage: ContinuousUsage = False, extra_body: ExtraBody = None,
-    client: Client = "aiohttp", timeout: Timeout = 600.0, stall_timeout: StallTimeout = 60.0,
+    client: Client = "aiohttp", timeout: Timeout = REQUEST_TIMEOUT_S, stall_timeout: StallTimeout = STALL_TIMEOUT_S,
     speedup: Speedup = 1.0, poll_hz: PollHz = 10.0, telemetry_hz: TelemetryHz = 10.0,
     telemetry_url: TelemetryUrl = None, tokenizer: TokenizerOpt = None, max_error_rate: MaxErrorRate = 0.05,
     slo_from: SloFrom = "sent", workers: Workers = 1, ray: Ray = None, reset_cache: ResetCache = False,
@@ -114,9 +115,9 @@ def sweep(
     arrival: Arrival = None, burstiness: Burstiness = 1.0,
     workload: Annotated[str, typer.Option(help="Workload name(s) or TOML path(s), comma-separated.")] = "chat-short",
     num_requests: NumRequests = None, duration: Duration = None, warmup: Warmup = 2, seed: Seed = None,
-    slo: Slo = None, repeat: Repeat = 1, output_dir: OutputDir = Path("results"), run_id: RunId = None,
+    slo: Slo = None, repeat: Repeat = 1, output_dir: OutputDir = RESULTS_ROOT, run_id: RunId = None,
     api_key_env: ApiKeyEnv = None, continuous_usage: ContinuousUsage = False, extra_body: ExtraBody = None,
-    client: Client = "aiohttp", timeout: Timeout = 600.0, stall_timeout: StallTimeout = 60.0,
+    client: Client = "aiohttp", timeout: Timeout = REQUEST_TIMEOUT_S, stall_timeout: StallTimeout = STALL_TIMEOUT_S,
     speedup: Speedup = 1.0, poll_hz: PollHz = 10.0, telemetry_hz: TelemetryHz = 10.0,
     telemetry_url: TelemetryUrl = None,
     server: Annotated[str | None, typer.Option(help="Start this server command for each grid point, e.g. "

@@ -21,6 +21,7 @@ from backends.detect import Detection, ServerUnreachable, detect
 from backends.launcher import LaunchError, ServerProcess, free_port
 from backends.profile import profile_of
 from backends.registry import available, get_backend, server_profiles
+from loadgen.defaults import REQUEST_TIMEOUT_S
 from loadgen.exitcodes import ServerGone, UsageError, console
 from workloads.base import Workload
 
@@ -142,7 +143,7 @@ def _first_model(url: str, api_key: str | None) -> str | None:
 
 
 @contextmanager
-def embedded_server(log_path: Path, timeout: float = 600.0) -> Iterator[str]:
+def embedded_server(log_path: Path, timeout: float = REQUEST_TIMEOUT_S) -> Iterator[str]:
     """Start the bundled reference server on a free loopback port (the one :class:`ServerProcess`, in its
     own session: a terminal's Ctrl-C is bench's to handle); yields its URL; stops it after."""
     port = free_port()
