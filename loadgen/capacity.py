@@ -33,8 +33,9 @@ from __future__ import annotations
 import asyncio
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from statistics import NormalDist
 from typing import Any, Protocol
@@ -692,6 +693,40 @@ def pilot_decision(samples: Samples, slos: Sequence[SLO]) -> Decision:
     return Decision("pass", False, "pilot: point estimates within the SLOs")
 
 
+class ProbeJudge:
+    """The one decision loop of a probe, looked at every tick by the live and the simulated prober alike.
+
+    Each look gives the cohort's size (requests sent by the latest moment by which all sent had ended),
+    a builder of its :class:`Samples` (called only when the look is due: built anew from the cohort), whether
+    the probe is over (its time or its requests used up), the probe's elapsed seconds and the requests in
+    flight. The verdict comes, in this order, from the sequential test on a due look, the end of the
+    probe, a pilot's full sample, or an open-loop backlog that keeps growing."""
+
+    def __init__(self, slos: Sequence[SLO], seq: Sequential | None, cap: int, load: float, closed: bool,
+                 bursty: bool) -> None:  # fmt: skip
+        self.slos, self.seq, self.cap = slos, seq, cap
+        self.shape = (int(load), None) if closed else (1, load)  # the samples' wave and rate
+        self.bursty = bursty
+        self.backlog = None if closed else Backlog(load)
+        self.samples = Samples()
+
+    def look(self, n: int, build: Callable[[], Samples], over: bool, t: float, inflight: int) -> Decision | None:
+        seq = self.seq
+        if n > len(self.samples) and (over or n >= self.cap or seq is not None and seq.due(n)):
+            self.samples = build()
+            self.samples.wave, self.samples.rate = self.shape
+            self.samples.bursty = self.bursty
+            if seq is not None and (decision := seq.decide(self.samples)) is not None:
+                return decision
+        if over:
+            return pilot_decision(self.samples, self.slos) if seq is None else seq.end(self.samples, "sample/time cap")
+        if seq is None and len(self.samples) >= self.cap:
+            return pilot_decision(self.samples, self.slos)
+        if self.backlog is not None and (seq is None or not seq.pooled) and (why := self.backlog.overloaded(t, inflight)):
+            return Decision("fail", True, why)
+        return None
+
+
 class LiveProber:
     """Probes a server with :func:`loadgen.engine.run_point`: rate mode with ``process`` arrivals (Poisson by
     default), concurrency mode closed loop. The probe's records are read as they are written (with
@@ -723,12 +758,12 @@ class LiveProber:
         progress = Progress()
         task = asyncio.ensure_future(run_point(self.backend, self.workload, spec, out, self.clock,
                                                progress=progress, client_kind=self.client_kind, fleet=self.fleet))  # fmt: skip
-        samples = Samples()
-        backlog = Backlog(load) if spec.process != "closed" else None
+        judge = ProbeJudge(self.slos, seq, cap, load, spec.process == "closed", spec.process not in ("closed", "constant"))
         decision: Decision | None = None
         t0 = self.clock.now()
         starts: list[tuple[float, int]] = []  # (run-clock time, requests started by then)
         path = out / "requests.jsonl"
+        measured: list[dict[str, Any]] = []
         while decision is None:
             done, _ = await asyncio.wait({task}, timeout=self.tick)
             now = self.clock.now()
@@ -736,23 +771,8 @@ class LiveProber:
             recs = read_jsonl(path) if path.exists() else []
             cohort = _cohort(recs, None if done else starts)
             measured = [r for r in cohort if not r["warmup"]]
-            ready = done or len(measured) >= cap or seq is not None and seq.due(len(measured))
-            if len(measured) > len(samples) and ready:
-                samples = Samples()
-                for r in measured:
-                    samples.add_record(r)
-                samples.wave, samples.rate = (int(load), None) if spec.process == "closed" else (1, load)
-                samples.bursty = spec.process not in ("closed", "constant")
-                if seq is not None:
-                    decision = seq.decide(samples)
-            if decision is not None:
-                break
-            if done:
-                decision = pilot_decision(samples, self.slos) if seq is None else seq.end(samples, "sample/time cap")
-            elif seq is None and len(samples) >= cap:
-                decision = pilot_decision(samples, self.slos)
-            elif backlog is not None and (seq is None or not seq.pooled) and (why := backlog.overloaded(now - t0, progress.inflight)):
-                decision = Decision("fail", True, why)
+            decision = judge.look(len(measured), partial(_samples, measured), bool(done), now - t0, progress.inflight)
+        samples = judge.samples
         seconds = self.clock.now() - t0
         warnings: list[str] = []
         if not task.done():
@@ -772,6 +792,13 @@ class LiveProber:
             warnings.append(f"client schedule lag p99 {p99 * 1e3:.1f} ms: the client, not the server, may limit this probe")
         p.warnings, p.dir = warnings, str(out)
         return p
+
+
+def _samples(records: list[dict[str, Any]]) -> Samples:
+    samples = Samples()
+    for r in records:
+        samples.add_record(r)
+    return samples
 
 
 def _cohort(records: list[dict[str, Any]], starts: list[tuple[float, int]] | None) -> list[dict[str, Any]]:

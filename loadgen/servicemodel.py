@@ -30,19 +30,19 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from loadgen.capacity import (
     SLO,
-    Backlog,
     Decision,
     Probe,
+    ProbeJudge,
     Samples,
     Sequential,
     check,
-    pilot_decision,
     pilot_requests,
     probe_result,
 )
@@ -214,6 +214,14 @@ def true_capacity(
     return lo
 
 
+def _samples(timeline: Sequence[Any], idx: np.ndarray, arrivals: np.ndarray) -> Samples:
+    """The outcomes of the timeline's requests ``idx``, in arrival order."""
+    samples = Samples()
+    for x in (timeline[k] for k in idx[np.argsort(arrivals[idx], kind="stable")]):
+        samples.add(x.ttft, x.tpot, x.e2e, False, x.arrival, x.end)
+    return samples
+
+
 class SimProber:
     """Probes the service model in virtual time: open loop with Poisson (or constant) arrivals, or closed
     loop; decisions are checked every ``tick`` virtual seconds, as the live prober does."""
@@ -231,8 +239,10 @@ class SimProber:
         self.count += 1
         rng = np.random.default_rng([self.seed, self.count])
         cap = seq.max_samples if seq is not None else pilot_requests(int(load))
-        # the live prober's warm-up ends before its measured requests start: they start on an idle server
-        if mode == "concurrency":
+        # as the live prober: a pilot is a closed loop in either mode, and its warm-up ends before its measured
+        # requests start, so they start on an idle server
+        closed = mode == "concurrency" or phase == "pilot"
+        if closed:
             tl = simulate(self.model, draw(self.job, cap, rng), concurrency=int(load))
         else:
             n = int(max(cap * 1.2, load * max_seconds * 1.2)) + 10
@@ -241,31 +251,17 @@ class SimProber:
         t0 = min(x.arrival for x in tl)
         arrivals = np.asarray([x.arrival - t0 for x in tl])
         ends = np.asarray([x.end - t0 for x in tl])
-        backlog = Backlog(load) if mode == "rate" else None
-        samples, t = Samples(), 0.0
+        judge = ProbeJudge(self.slos, seq, cap, load, closed, not closed and self.process != "constant")
         decision: Decision | None = None
+        t = 0.0
         while decision is None:
             t += self.tick
             pending = (ends > t) & (arrivals <= t)
             s_cut = float(arrivals[pending].min()) if pending.any() else t
             idx = np.nonzero(arrivals < s_cut if pending.any() else arrivals <= t)[0]
-            last = t >= max_seconds or idx.size >= len(tl)
-            if idx.size > len(samples) and (last or idx.size >= cap or seq is not None and seq.due(int(idx.size))):
-                samples = Samples()
-                for x in (tl[k] for k in idx[np.argsort(arrivals[idx], kind="stable")]):
-                    samples.add(x.ttft, x.tpot, x.e2e, False, x.arrival, x.end)
-                samples.wave, samples.rate = (int(load), None) if mode == "concurrency" else (1, load)
-                samples.bursty = mode == "rate" and self.process != "constant"
-                if seq is not None:
-                    decision = seq.decide(samples)
-            if decision is not None:
-                break
-            if seq is None and len(samples) >= cap:
-                decision = pilot_decision(samples, self.slos)
-            elif backlog is not None and (seq is None or not seq.pooled) and (why := backlog.overloaded(t, int(pending.sum()))):
-                decision = Decision("fail", True, why)
-            elif last:
-                decision = seq.end(samples, "time cap") if seq is not None else pilot_decision(samples, self.slos)
+            over = t >= max_seconds or idx.size >= len(tl)
+            decision = judge.look(int(idx.size), partial(_samples, tl, idx, arrivals), over, t, int(pending.sum()))
+        samples = judge.samples
         done = ends <= t
         span = float(ends[done].max() - arrivals[done].min()) if done.sum() > 1 else None
         return probe_result(index, phase, mode, load, samples, seq, self.slos, decision, t, span)

@@ -22,6 +22,7 @@ from loadgen.calibrate import FixedWorkload
 from loadgen.capacity import (
     LiveProber,
     Probe,
+    ProbeJudge,
     Samples,
     SearchConfig,
     Sequential,
@@ -558,3 +559,38 @@ def test_a_slow_open_loop_probe_runs_long_enough_to_count_its_requests():
         confirmed[cap] = sum(p.verdict == "pass" and p.confident for p in probes)
     short, long = confirmed.values()
     assert long >= 10 and long >= 2 * short, confirmed
+
+
+def test_one_probe_judge_for_the_live_and_the_simulated_prober():
+    """Both probers hand every tick to one ProbeJudge (the simulator tests the decision code that runs):
+    the cohort's samples are built only when a look is due; a pilot decides on its full sample; a probe
+    over before the sequential test decided ends on its point estimate ("sample/time cap")."""
+    import inspect
+
+    from loadgen.servicemodel import SimProber
+
+    for prober in (LiveProber, SimProber):
+        src = inspect.getsource(prober.probe)
+        assert "judge.look(" in src and "pilot_decision" not in src and ".decide(" not in src, prober
+    slos = parse_slos("ttft_p90=100ms")
+    built: list[int] = []
+
+    def build(n: int, ttft: float = 0.05):
+        def go() -> Samples:
+            built.append(n)
+            s = Samples()
+            for k in range(n):
+                s.add(ttft, 0.01, 0.5, False, float(k), float(k) + 0.5)
+            return s
+        return go
+
+    pilot = ProbeJudge(slos, None, cap=8, load=4, closed=True, bursty=False)
+    assert pilot.look(5, build(5), over=False, t=1.0, inflight=4) is None and built == []
+    d = pilot.look(8, build(8), over=False, t=2.0, inflight=4)
+    assert built == [8] and d is not None and d.verdict == "pass" and d.reason.startswith("pilot")
+    seq = Sequential(slos, first=30, max_samples=2000)
+    judge = ProbeJudge(slos, seq, cap=2000, load=10.0, closed=False, bursty=True)
+    assert judge.look(12, build(12, 0.2), over=False, t=1.0, inflight=1) is None and built == [8]  # no look due
+    end = judge.look(20, build(20, 0.2), over=True, t=60.0, inflight=1)
+    assert built == [8, 20] and end is not None and end.reason.startswith("sample/time cap") and end.verdict == "fail"
+    assert (judge.samples.wave, judge.samples.rate, judge.samples.bursty) == (1, 10.0, True)
