@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import random
 import sys
@@ -41,6 +40,7 @@ from loadgen.exitcodes import ExitCode, UsageError, console
 from loadgen.fleet import Fleet
 from loadgen.nullserver import Behaviour, NullServerProcess, Stream
 from loadgen.options import Client, OutputDir, RunId, parse_list
+from loadgen.records import write_json
 from loadgen.results import new_run_id
 from workloads.base import ArrivalSpec, Session, SingleShot, Workload
 from workloads.contracts import APIS, Api, GenRequest, RequestRecord
@@ -115,7 +115,7 @@ async def calibrate(
         if len(workers) > 1:
             out["scaling"] = rows
         out["open"] = await open_loop(target, out_dir / "open", rate, duration, workers[0])
-    (out_dir / "calibrate.json").write_text(json.dumps(out, indent=1))
+    write_json(out_dir / "calibrate.json", out)
     return out
 
 

@@ -8,7 +8,6 @@ lowest load, 5 they still hold at the highest load searched.
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from pathlib import Path
@@ -42,6 +41,7 @@ from loadgen.options import (
     Workers,
     WorkloadOpt,
 )
+from loadgen.records import write_json
 from loadgen.results import new_run_id
 from loadgen.targets import embedded_server, load_workload, make_backend, read_api_key
 
@@ -193,4 +193,4 @@ def capacity_command(
 
 def _write(out: Path, config: dict[str, Any], entries: list[dict[str, Any]]) -> None:
     doc = {"config": config, "configs": entries, **({"result": entries[0]} if len(entries) == 1 else {})}
-    (out / "capacity.json").write_text(json.dumps(doc, indent=1, default=str))
+    write_json(out / "capacity.json", doc)

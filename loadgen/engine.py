@@ -54,7 +54,6 @@ import contextlib
 import functools
 import gc
 import itertools
-import json
 import os
 import signal
 import sys
@@ -79,7 +78,7 @@ from loadgen.clock import RunClock, Sidecar
 from loadgen.defaults import REQUEST_TIMEOUT_S, STALL_TIMEOUT_S
 from loadgen.fleet import ONE_PROCESS, Fleet
 from loadgen.prebuild import Prebuilder
-from loadgen.records import RecordWriter
+from loadgen.records import RecordWriter, write_json
 from workloads.base import Session, Workload
 from workloads.contracts import ARRIVAL_PROCESSES, OPEN_LOOP_PROCESSES, GenRequest, RequestRecord, read_jsonl
 
@@ -443,7 +442,7 @@ async def run_point(
     progress = progress or Progress()
     pid = point_id or load.point_id()
     plan = {"point_id": pid, "load": load.describe(), "workload": workload.describe(), "labels": labels or {}}
-    (out_dir / "point.json").write_text(json.dumps(plan, indent=1, default=str))  # a killed point's summary needs it
+    write_json(out_dir / "point.json", plan)  # a killed point's summary needs it
     n = load.workers(fleet.workers)
     single = n == 1 and fleet.ray is None
     workers = [
@@ -489,7 +488,7 @@ async def run_point(
             summary[sc.name] = {"error": f"{type(exc).__name__}: {exc}"}
     metrics.add_energy_per_token(summary)
     metrics.add_prefix_cache(summary, workload.shares_prefix())
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    write_json(out_dir / "summary.json", summary)
     return summary
 
 

@@ -9,7 +9,6 @@ The experiments themselves are in :mod:`loadgen.experiments`.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from backends.profile import profile_of
 from backends.registry import get_backend
 from loadgen.clock import RunClock
 from loadgen.engine import run_async
+from loadgen.records import write_json
 from loadgen.results import ResultsDir, lookup
 from loadgen.sidecars.poller import ServerStatePoller
 from loadgen.sidecars.prometheus import parse_metrics
@@ -125,7 +125,7 @@ def run_experiment(exp: Experiment, out: Path, quick: bool, model: Path | None, 
         per_config[cfg.label] = summaries
         extras[cfg.label] = extra
     comparison = _comparison(exp, per_config, extras, quick)
-    (out / "comparison.json").write_text(json.dumps(comparison, indent=1, default=str))
+    write_json(out / "comparison.json", comparison)
     (out / "comparison.md").write_text(_markdown(comparison))
     _print(comparison, console)
     try:

@@ -36,6 +36,7 @@ import numpy as np
 
 from loadgen.metrics import LATENCIES
 from loadgen.options import RunOptions
+from loadgen.records import write_json
 from loadgen.results import leaves, lookup, read_summary
 
 EXIT = {"pass": 0, "regression": 1, "inconclusive": 2, "invalid": 2}
@@ -195,7 +196,7 @@ def save_baseline(result: str | Path, out: str | Path) -> dict[str, Any]:
     }
     dest = Path(out)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_text(json.dumps(baseline, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    write_json(dest, baseline, sort_keys=True)
     return baseline
 
 

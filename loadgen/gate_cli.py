@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Annotated
@@ -21,6 +20,7 @@ from loadgen.gate import (
     save_baseline,
     to_markdown,
 )
+from loadgen.records import write_json
 
 
 def gate(
@@ -99,7 +99,7 @@ def gate(
                 f.write(md)
         if json_out:
             json_out.parent.mkdir(parents=True, exist_ok=True)
-            json_out.write_text(json.dumps(rep.to_dict(), indent=1) + "\n", encoding="utf-8")
+            write_json(json_out, rep.to_dict())
         raise typer.Exit(rep.exit_code)
 
 

@@ -1,4 +1,4 @@
-"""The crash-safe JSONL writer of per-request records.
+"""The crash-safe writers of results: the JSONL writer of per-request records, and :func:`write_json`.
 
 One :class:`workloads.contracts.RequestRecord` per request (fields in docs/architecture.md), read back with
 :func:`workloads.contracts.read_jsonl`. :class:`RecordWriter`
@@ -8,8 +8,10 @@ a valid ``requests.jsonl`` holding every finished request.
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import orjson
 
@@ -29,3 +31,12 @@ class RecordWriter:
 
     def close(self) -> None:
         self._f.close()
+
+
+def write_json(path: Path, obj: Any, *, sort_keys: bool = False) -> None:
+    """Write a results JSON document whole or not at all: to a temporary file beside it, then renamed over
+    it, so a reader (or a run killed mid-write) never sees half a document. Indented; values JSON does not
+    know are written as their ``str``; a newline at the end."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str, sort_keys=sort_keys) + "\n", encoding="utf-8")
+    tmp.replace(path)

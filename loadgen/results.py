@@ -24,6 +24,7 @@ from typing import Any
 import pandas as pd
 
 from loadgen import metrics
+from loadgen.records import write_json
 from workloads.contracts import read_jsonl
 
 PACKAGES = ("servelab", "torch", "httpx", "aiohttp", "uvloop", "numpy", "pandas", "transformers")
@@ -151,22 +152,16 @@ class ResultsDir:
             "t0_unix": t0_unix, "points": point_ids,
             **extra,
         }  # fmt: skip
-        _write_json(self.path / "run.json", run)
+        write_json(self.path / "run.json", run)
         return run
 
     def write_summary(self, run: dict[str, Any], points: list[dict[str, Any]]) -> None:
         """Top summary.json plus sweep.csv/.parquet; called after every point so a crash keeps them."""
         top = {k: run[k] for k in ("run_id", "config", "environment", "fingerprint")} | {"points": points}
-        _write_json(self.path / "summary.json", top)
+        write_json(self.path / "summary.json", top)
         df = pd.DataFrame([sweep_row(p) for p in points])
         df.to_csv(self.path / "sweep.csv", index=False)
         df.to_parquet(self.path / "sweep.parquet", index=False)
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=str))
-    tmp.replace(path)
 
 
 def read_summary(run_dir: Path) -> tuple[dict[str, Any], bool]:

@@ -59,6 +59,7 @@ from loadgen.options import (
     WorkloadOpt,
     parse_list,
 )  # fmt: skip
+from loadgen.records import write_json
 from loadgen.report.cli import auto_report
 from loadgen.results import ResultsDir, new_run_id
 from loadgen.sidecars import telemetry
@@ -212,7 +213,7 @@ def execute(opts: RunOptions) -> ExitCode:
             run_path = results.path / "run.json"  # written by run_sweep unless every server failed
             run_meta = json.loads(run_path.read_text()) if run_path.exists() else results.write_run(config, clock.t0_unix, [])
             run_meta["points"] = [s["point_id"] for s in summaries]
-            run_path.write_text(json.dumps(run_meta, indent=1, default=str))
+            write_json(run_path, run_meta)
             results.write_summary(run_meta, summaries)  # adds the launch info and launch failures
         elif opts.url is None:
             with embedded_server(log) as target:  # type: ignore[arg-type]

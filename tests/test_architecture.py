@@ -195,3 +195,22 @@ def test_long_modules_say_why():
             if n > MAX_LINES and "\nSize: " not in "\n" + doc:
                 unexplained.append(f"{path.relative_to(ROOT)}: {n} lines")
     assert not unexplained, "\n".join(unexplained)
+
+
+def test_results_json_is_written_by_the_one_atomic_writer(tmp_path):
+    """Every JSON document of the results goes through ``loadgen.records.write_json`` (temporary file, then
+    a rename): no module of the load generator writes one itself, and a document that fails to serialize
+    leaves the one before it whole."""
+    from loadgen.records import write_json
+
+    direct = [f"{p.relative_to(ROOT)}:{n}" for p in _modules("loadgen") if p.name != "records.py"
+              for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+              if re.search(r"json\.dump\(|write_text\(\s*json\.dumps", line)]  # fmt: skip
+    assert not direct, "write results JSON with loadgen.records.write_json:\n" + "\n".join(direct)
+    path = tmp_path / "summary.json"
+    write_json(path, {"a": 1})
+    loop: dict = {}
+    loop["self"] = loop
+    with pytest.raises(ValueError):
+        write_json(path, loop)
+    assert path.read_text(encoding="utf-8") == '{\n "a": 1\n}\n' and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
