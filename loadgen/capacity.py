@@ -44,7 +44,7 @@ import numpy as np
 
 from loadgen import metrics
 from loadgen.clock import RunClock
-from loadgen.defaults import REQUEST_TIMEOUT_S
+from loadgen.defaults import REQUEST_TIMEOUT_S, REQUESTS_FILE
 from loadgen.engine import LoadSpec, Progress, run_point
 from loadgen.fleet import ONE_PROCESS, Fleet
 from loadgen.gate import Check, GateReport, t_quantile
@@ -762,7 +762,7 @@ class LiveProber:
         decision: Decision | None = None
         t0 = self.clock.now()
         starts: list[tuple[float, int]] = []  # (run-clock time, requests started by then)
-        path = out / "requests.jsonl"
+        path = out / REQUESTS_FILE
         measured: list[dict[str, Any]] = []
         while decision is None:
             done, _ = await asyncio.wait({task}, timeout=self.tick)

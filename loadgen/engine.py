@@ -75,7 +75,7 @@ from loadgen.alarm import Alarm
 from loadgen.arrivals import arrival_times
 from loadgen.client import HttpClient, execute, make_client, probe
 from loadgen.clock import RunClock, Sidecar
-from loadgen.defaults import REQUEST_TIMEOUT_S, STALL_TIMEOUT_S
+from loadgen.defaults import POINT_FILE, REQUEST_TIMEOUT_S, REQUESTS_FILE, STALL_TIMEOUT_S, SUMMARY_FILE
 from loadgen.fleet import ONE_PROCESS, Fleet
 from loadgen.prebuild import Prebuilder
 from loadgen.records import RecordWriter, write_json
@@ -442,18 +442,18 @@ async def run_point(
     progress = progress or Progress()
     pid = point_id or load.point_id()
     plan = {"point_id": pid, "load": load.describe(), "workload": workload.describe(), "labels": labels or {}}
-    write_json(out_dir / "point.json", plan)  # a killed point's summary needs it
+    write_json(out_dir / POINT_FILE, plan)  # a killed point's summary needs it
     n = load.workers(fleet.workers)
     single = n == 1 and fleet.ray is None
     workers = [
-        PointWorker(backend, workload, load.part(sh), sh, out_dir / ("requests.jsonl" if single else f"workers/w{k}.jsonl"),
+        PointWorker(backend, workload, load.part(sh), sh, out_dir / (REQUESTS_FILE if single else f"workers/w{k}.jsonl"),
                     clock, client_kind, client=client if single else None, progress=progress if single else None)
         for k, sh in enumerate(Share(k, n) for k in range(n))
     ]  # fmt: skip
     for sc in sidecars:
         sc.start(clock, out_dir)
     t0 = progress.t_start = clock.now()
-    coord = _Coordinator(fleet.start(workers), progress, clock, None if single else out_dir / "requests.jsonl",
+    coord = _Coordinator(fleet.start(workers), progress, clock, None if single else out_dir / REQUESTS_FILE,
                          [w.path for w in workers])  # fmt: skip
     try:
         t_measured, results = await coord.run()
@@ -462,7 +462,7 @@ async def run_point(
             merged = await coord.close()
     if merged is None:
         with _run_gc():
-            merged = read_jsonl(out_dir / "requests.jsonl")
+            merged = read_jsonl(out_dir / REQUESTS_FILE)
     records = merged
     summary: dict[str, Any] = {
         **plan, "t_start": t0, "t_measured": t_measured, "t_end": clock.now(), "status": "complete",
@@ -488,7 +488,7 @@ async def run_point(
             summary[sc.name] = {"error": f"{type(exc).__name__}: {exc}"}
     metrics.add_energy_per_token(summary)
     metrics.add_prefix_cache(summary, workload.shares_prefix())
-    write_json(out_dir / "summary.json", summary)
+    write_json(out_dir / SUMMARY_FILE, summary)
     return summary
 
 

@@ -24,6 +24,7 @@ from backends.launcher import ServerProcess, bundled_model, free_port
 from backends.profile import profile_of
 from backends.registry import get_backend
 from loadgen.clock import RunClock
+from loadgen.defaults import REPORT_FILE
 from loadgen.engine import run_async
 from loadgen.records import write_json
 from loadgen.results import ResultsDir, lookup
@@ -131,8 +132,8 @@ def run_experiment(exp: Experiment, out: Path, quick: bool, model: Path | None, 
     try:
         from loadgen.report import write_report
 
-        write_report(dirs, out / "report.html")
-        comparison["report"] = str(out / "report.html")
+        write_report(dirs, out / REPORT_FILE)
+        comparison["report"] = str(out / REPORT_FILE)
     except Exception as exc:  # the table is the result; a report failure must not lose it
         console.print(f"[yellow]report not written: {type(exc).__name__}: {exc}[/]")
     return comparison

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from loadgen.defaults import RUN_FILE, SUMMARY_FILE
 from loadgen.metrics import LATENCIES
 from loadgen.options import RunOptions
 from loadgen.records import write_json
@@ -114,8 +115,8 @@ class ResultSet:
 def load(path: str | Path) -> ResultSet:
     """A result directory (its ``summary.json``), a ``summary.json`` or a saved baseline file."""
     p = Path(path)
-    file = p / "summary.json" if p.is_dir() else p
-    run_json = p / "run.json" if p.is_dir() else p.with_name("run.json")
+    file = p / SUMMARY_FILE if p.is_dir() else p
+    run_json = p / RUN_FILE if p.is_dir() else p.with_name(RUN_FILE)
     if p.is_dir() and not file.is_file():  # a run killed before its summary: recomputed from its records
         try:
             doc: Any = read_summary(p)[0]
@@ -184,7 +185,7 @@ def save_baseline(result: str | Path, out: str | Path) -> dict[str, Any]:
     """Write the result's fingerprints and point summaries as a baseline file; returns it."""
     rs = load(result)  # validates the result
     src = Path(result)
-    doc = json.loads((src / "summary.json" if src.is_dir() else src).read_text(encoding="utf-8"))
+    doc = json.loads((src / SUMMARY_FILE if src.is_dir() else src).read_text(encoding="utf-8"))
     baseline = {
         "format": BASELINE_FORMAT,
         "run_id": doc.get("run_id"),

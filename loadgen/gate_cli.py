@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from loadgen.defaults import RESULTS_ROOT
+from loadgen.defaults import RESULTS_ROOT, SUMMARY_FILE
 from loadgen.exitcodes import UsageError, console, exits
 from loadgen.gate import (
     GateError,
@@ -75,7 +75,7 @@ def gate(
                 output_dir, run_id,
             )  # fmt: skip
         for side in (baseline, candidate):
-            if Path(side).is_dir() and not (Path(side) / "summary.json").is_file():
+            if Path(side).is_dir() and not (Path(side) / SUMMARY_FILE).is_file():
                 console.print(f"[yellow]note[/]: {side} has no summary.json (the run ended before writing it): "
                               "recomputing it from requests.jsonl")  # fmt: skip
         try:

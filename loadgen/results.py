@@ -24,6 +24,7 @@ from typing import Any
 import pandas as pd
 
 from loadgen import metrics
+from loadgen.defaults import POINT_FILE, REQUESTS_FILE, RUN_FILE, SUMMARY_FILE
 from loadgen.records import write_json
 from workloads.contracts import read_jsonl
 
@@ -152,13 +153,13 @@ class ResultsDir:
             "t0_unix": t0_unix, "points": point_ids,
             **extra,
         }  # fmt: skip
-        write_json(self.path / "run.json", run)
+        write_json(self.path / RUN_FILE, run)
         return run
 
     def write_summary(self, run: dict[str, Any], points: list[dict[str, Any]]) -> None:
         """Top summary.json plus sweep.csv/.parquet; called after every point so a crash keeps them."""
         top = {k: run[k] for k in ("run_id", "config", "environment", "fingerprint")} | {"points": points}
-        write_json(self.path / "summary.json", top)
+        write_json(self.path / SUMMARY_FILE, top)
         df = pd.DataFrame([sweep_row(p) for p in points])
         df.to_csv(self.path / "sweep.csv", index=False)
         df.to_parquet(self.path / "sweep.parquet", index=False)
@@ -171,13 +172,13 @@ def read_summary(run_dir: Path) -> tuple[dict[str, Any], bool]:
     ``points/**/requests.jsonl``: the point's own ``summary.json`` when it has one, else the metrics
     recomputed from its records, with the load from the ``point.json`` written when the point started
     and ``status`` ``interrupted``. Raises FileNotFoundError when there are no records either."""
-    top = run_dir / "summary.json"
+    top = run_dir / SUMMARY_FILE
     if top.is_file():
         return json.loads(top.read_text(encoding="utf-8")), False
-    files = sorted((run_dir / "points").rglob("requests.jsonl")) if (run_dir / "points").is_dir() else []
+    files = sorted((run_dir / "points").rglob(REQUESTS_FILE)) if (run_dir / "points").is_dir() else []
     if not files:
         raise FileNotFoundError(f"{run_dir}: neither summary.json nor points/*/requests.jsonl: not a results directory")
-    run = json.loads((run_dir / "run.json").read_text(encoding="utf-8")) if (run_dir / "run.json").is_file() else {}
+    run = json.loads((run_dir / RUN_FILE).read_text(encoding="utf-8")) if (run_dir / RUN_FILE).is_file() else {}
     order = {pid: i for i, pid in enumerate(run.get("points") or [])}
     points = [_point_summary(f.parent, f.parent.relative_to(run_dir / "points").as_posix()) for f in files]
     points.sort(key=lambda p: (order.get(p["point_id"], len(order)), p["point_id"]))
@@ -187,10 +188,10 @@ def read_summary(run_dir: Path) -> tuple[dict[str, Any], bool]:
 
 
 def _point_summary(point_dir: Path, point_id: str) -> dict[str, Any]:
-    if (point_dir / "summary.json").is_file():
-        return dict(json.loads((point_dir / "summary.json").read_text(encoding="utf-8")))
-    plan = json.loads((point_dir / "point.json").read_text()) if (point_dir / "point.json").is_file() else {}
-    records = read_jsonl(point_dir / "requests.jsonl")
+    if (point_dir / SUMMARY_FILE).is_file():
+        return dict(json.loads((point_dir / SUMMARY_FILE).read_text(encoding="utf-8")))
+    plan = json.loads((point_dir / POINT_FILE).read_text()) if (point_dir / POINT_FILE).is_file() else {}
+    records = read_jsonl(point_dir / REQUESTS_FILE)
     cancelled = sum(1 for r in records if (r["error"] or {}).get("kind") == "cancelled")
     summary: dict[str, Any] = {
         "point_id": plan.get("point_id", point_id), "load": plan.get("load", {}), "workload": plan.get("workload", {}),

@@ -19,7 +19,7 @@ from backends.launcher import GridPoint, sweep_servers
 from backends.profile import profile_of
 from loadgen import metrics
 from loadgen.clock import RunClock, Sidecar
-from loadgen.defaults import REQUEST_TIMEOUT_S, RESULTS_ROOT, STALL_TIMEOUT_S
+from loadgen.defaults import REQUEST_TIMEOUT_S, RESULTS_ROOT, RUN_FILE, STALL_TIMEOUT_S
 from loadgen.engine import LoadSpec, run_async
 from loadgen.exitcodes import ExitCode, UsageError, console, guard, worst
 from loadgen.live import LiveDisplay
@@ -210,7 +210,7 @@ def execute(opts: RunOptions) -> ExitCode:
             console.print(f"[dim]server sweep: {len(grid_points)} server configuration(s)[/]")
             summaries = sweep_servers(opts.server, grid_points, results.path, go, health_timeout_s=opts.server_timeout,
                                       stop_on_abort=opts.wait_for_server == 0)  # fmt: skip
-            run_path = results.path / "run.json"  # written by run_sweep unless every server failed
+            run_path = results.path / RUN_FILE  # written by run_sweep unless every server failed
             run_meta = json.loads(run_path.read_text()) if run_path.exists() else results.write_run(config, clock.t0_unix, [])
             run_meta["points"] = [s["point_id"] for s in summaries]
             write_json(run_path, run_meta)

@@ -26,6 +26,7 @@ from typing import Annotated, Any
 
 import typer
 
+from loadgen.defaults import REQUESTS_FILE, RUN_FILE
 from workloads.contracts import read_jsonl
 
 US = 1e6  # trace timestamps are microseconds
@@ -184,8 +185,8 @@ def build_trace(
     root = results_dir / "points"
     if not root.is_dir():
         raise FileNotFoundError(f"{results_dir} has no points/ directory (is it a bench run/sweep results dir?)")
-    found = {p.parent.relative_to(root).as_posix() for p in root.rglob("requests.jsonl")}
-    run = results_dir / "run.json"
+    found = {p.parent.relative_to(root).as_posix() for p in root.rglob(REQUESTS_FILE)}
+    run = results_dir / RUN_FILE
     listed = json.loads(run.read_text()).get("points", []) if run.exists() else []
     ids = [i for i in listed if i in found] + sorted(found - set(listed))  # in run order
     dirs = [root / i for i in ids]
@@ -199,7 +200,7 @@ def build_trace(
         if points and point_id not in points:
             continue
         b.meta(pid, f"point {point_id}", sort=pid)
-        c = _requests(b, pid, read_jsonl(d / "requests.jsonl"), tokens)
+        c = _requests(b, pid, read_jsonl(d / REQUESTS_FILE), tokens)
         c["engine_steps"] = _iterations(b, pid, read_jsonl(d / "iterations.jsonl", missing_ok=True))
         c["server_samples"] = _server_state(b, pid, read_jsonl(d / "server_state.jsonl", missing_ok=True))
         c["telemetry_samples"] = _telemetry(b, pid, read_jsonl(d / "telemetry.jsonl", missing_ok=True))

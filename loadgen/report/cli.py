@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from loadgen.defaults import REPORT_FILE, SUMMARY_FILE
 from loadgen.report.builder import PLOTLY_MODES, write_report
 from loadgen.report.load import ReportInputError
 
@@ -16,7 +17,7 @@ console = Console(stderr=True)
 
 def default_output(result_dirs: list[Path]) -> Path:
     """``<dir>/report.html`` for one run, ``./report.html`` for a comparison."""
-    return result_dirs[0] / "report.html" if len(result_dirs) == 1 else Path("report.html")
+    return result_dirs[0] / REPORT_FILE if len(result_dirs) == 1 else Path(REPORT_FILE)
 
 
 def report_command(
@@ -39,7 +40,7 @@ def report_command(
         console.print(f"[red]error[/]: --plotly must be one of {', '.join(PLOTLY_MODES)}, got {plotly!r}")
         raise typer.Exit(2)
     for d in results_dirs:
-        if d.is_dir() and not (d / "summary.json").is_file() and (d / "points").is_dir():
+        if d.is_dir() and not (d / SUMMARY_FILE).is_file() and (d / "points").is_dir():
             console.print(f"[yellow]note[/]: {d} has no summary.json (the run ended before writing it): "
                           "recomputing it from requests.jsonl")  # fmt: skip
     try:

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from loadgen import metrics
+from loadgen.defaults import REQUESTS_FILE, RUN_FILE, SUMMARY_FILE
 from loadgen.results import read_summary
 from workloads import contracts
 
@@ -153,7 +154,7 @@ def _point_dirs(root: Path) -> list[Path]:
     base = root / "points"
     if not base.is_dir():
         return []
-    return sorted(p.parent for p in base.rglob("requests.jsonl"))
+    return sorted(p.parent for p in base.rglob(REQUESTS_FILE))
 
 
 def load_run(path: Path) -> RunData:
@@ -168,7 +169,7 @@ def load_run(path: Path) -> RunData:
         raise ReportInputError(f"{path / 'summary.json'} is not valid JSON ({exc.msg} at line {exc.lineno})") from exc
     if not isinstance(summary, dict):
         raise ReportInputError(f"{path / 'summary.json'} must hold a JSON object")
-    run = _read_json(path / "run.json") if (path / "run.json").is_file() else {}
+    run = _read_json(path / RUN_FILE) if (path / RUN_FILE).is_file() else {}
     by_id = {
         str(p.get("point_id", p.get("id"))): p for p in summary.get("points") or [] if isinstance(p, dict)
     }
@@ -176,13 +177,13 @@ def load_run(path: Path) -> RunData:
     for d in _point_dirs(path):
         pid = d.relative_to(path / "points").as_posix()
         psum = by_id.get(pid)
-        if psum is None and (d / "summary.json").is_file():
-            psum = _read_json(d / "summary.json")
+        if psum is None and (d / SUMMARY_FILE).is_file():
+            psum = _read_json(d / SUMMARY_FILE)
         points.append(
             PointData(
                 point_id=pid,
                 summary=psum or {},
-                requests=requests_from_records(read_jsonl(d / "requests.jsonl")),
+                requests=requests_from_records(read_jsonl(d / REQUESTS_FILE)),
                 server_state=read_jsonl(d / "server_state.jsonl"),
                 iterations=read_jsonl(d / "iterations.jsonl"),
                 telemetry=read_jsonl(d / "telemetry.jsonl"),
