@@ -23,13 +23,14 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from reference_server import cpu_memory
 from reference_server.batching import BatchGate
 from reference_server.block_manager import BlockManager
 from reference_server.config import EngineConfig
 from reference_server.gguf_loader import gguf_reader
+from reference_server.iteration import IterationRecord
 from reference_server.model_runner import ModelRunner
 from reference_server.policies import make_policy
 from reference_server.scheduler import Policy, ScheduledBatch, Scheduler
@@ -53,28 +54,6 @@ class RequestOutput:
     spec_drafted: int = 0  # speculative decoding: draft tokens verified for this request so far
     spec_accepted: int = 0  # of which accepted
     error: str | None = None  # set when the request failed (finish_reason "error"): what went wrong
-
-
-@dataclass
-class IterationRecord:
-    """One engine step, exactly: wall-clock (unix) start/end, who was in the batch, what it computed."""
-
-    i: int
-    t_unix: float  # step start
-    t_end_unix: float
-    seq_ids: list[str]
-    prefill_tokens: int
-    decode_tokens: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    num_running: int
-    num_waiting: int
-    preempted: list[str]
-    padding_tokens: int = 0  # static/dynamic batching: rows computed for finished members (output unused)
-    output_tokens: int = 0  # tokens emitted to requests (sampled tokens plus accepted draft tokens)
-
-    def to_dict(self) -> dict[str, object]:
-        return asdict(self)
 
 
 OutputSink = Callable[[list[RequestOutput]], None]

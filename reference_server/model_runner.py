@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import psutil
 import torch
@@ -25,8 +25,14 @@ from reference_server.sampler import sample
 from reference_server.scheduler import ScheduledBatch
 from reference_server.sequence import SamplingParams, Sequence
 
-if TYPE_CHECKING:
-    from reference_server.spec_decode import SpecDecoder
+
+class Speculator(Protocol):
+    """What a step needs of speculative decoding (``spec_decode.SpecDecoder``): the draws that verify a
+    drafted row, computed on the device, and the tokens they let through, once read back."""
+
+    def draws(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor: ...
+
+    def verify(self, seq: Sequence, k: int, draws: list[int]) -> list[int]: ...
 
 
 def pick_device(name: str) -> torch.device:
@@ -327,7 +333,7 @@ class ModelRunner:
             seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed)
 
     @torch.inference_mode()
-    def step(self, batch: ScheduledBatch, spec: SpecDecoder | None = None) -> list[tuple[Sequence, list[int]]]:
+    def step(self, batch: ScheduledBatch, spec: Speculator | None = None) -> list[tuple[Sequence, list[int]]]:
         """Run ``batch``; return ``(seq, new_tokens)`` for the sequences that completed their gap: one
         sampled token each, or the verified draft prefix plus one token for a speculating sequence.
 

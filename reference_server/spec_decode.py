@@ -16,20 +16,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Protocol, get_args
+from typing import Literal, Protocol, get_args
 
 import numpy as np
 import torch
 
 from reference_server.block_manager import BlockManager
 from reference_server.config import EngineConfig
+from reference_server.iteration import IterationRecord
 from reference_server.model_runner import ModelRunner
 from reference_server.sampler import target_probs
 from reference_server.scheduler import ScheduledBatch
 from reference_server.sequence import Sequence
-
-if TYPE_CHECKING:
-    from reference_server.engine import IterationRecord
 
 SpecMethod = Literal["off", "ngram", "draft", "self"]
 SPEC_METHODS: tuple[str, ...] = get_args(SpecMethod)

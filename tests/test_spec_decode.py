@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from reference_server.engine import IterationRecord
+from reference_server.iteration import IterationRecord
 from reference_server.spec_decode import (
     AdaptiveK,
     Draft,
