@@ -59,7 +59,7 @@ def read_spec(reader: gguf.GGUFReader) -> ModelSpec:
     )
 
 
-def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+def unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation so RoPE can rotate halves (the HF layout)."""
     rows = w.shape[0]
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -82,8 +82,8 @@ def load_gguf(path: Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
         shape = tuple(int(d) for d in reversed(t.shape))
         data = data.reshape(shape)
         if t.name.endswith("attn_q.weight"):
-            data = _unpermute(data, spec.n_heads)
+            data = unpermute(data, spec.n_heads)
         elif t.name.endswith("attn_k.weight"):
-            data = _unpermute(data, spec.n_kv_heads)
+            data = unpermute(data, spec.n_kv_heads)
         weights[t.name] = torch.from_numpy(np.array(data, dtype=np.float32))  # own, writable copy
     return spec, weights

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from reference_server.gguf_loader import ModelSpec, _unpermute, gguf_reader
+from reference_server.gguf_loader import ModelSpec, gguf_reader, unpermute
 from reference_server.native import CpuKernels
 
 GROUP = 32  # int4 group size: GGUF's block
@@ -151,9 +151,9 @@ class Quantizer:
             if t.tensor_type in taken and len(t.shape) == 2 and int(t.shape[0]) % 32 == 0:
                 data = np.asarray(t.data).reshape(int(t.shape[1]), -1)
                 if t.name.endswith("attn_q.weight"):
-                    data = _unpermute(data, spec.n_heads)
+                    data = unpermute(data, spec.n_heads)
                 elif t.name.endswith("attn_k.weight"):
-                    data = _unpermute(data, spec.n_kv_heads)
+                    data = unpermute(data, spec.n_kv_heads)
                 self.raw[t.name] = (t.tensor_type, data)
 
     def weight(self, name: str, factor: float = 1.0) -> QuantWeight:

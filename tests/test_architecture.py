@@ -200,3 +200,12 @@ def test_results_json_is_written_by_the_one_atomic_writer(tmp_path):
     with pytest.raises(ValueError):
         write_json(path, loop)
     assert path.read_text(encoding="utf-8") == '{\n "a": 1\n}\n' and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+def test_no_private_name_is_imported_across_modules():
+    """A name with a leading underscore is its module's own: no other product module imports it."""
+    private = [f"{p.relative_to(ROOT)}:{node.lineno}: {a.name}" for pkg in PACKAGES for p in _modules(pkg)
+               for node in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
+               if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in PACKAGES
+               for a in node.names if a.name.startswith("_")]  # fmt: skip
+    assert not private, "\n".join(private)

@@ -48,16 +48,16 @@ def _plotly_tag(mode: str) -> tuple[str, str]:
     return "<script>" + plotly_js().replace("</script", "<\\/script") + "</script>", ""
 
 
-def _jsonable(obj: Any) -> Any:
+def jsonable(obj: Any) -> Any:
     """Numpy arrays -> lists rounded to SIG_DIGITS significant digits, NaN -> null (a gap in plotly)."""
     if isinstance(obj, np.ndarray):
         if obj.dtype.kind in "fc":
             return [float(f"{v:.{SIG_DIGITS}g}") if math.isfinite(v) else None for v in obj.tolist()]
-        return [_jsonable(v) for v in obj.tolist()]
+        return [jsonable(v) for v in obj.tolist()]
     if isinstance(obj, dict):
-        return {k: _jsonable(v) for k, v in obj.items()}
+        return {k: jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
+        return [jsonable(v) for v in obj]
     if isinstance(obj, (np.floating, float)):
         return float(obj) if math.isfinite(obj) else None
     if isinstance(obj, np.integer):
@@ -224,7 +224,7 @@ def build_html(runs: list[RunData], plotly: str = "inline") -> str:
         figs["sweep"] = sweep
     views = [{"run_id": run.run_id, "points": _point_views(r, run, figs), "groups": summary_tables(run),
               "meta": _meta_table(run)} for r, run in enumerate(runs)]  # fmt: skip
-    data = json.dumps({"figs": _jsonable(figs)}, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
+    data = json.dumps({"figs": jsonable(figs)}, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
     tag, src = _plotly_tag(plotly)
     return _template().render(
         title="servelab report: " + ", ".join(r.run_id for r in runs), paths=[str(r.path) for r in runs],

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from loadgen.report.builder import _jsonable, plotly_js
+from loadgen.report.builder import jsonable, plotly_js
 
 _COLOURS = {"pass": "#2ca02c", "fail": "#d62728"}
 
@@ -141,7 +141,7 @@ def write_report(out: Path) -> Path:
     failed = [c for c in doc["configs"] if "failed" in c]
     for c in failed:
         parts.append(f"<h2>{html.escape(c['point_id'])}</h2><p>failed: {html.escape(c['failed']['message'])}</p>")
-    data = json.dumps(_jsonable(figs)).replace("</", "<\\/")
+    data = json.dumps(jsonable(figs)).replace("</", "<\\/")
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>servelab capacity</title>
 <style>body{{font-family:sans-serif;margin:1.5em;max-width:1300px}}table{{border-collapse:collapse;font-size:12px}}
 td,th{{border:1px solid #ccc;padding:2px 6px;text-align:right}}.chart{{margin:1em 0}}</style>
