@@ -386,6 +386,7 @@ class StreamReader:
                 rec.event_tokens = "spread"
                 for i, e in enumerate(unknown):
                     e[1] = (i + 1) * rest // n - i * rest // n
+        rec.prompt_tokens_intended = req.prompt_tokens
         if self.usage_prompt is not None:
             rec.prompt_tokens, rec.prompt_tokens_source = self.usage_prompt, "usage"
         elif self.chunk_prompt is not None:

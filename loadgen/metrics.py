@@ -47,6 +47,7 @@ LITTLE_WARN = 0.10  # the two steady request-rate estimates differ by more than 
 # prefix cache: the server had seen the prompts before. Not near 0: a chat template's first tokens are
 # shared by every request (a block or two of a short prompt) and hit legitimately.
 CACHE_WARN = 0.5
+PROMPT_MISMATCH = 0.02  # the server counted the prompts this much longer or shorter than intended: say so
 RERUN_SPREAD = 0.10  # a p50 whose 95 % interval reaches further than this either side is said to be unsettled
 
 
@@ -179,6 +180,25 @@ def prefix_cache(records: Sequence[Record]) -> dict[str, Any] | None:
     cached, prompt = sum(r["cached_tokens"] for r in said), sum(r["prompt_tokens"] or 0 for r in said)
     return {"source": "responses", "requests": len(said), "cached_tokens": cached, "prompt_tokens": prompt,
             "hit_rate": cached / prompt if prompt else None}  # fmt: skip
+
+
+def prompt_lengths(records: Sequence[Record]) -> dict[str, Any] | None:
+    """The prompt tokens the server counted (usage) against those the workload's tokenizer intended, over
+    successful requests that have both; with a warning when they differ by more than
+    :data:`PROMPT_MISMATCH` (the prompts are not the lengths asked: another model's tokenizer). None
+    when no request has both (a chat prompt's template tokens are the server's, so it has no intent)."""
+    both = [r for r in records if r["error"] is None and r.get("prompt_tokens_intended") is not None
+            and r["prompt_tokens_source"] in ("usage", "chunk_usage")]  # fmt: skip
+    if not both:
+        return None
+    intended, counted = sum(r["prompt_tokens_intended"] for r in both), sum(r["prompt_tokens"] for r in both)
+    out: dict[str, Any] = {"requests": len(both), "intended": intended, "counted": counted,
+                           "ratio": counted / intended if intended else None}  # fmt: skip
+    if out["ratio"] is not None and abs(out["ratio"] - 1) > PROMPT_MISMATCH:
+        out["warning"] = (f"the server counted {counted:,} prompt tokens where the workload's tokenizer made "
+                          f"{intended:,} ({out['ratio'] - 1:+.1%}): the prompts are not the lengths asked; "
+                          "give the served model's tokenizer (--tokenizer)")  # fmt: skip
+    return out
 
 
 def add_prefix_cache(point: dict[str, Any], shares_prefix: bool | None) -> None:
@@ -316,6 +336,8 @@ def _core(records: Sequence[Record], window: Window, slo: dict[str, float] | Non
         res["spec_decode"] = spec
     if (pc := prefix_cache(measured)) is not None:
         res["prefix_cache"] = pc
+    if (pl := prompt_lengths(measured)) is not None:
+        res["prompt_lengths"] = pl
     if slo:
         good = sum(1 for r in ok if meets_slo(r, slo, slo_from))
         share = good / len(ok) if ok else 0.0

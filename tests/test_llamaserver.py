@@ -200,6 +200,36 @@ def test_a_rerun_against_llama_server_is_seen_in_its_cache(server, tmp_path):
     assert res.exit_code == 2 and "offers no prefix-cache reset" in " ".join(res.output.split()), res.output
 
 
+def test_prompts_of_another_tokenizer_are_caught_by_the_servers_count(server, tmp_path):
+    """Every run compares the prompt tokens the workload's tokenizer made with those the server counted
+    (usage): with the served model's own (bundled) tokenizer they agree; with another's (a word-level
+    tokenizer.json) the summary, the table and the report say the prompts are not the lengths asked."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.save(str(tmp_path / "words.json"))
+    (tmp_path / "long.toml").write_text(LONG_PROMPTS.replace("value = 32", "value = 4"))
+
+    def run(run_id: str, *extra: str) -> tuple[dict, str]:
+        res = CliRunner().invoke(app, [
+            "run", "--url", server.base_url, "--workload", str(tmp_path / "long.toml"), "--concurrency", "1",
+            "--num-requests", "2", "--output-dir", str(tmp_path), "--run-id", run_id, *extra,
+        ])  # fmt: skip
+        assert res.exit_code == 0, res.output
+        (point,) = json.loads((tmp_path / run_id / "summary.json").read_text())["points"]
+        assert point["counts"]["ok"] == 2 and point["counts"]["errors"] == 0
+        return point, " ".join(res.output.split())
+
+    own, _ = run("own")
+    other, out = run("other", "--tokenizer", str(tmp_path / "words.json"))
+    assert own["prompt_lengths"]["intended"] == own["prompt_lengths"]["counted"] == 1200
+    assert "warning" not in own["prompt_lengths"]
+    assert other["prompt_lengths"]["intended"] == 1200 and other["prompt_lengths"]["ratio"] > 1.05
+    assert "the prompts are not the lengths asked" in out and "the prompts are not the lengths asked" in (
+        tmp_path / "other" / "report.html").read_text()
+
+
 SHORT_PROMPTS = """
 [[classes]]
 name = "short"

@@ -175,3 +175,17 @@ def test_the_medians_interval_covers_it_and_a_wide_one_is_said():
     assert any("rests on 8 requests" in line for line in notes(few))
     tight = metrics.summarize([rec(0.0, [(0.5 + 0.001 * (i % 7), 1)], 1.0) for i in range(200)])
     assert not any("rests on" in line for line in notes(tight))
+
+
+def test_prompt_lengths_compare_the_intended_with_the_servers_count():
+    """Only requests with both an intended length (the workload's tokenizer) and the server's usage count;
+    a gap over 2 % is a warning, a chat prompt (no intent: the template is the server's) is left out."""
+    def r(intended, counted, source="usage"):
+        return {**rec(0.0, [(0.1, 1)], 0.2, prompt=counted), "prompt_tokens_intended": intended,
+                "prompt_tokens_source": source}  # fmt: skip
+
+    exact = metrics.summarize([r(100, 100), r(200, 201), r(None, 50), r(300, 300, "tokenizer")])
+    assert exact["prompt_lengths"] == {"requests": 2, "intended": 300, "counted": 301, "ratio": 301 / 300}
+    off = metrics.summarize([r(100, 107), r(100, 107)])
+    assert off["prompt_lengths"]["ratio"] == pytest.approx(1.07) and "+7.0%" in off["prompt_lengths"]["warning"]
+    assert "prompt_lengths" not in metrics.summarize([r(None, 50)])

@@ -63,6 +63,7 @@ class RequestRecord:
     events: list[list[float | None]] = field(default_factory=list)
     prompt_tokens: int | None = None
     prompt_tokens_source: str = "unknown"
+    prompt_tokens_intended: int | None = None  # what the workload's tokenizer made it (None: not known)
     cached_tokens: int | None = None  # of the prompt, served from the server's prefix cache (when it says)
     output_tokens: int | None = None
     output_tokens_source: str = "unknown"

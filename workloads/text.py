@@ -74,10 +74,11 @@ class PromptBuilder:
         self.starts = starts + [len(corpus)]  # unit k spans starts[k]:starts[k+1]
         self.counts = counts
         self.cum = list(itertools.accumulate(counts, initial=0))  # tokens of units [a, b): cum[b] - cum[a]
-        # Units that begin a word after a space (" the", " The"): places to start a prompt, where the text
-        # before it (a template, another block of a trace's prompt) cannot merge into its first token.
-        self.anchors = [k for k in range(len(counts)) if corpus[starts[k] : starts[k] + 2][:1] == " "
-                        and corpus[starts[k] + 1 : starts[k] + 2].isalpha()]  # fmt: skip
+        # Units that begin a word after a space (" the", " The"; or "the" after one, where the pre-tokenizer
+        # drops spaces): places to start a prompt, where the text before it (a template, another block of a
+        # trace's prompt) cannot merge into its first token.
+        self.anchors = [k for k, at in enumerate(starts) if corpus[at + 1 : at + 2].isalpha() and corpus[at] == " "
+                        or corpus[at : at + 1].isalpha() and corpus[at - 1 : at] == " "]  # fmt: skip
         # Recent encodings: heads (shared prefixes, templates) recur, and a filled prompt is counted again.
         self._ids = lru_cache(maxsize=256)(self._encode)
         self.seams_only = True

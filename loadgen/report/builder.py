@@ -203,7 +203,7 @@ def answer_first(runs: list[RunData]) -> dict[str, Any] | None:
                          pair["ttft"], pair["itl"], pair["e2e"], _share(p.get("prefix_cache"))])  # fmt: skip
             notes += [f"{pid}: the client may be limiting this point: {w}"
                       for w in (p.get("client") or {}).get("warnings") or []]  # fmt: skip
-            notes += [f"{pid}: {w}"] if (w := (p.get("prefix_cache") or {}).get("warning")) else []
+            notes += [f"{pid}: {w}" for key in ("prefix_cache", "prompt_lengths") if (w := (p.get(key) or {}).get("warning"))]
     return {"table": Table(header, rows, "answer"), "notes": notes} if rows else None
 
 
