@@ -36,6 +36,7 @@ class Delta:
     """
 
     text: str = ""
+    reasoning: bool = False  # the text is the model's reasoning (a thinking model's), not its answer
     tokens: int | None = None
     tokens_source: TokenSource = "unknown"
     finish_reason: str | None = None

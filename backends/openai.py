@@ -3,7 +3,8 @@
 Asks for ``stream_options.include_usage`` (exact totals in a last usage-only chunk) and, optionally,
 ``continuous_usage_stats`` (vLLM: cumulative usage in every chunk, which gives exact tokens per event).
 ``ignore_eos`` is sent so output lengths are what the workload asked for; servers that do not know it
-ignore it. Anything in ``GenRequest.extra_body`` and the backend's ``extra_body`` is passed verbatim.
+ignore it. A chat delta's ``reasoning_content`` (llama.cpp ``--reasoning-format deepseek``, SGLang, DeepSeek,
+vLLM before 0.10) or ``reasoning`` (vLLM since) is the model's reasoning, kept apart from its answer. Anything in ``GenRequest.extra_body`` and the backend's ``extra_body`` is passed verbatim.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ _DONE = Delta(done=True)
 
 class _ChatDelta(msgspec.Struct, gc=False):
     content: str | None = None
-    reasoning_content: str | None = None
 
 
 class _Choice(msgspec.Struct, gc=False):
@@ -106,10 +106,10 @@ class OpenAIBackend(Backend):
             delta = choice.delta
             if delta is None:
                 out.append(choice.text or "")
-            elif text := delta.content or delta.reasoning_content:
+            elif text := delta.content:
                 out.append(text)
             else:
-                break  # an empty delta: parse() decides between it and the choice's text
+                break  # an empty delta or reasoning: parse() decides
         return out
 
     def parse(self, data: str, state: ParseState) -> list[Delta]:
@@ -130,12 +130,9 @@ class OpenAIBackend(Backend):
             return [_final_usage(usage)] if usage else []  # the final usage-only chunk
         choice = choices[0]
         delta = choice.get("delta")
-        text = (
-            (delta.get("content") or delta.get("reasoning_content") or "")
-            if delta
-            else choice.get("text") or ""
-        )
-        out = Delta(text=text, finish_reason=choice.get("finish_reason"))
+        thought = (delta.get("reasoning_content") or delta.get("reasoning") or "") if delta else ""
+        text = (delta.get("content") or "") if delta else choice.get("text") or ""
+        out = Delta(text=text or thought, reasoning=not text and bool(thought), finish_reason=choice.get("finish_reason"))
         ids = choice.get("token_ids")
         if ids is not None:
             out.tokens, out.tokens_source = len(ids), "token_ids"

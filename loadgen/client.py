@@ -303,10 +303,13 @@ class StreamReader:
                     texts = self.backend.plain_texts(frames[:n] if n < len(frames) else frames)  # type: ignore[arg-type]
                     if texts:
                         events, keep = self.rec.events, self.texts.append
+                        n0 = len(events)
                         for text in texts:
                             if text:
                                 events.append([t, None])
                                 keep(text)
+                        if self.rec.first_output is None and len(events) > n0:
+                            self.rec.first_output = n0
                         frames = frames[len(texts):]
             return self._events(frames, t)
         except (SSEError, ValueError) as exc:
@@ -340,8 +343,11 @@ class StreamReader:
                     rec.set_error("stream_error", d.error)
                     return True
                 if d.text or d.tokens:
+                    if not d.reasoning and rec.first_output is None:
+                        rec.first_output = len(rec.events)
                     rec.events.append([t, d.tokens])
-                    self.texts.append(d.text)
+                    if not d.reasoning:  # the answer is what a conversation's next turn carries
+                        self.texts.append(d.text)
                     if d.tokens is not None:
                         self.stated_source = d.tokens_source
                 if d.finish_reason is not None:

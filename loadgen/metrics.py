@@ -36,7 +36,7 @@ import numpy as np
 
 Record = dict[str, Any]
 PERCENTILES = (50, 90, 95, 99)
-LATENCIES = ("ttft", "tpot", "itl", "chunk_gap", "e2e", "tail", "ttft_from_intended", "e2e_from_intended")
+LATENCIES = ("ttft", "ttfo", "tpot", "itl", "chunk_gap", "e2e", "tail", "ttft_from_intended", "e2e_from_intended")
 SLO_KEYS = ("ttft", "tpot", "e2e")
 SLO_FROM = ("sent", "intended")
 INCOMPLETE_KINDS = ("cancelled",)  # ended by the harness (end of a duration-bound run, Ctrl-C), not the server
@@ -109,6 +109,25 @@ def reads(r: Record) -> tuple[np.ndarray, np.ndarray]:
 
 def ttft(r: Record) -> float | None:
     return r["events"][0][0] - r["sent"] if r["events"] else None
+
+
+def first_output(r: Record) -> int | None:
+    """Index of the request's first answer event: the events before it carried the model's reasoning.
+    None when there is no answer (a stream cut inside the reasoning, or no event at all)."""
+    return r.get("first_output", 0) if r["events"] else None
+
+
+def ttfo(r: Record) -> float | None:
+    """Time to first output token (AIPerf's TTFO): to the first answer event, reasoning not counted; TTFT
+    where the model does not reason."""
+    i = first_output(r)
+    return r["events"][i][0] - r["sent"] if i is not None else None
+
+
+def reasoning_tokens(r: Record) -> int:
+    """Tokens of the reasoning events before the answer."""
+    i = first_output(r)
+    return sum(tokens_of(e) for e in r["events"][: len(r["events"]) if i is None else i])
 
 
 def last_content(r: Record) -> float:
@@ -218,6 +237,17 @@ def add_prefix_cache(point: dict[str, Any], shares_prefix: bool | None) -> None:
                          "so latency and throughput are a warm cache's; run with a new --seed, or --reset-cache")  # fmt: skip
 
 
+def reasoning_note(point: dict[str, Any]) -> str | None:
+    """The line a point's table and report carry when its model reasoned before answering."""
+    n, lat = point["counts"].get("reasoning_tokens"), point["latency"]
+    if not n or "ttfo" not in lat or lat["ttfo"]["p50"] is None:
+        return None
+    share = n / point["counts"]["output_tokens"] if point["counts"]["output_tokens"] else 0.0
+    return (f"the model reasoned before answering: {n:,} reasoning tokens ({share:.0%} of the output); time to "
+            f"its first answer token (TTFO) p50 {lat['ttfo']['p50'] * 1e3:,.1f} ms, p99 {lat['ttfo']['p99'] * 1e3:,.1f} "
+            "ms, where TTFT is the first token of either")  # fmt: skip
+
+
 def meets_slo(r: Record, slo: dict[str, float], slo_from: str = "sent") -> bool:
     """Did a successful request meet every SLO? ``slo_from="intended"`` judges TTFT and E2E from the
     intended send time, so a client that ran late cannot make goodput look better."""
@@ -304,6 +334,7 @@ def _core(records: Sequence[Record], window: Window, slo: dict[str, float] | Non
     rd = [reads(r) for r in ok]  # once per request: TPOT, ITL and chunk gaps all start from the reads
     lat = {
         "ttft": stats(ttft(r) for r in with_events),  # type: ignore[misc]
+        "ttfo": stats(v for r in with_events if (v := ttfo(r)) is not None),
         "tpot": stats(v for r, (t, k) in zip(ok, rd, strict=True) if (v := _tpot(t, k, r["output_tokens"] or 0)) is not None),
         "itl": stats(np.concatenate([_itl(t, k) for t, k in rd]) if ok else np.empty(0)),
         "chunk_gap": stats(np.concatenate([np.diff(t) for t, _ in rd]) if ok else np.empty(0)),
@@ -325,6 +356,7 @@ def _core(records: Sequence[Record], window: Window, slo: dict[str, float] | Non
             "requests": len(measured), "ok": len(ok), "errors": judged - len(ok), "incomplete": n_inc,
             "warmup": len(records) - len(measured), "output_tokens": out_tokens, "prompt_tokens": in_tokens,
             "output_tokens_sources": dict(Counter(r["output_tokens_source"] for r in ok)),
+            "reasoning_tokens": sum(reasoning_tokens(r) for r in ok),
         },  # fmt: skip
         "latency": lat,
         "throughput": {"whole": whole, "steady": steady},

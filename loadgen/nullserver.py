@@ -13,7 +13,8 @@ Each request's behaviour is the server default (command-line flags) updated by t
 
 ``events`` defaults to ``max_tokens / tokens_per_event``. ``usage_on_finish`` puts the final usage on the
 finish_reason chunk instead of a usage-only chunk (llama.cpp's /v1/completions); ``spec_decode``
-(``[drafted, accepted]``) adds the reference server's ``usage.spec_decode`` counts to the final usage.
+(``[drafted, accepted]``) adds the reference server's ``usage.spec_decode`` counts to the final usage;
+``reasoning`` N streams a chat answer's first N events as reasoning (``delta.reasoning_content``).
 Faults: ``500``, ``429`` (JSON error bodies),
 ``html`` (200 with a non-SSE body), ``hang`` (never answers), ``disconnect`` (drops the connection after
 ``fault_after`` events), ``garbage`` (a non-SSE line), ``bad_json`` (a non-JSON data line),
@@ -78,6 +79,7 @@ class Behaviour:
     fault_after: int = 0
     usage_on_finish: bool = False
     spec_decode: tuple[int, int] | None = None
+    reasoning: int = 0  # chat: the first N events are reasoning (``delta.reasoning_content``), as a thinking model's
     keepalive: str = "on"
     die_after: int | None = None
 
@@ -137,7 +139,8 @@ class Stream:
         text = " tok" * k
         finish = '"length"' if i == self.n - 1 else "null"
         if self.chat:
-            choice = f'{{"index":0,"delta":{{"content":"{text}"}},"finish_reason":{finish}}}'
+            field = "reasoning_content" if i < self.b.reasoning else "content"
+            choice = f'{{"index":0,"delta":{{"{field}":"{text}"}},"finish_reason":{finish}}}'
             head = '{"id":"chatcmpl-null","object":"chat.completion.chunk","created":0,"model":"null","choices":['
         else:
             choice = f'{{"index":0,"text":"{text}","logprobs":null,"finish_reason":{finish}}}'

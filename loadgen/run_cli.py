@@ -306,6 +306,7 @@ def notes(s: dict[str, Any]) -> list[str]:
     out += [thr["note"]] if thr.get("note") else []
     out += [pc["warning"]] if (pc := s.get("prefix_cache") or {}).get("warning") else []
     out += [pl["warning"]] if (pl := s.get("prompt_lengths") or {}).get("warning") else []
+    out += [r] if (r := metrics.reasoning_note(s)) else []
     if (wide := _wide_median(s["latency"]["ttft"])) is not None:
         out.append(wide)
     if (reset := s.get("cache_reset")) and not reset["ok"]:

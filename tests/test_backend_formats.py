@@ -12,6 +12,7 @@ import pytest
 
 from backends.base import ParseState
 from backends.llamacpp import LlamaCppBackend, LlamaCppNativeBackend
+from backends.openai import OpenAIBackend
 from backends.profile import ServerProfile
 from backends.registry import available, get_backend
 from backends.sglang import SGLangBackend, SGLangNativeBackend
@@ -357,3 +358,22 @@ def test_prefix_cache_counters_of_each_server():
         assert pc == {"cached_tokens": 150, "prompt_tokens": looked_up, "hit_rate": 150 / looked_up}, profile
     assert "prefix_cache" not in reconcile(*samples_of([TGI_METRICS.format(b=0, q=0, n=1, gen=1)] * 2, [0.0, 1.0]),
                                            ServerProfile(), None)["point"]  # fmt: skip
+
+
+def test_reasoning_deltas_are_kept_apart_from_the_answer():
+    """A chat delta's reasoning is the model's thinking, not its answer: ``reasoning_content`` (llama.cpp
+    --reasoning-format deepseek, SGLang, DeepSeek's API, vLLM before 0.10) and ``reasoning`` (vLLM since)
+    come out as reasoning deltas, the fast path leaves them to parse(), and content is the answer."""
+    def chunk(**delta):
+        return {"choices": [{"index": 0, "delta": delta, "finish_reason": None}], "object": "chat.completion.chunk"}
+
+    for field in ("reasoning_content", "reasoning"):
+        for b in (LlamaCppBackend("http://127.0.0.1:1"), VLLMBackend("http://127.0.0.1:1"), SGLangBackend("http://127.0.0.1:1")):
+            events = [chunk(role="assistant", content=""), chunk(**{field: "Let me"}), chunk(**{field: " think."}),
+                      chunk(content="Paris"), chunk(content=".")]  # fmt: skip
+            deltas = [d for d in run(b, events) if d.text]
+            assert [(d.text, d.reasoning) for d in deltas] == [("Let me", True), (" think.", True), ("Paris", False),
+                                                               (".", False)], (field, b.name)  # fmt: skip
+            raw = [json.dumps(e).encode() for e in events]
+            assert OpenAIBackend("http://127.0.0.1:1").plain_texts(raw[1:]) == []  # reasoning: not plain
+            assert OpenAIBackend("http://127.0.0.1:1").plain_texts(raw[3:]) == ["Paris", "."]

@@ -435,3 +435,23 @@ async def test_a_client_that_cannot_keep_up_marks_the_point(null_server, tmp_pat
     console = Console(width=300, record=True)
     console.print(summary_table([s]))
     assert f"{s['point_id']} !" in console.export_text()
+
+
+async def test_a_thinking_models_reasoning_is_timed_and_counted_apart(null_server, tmp_path):
+    """A chat stream whose first 3 of 8 events are reasoning: TTFT is the first token of any kind, TTFO the
+    first of the answer (3 events of 10 ms later), 3 reasoning tokens a request, TPOT over all 8 tokens."""
+    wl = FixedWorkload(max_tokens=8, api="chat", extra_bodies=[ns(reasoning=3, itl=0.01)])
+    s, recs = await point(null_server, tmp_path, LoadSpec("closed", concurrency=2, num_requests=6), wl)
+    assert s["counts"]["errors"] == 0 and len(recs) == 6
+    assert all(r["first_output"] == 3 and len(r["events"]) == 8 for r in recs)
+    assert s["counts"]["reasoning_tokens"] == 18 and s["counts"]["output_tokens"] == 48
+    gap = s["latency"]["ttfo"]["p50"] - s["latency"]["ttft"]["p50"]
+    assert 0.025 < gap < 0.1, gap
+    assert 0.008 < s["latency"]["tpot"]["p50"] < 0.03
+    from loadgen.run_cli import notes
+
+    assert any("18 reasoning tokens (38% of the output)" in line for line in notes(s))
+    plain, recs = await point(null_server, tmp_path / "plain", LoadSpec("closed", concurrency=2, num_requests=4),
+                              FixedWorkload(max_tokens=8, api="chat"))  # fmt: skip
+    assert all(r["first_output"] == 0 for r in recs) and plain["counts"]["reasoning_tokens"] == 0
+    assert plain["latency"]["ttfo"]["p50"] == plain["latency"]["ttft"]["p50"]

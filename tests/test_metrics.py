@@ -97,7 +97,7 @@ def test_warmup_excluded_and_errors_by_kind():
     ]
     s = metrics.summarize(recs)
     assert s["counts"] == {"requests": 4, "ok": 1, "errors": 3, "incomplete": 0, "warmup": 1, "output_tokens": 2,
-                           "prompt_tokens": 10, "output_tokens_sources": {"usage": 1}}
+                           "prompt_tokens": 10, "output_tokens_sources": {"usage": 1}, "reasoning_tokens": 0}
     assert s["errors"]["rate"] == pytest.approx(0.75)
     assert s["errors"]["by_kind"] == {"disconnect": 1, "http_5xx": 2}
     assert s["latency"]["ttft"]["count"] == 1

@@ -61,6 +61,7 @@ class RequestRecord:
     error: dict[str, str] | None = None
     # [[t, tokens], ...]; tokens is None until finish() resolves counts the protocol did not state
     events: list[list[float | None]] = field(default_factory=list)
+    first_output: int | None = None  # index of the first answer event (before it: reasoning); None: no answer
     prompt_tokens: int | None = None
     prompt_tokens_source: str = "unknown"
     prompt_tokens_intended: int | None = None  # what the workload's tokenizer made it (None: not known)

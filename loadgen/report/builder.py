@@ -20,6 +20,7 @@ from typing import Any
 import jinja2
 import numpy as np
 
+from loadgen.metrics import reasoning_note
 from loadgen.report import cdf, sweep_chart, timeline
 from loadgen.report.load import RunData, load_run
 from loadgen.report.server_series import missing_series
@@ -204,6 +205,7 @@ def answer_first(runs: list[RunData]) -> dict[str, Any] | None:
             notes += [f"{pid}: the client may be limiting this point: {w}"
                       for w in (p.get("client") or {}).get("warnings") or []]  # fmt: skip
             notes += [f"{pid}: {w}" for key in ("prefix_cache", "prompt_lengths") if (w := (p.get(key) or {}).get("warning"))]
+            notes += [f"{pid}: {r}"] if "latency" in p and (r := reasoning_note(p)) else []
     return {"table": Table(header, rows, "answer"), "notes": notes} if rows else None
 
 
