@@ -269,6 +269,9 @@ async def execute(
     return reader.finish(req)
 
 
+THINK = ("<think>", "</think>")  # a model's reasoning inline in its content (a server with no reasoning parser)
+
+
 class StreamReader:
     """Turns chunks into events on the record; ``feed`` returns True when reading should stop: at an
     error or at the end marker (``[DONE]`` or the protocol's final event), whatever follows it.
@@ -277,7 +280,7 @@ class StreamReader:
     them (:func:`loadgen.metrics.reads`), as no time passed between them on the client."""
 
     __slots__ = ("backend", "rec", "clock", "parser", "state", "texts", "usage_out", "usage_prompt",
-                 "chunk_prompt", "stated_source", "done")
+                 "chunk_prompt", "stated_source", "done", "think", "first_seen")
 
     def __init__(self, backend: Backend, rec: RequestRecord, clock: RunClock) -> None:
         self.backend, self.rec, self.clock = backend, rec, clock
@@ -289,6 +292,8 @@ class StreamReader:
         self.chunk_prompt: int | None = None
         self.stated_source: str | None = None
         self.done = False
+        self.think: bool | None = None  # inside an inline <think> that opened the answer; None: not yet known
+        self.first_seen: int | None = None  # the first event of the content (reasoning deltas aside)
 
     def feed(self, chunk: bytes, t: float) -> bool:
         try:
@@ -301,7 +306,11 @@ class StreamReader:
                     n += 1
                 if n:
                     texts = self.backend.plain_texts(frames[:n] if n < len(frames) else frames)  # type: ignore[arg-type]
-                    if texts:
+                    if texts and self.think is not False:  # the answer's start: is it an inline <think>?
+                        for text in texts:
+                            if text:
+                                self._content(t, text, None, False)
+                    elif texts:
                         events, keep = self.rec.events, self.texts.append
                         n0 = len(events)
                         for text in texts:
@@ -310,7 +319,7 @@ class StreamReader:
                                 keep(text)
                         if self.rec.first_output is None and len(events) > n0:
                             self.rec.first_output = n0
-                        frames = frames[len(texts):]
+                    frames = frames[len(texts):]
             return self._events(frames, t)
         except (SSEError, ValueError) as exc:
             self.rec.set_error("protocol", str(exc))
@@ -343,11 +352,7 @@ class StreamReader:
                     rec.set_error("stream_error", d.error)
                     return True
                 if d.text or d.tokens:
-                    if not d.reasoning and rec.first_output is None:
-                        rec.first_output = len(rec.events)
-                    rec.events.append([t, d.tokens])
-                    if not d.reasoning:  # the answer is what a conversation's next turn carries
-                        self.texts.append(d.text)
+                    self._content(t, d.text, d.tokens, d.reasoning)
                     if d.tokens is not None:
                         self.stated_source = d.tokens_source
                 if d.finish_reason is not None:
@@ -366,6 +371,37 @@ class StreamReader:
             if self.done:
                 return True  # stop at the end marker: a proxy holding the finished stream open is no stall
         return False
+
+    def _content(self, t: float, text: str, tokens: int | None, reasoning: bool) -> None:
+        """One content event: the model's reasoning (the protocol says so, or an inline ``<think>`` opened the
+        content and has not closed) or its answer, whose first event the record marks (``first_output``) and
+        whose text a conversation's next turn carries."""
+        rec = self.rec
+        i = len(rec.events)
+        rec.events.append([t, tokens])
+        if reasoning:
+            return
+        if self.think is not False:
+            if self.think is None:
+                self.first_seen = i if self.first_seen is None else self.first_seen
+                head = text.lstrip()
+                if not head:  # whitespace before the content's first word: not known yet
+                    self.texts.append(text)
+                    return
+                self.think = head.startswith(THINK[0])
+                if not self.think:
+                    rec.first_output = self.first_seen if rec.first_output is None else rec.first_output
+                    self.texts.append(text)
+                    return
+            _, closed, text = text.partition(THINK[1])
+            if not closed:
+                return
+            self.think = False
+            if not text.strip():
+                return  # the closing tag's own event: the answer starts with the next
+        if rec.first_output is None:
+            rec.first_output = i
+        self.texts.append(text)
 
     def finish(self, req: GenRequest) -> str:
         """Decide token counts and their sources; returns the response text."""

@@ -54,6 +54,10 @@ STREAMS = {
     "null_choices": data({"choices": None}) + cmpl("a") + DONE,
     "cut": cmpl("a") + b'data: {"choices":[{"te',
     "garbage": cmpl("a") + b"this is not sse\n\n" + DONE,
+    "inline_think": chat({"content": "\n"}) + chat({"content": "<think>"}) + chat({"content": "Let me"})
+    + chat({"content": " see.</think>"}) + chat({"content": "\n\nParis"}) + chat({"content": "."}, "stop") + DONE,
+    "inline_think_one_event": cmpl("<think>hm</think>Paris") + cmpl(" is") + cmpl(" big", "length") + DONE,
+    "think_later": cmpl("Paris") + cmpl(" <think>no</think>") + DONE,
 }  # fmt: skip
 
 
@@ -136,3 +140,17 @@ def test_reading_stops_at_the_end_marker():
     reader.finish(GenRequest(request_id="r", prompt="p", max_tokens=4))
     assert rec.error is None and [e[0] for e in rec.events] == [1.0, 1.0, 2.0]
     assert rec.output_tokens == 4 and rec.output_tokens_source == "usage"
+
+
+@pytest.mark.parametrize("size", [7, 4096])
+def test_an_inline_think_that_opens_the_content_is_reasoning(size):
+    """A server with no reasoning parser streams a thinking model's reasoning inline, as <think>...</think>
+    at the start of the content: those events are reasoning (first_output marks the answer's first), and
+    the answer alone is the response text; a tag later in an answer is just text."""
+    for backend in (OpenAIBackend("http://x"), GeneralOnly("http://x")):
+        rec, text = record(backend, STREAMS["inline_think"], size)
+        assert rec["first_output"] == 4 and len(rec["events"]) == 6 and text == "\n\n\nParis."
+        rec, text = record(backend, STREAMS["inline_think_one_event"], size)
+        assert rec["first_output"] == 0 and text == "Paris is big"
+        rec, text = record(backend, STREAMS["think_later"], size)
+        assert rec["first_output"] == 0 and text == "Paris <think>no</think>"
