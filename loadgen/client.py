@@ -306,14 +306,15 @@ class StreamReader:
                     n += 1
                 if n:
                     texts = self.backend.plain_texts(frames[:n] if n < len(frames) else frames)  # type: ignore[arg-type]
-                    if texts and self.think is not False:  # the answer's start: is it an inline <think>?
-                        for text in texts:
-                            if text:
-                                self._content(t, text, None, False)
-                    elif texts:
+                    k = 0
+                    while k < len(texts) and self.think is not False:  # the content's start: an inline <think>?
+                        if texts[k]:
+                            self._content(t, texts[k], None, False)
+                        k += 1
+                    if k < len(texts):
                         events, keep = self.rec.events, self.texts.append
                         n0 = len(events)
-                        for text in texts:
+                        for text in texts[k:] if k else texts:
                             if text:
                                 events.append([t, None])
                                 keep(text)
