@@ -14,7 +14,8 @@ import torch
 from reference_server.kv_cache import LayerKV
 from reference_server.model import AttnBatch, LlamaModel
 from reference_server.native import CpuKernels, QLayer, QMat, QModel
-from reference_server.quant import NATIVE_MAX_ROWS, QuantLinear, QuantWeight
+from reference_server.quant import NATIVE_MAX_ROWS, QuantLinear
+from reference_server.quant_weight import QuantWeight
 
 
 def _qmat(linear: torch.nn.Module) -> QMat:

@@ -15,10 +15,7 @@ They need an x86-64 CPU with AVX512-BF16 (the bf16 model dtype's own condition) 
 else ``cc``). The shared object is cached under ``$SERVELAB_CACHE/native`` (default
 ``~/.cache/servelab``), keyed by the source, flags and compiler, so the build (~1 s) happens once. Where
 any of this is missing, :func:`cpu_kernels` says why and the engine keeps the PyTorch ops. ctypes drops
-the GIL during each call; the kernels' OpenMP loops run on PyTorch's own thread team (same libgomp).
-
-Size: one C source, one loader: the ctypes structures mirror the source's, and each kernel's wrapper checks
-what it passes to it (a wrong stride or dtype there is a wrong answer or a crash, not an exception)."""
+the GIL during each call; the kernels' OpenMP loops run on PyTorch's own thread team (same libgomp)."""
 
 from __future__ import annotations
 
@@ -31,23 +28,10 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
-
-class PackedWeight(Protocol):
-    """A quantised weight as the kernels read it (``quant.QuantWeight``: layout in csrc/cpu_kernels.c)."""
-
-    qweight: torch.Tensor
-    scale: torch.Tensor
-    minimum: torch.Tensor
-    bits: int
-    group: int
-    k: int
-
-    @property
-    def n(self) -> int: ...
+from reference_server.quant_weight import QuantWeight
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp", "-shared", "-fPIC"]
@@ -174,7 +158,7 @@ class CpuKernels:
         self._silu(gate_up.data_ptr(), out.data_ptr(), t, i2 // 2)
         return out
 
-    def qlinear(self, x: torch.Tensor, w: PackedWeight, residual: torch.Tensor | None = None,
+    def qlinear(self, x: torch.Tensor, w: QuantWeight, residual: torch.Tensor | None = None,
                 vnni: bool | None = None) -> torch.Tensor:
         """``x @ W.T (+ residual)`` for bf16 ``x`` [M, K] (rows may be strided) and a quantised ``W`` (quant.py).
         ``vnni``: the int8-activation integer path for up to 3 rows (default: where the CPU has it; False
@@ -212,7 +196,7 @@ class CpuKernels:
                              "the kernels do not handle")
         return out
 
-    def qdequant(self, w: PackedWeight) -> torch.Tensor:
+    def qdequant(self, w: QuantWeight) -> torch.Tensor:
         """The bf16 [N, K] weight that :meth:`qlinear` multiplies with."""
         out = torch.empty((w.n, w.k), dtype=torch.bfloat16)
         if self._qdequant(w.qweight.data_ptr(), w.scale.data_ptr(), w.minimum.data_ptr(), out.data_ptr(), w.n, w.k,
