@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from support.cli import cli_point, fixed_workload
 from test_robust_runs import default_cli_run  # tests/ is on sys.path
 from typer.testing import CliRunner
 
@@ -179,24 +180,14 @@ def test_a_rerun_against_llama_server_is_seen_in_its_cache(server, tmp_path):
     """llama-server keeps prompts (its slots and its RAM prompt cache): the same run twice (one --seed)
     finds the second's prompts cached, which each response's usage says and the summary warns about; a new
     run id's prompts (no --seed) miss. It offers no cache reset, so --reset-cache is refused with exit 2."""
-    (tmp_path / "long.toml").write_text(LONG_PROMPTS.replace("value = 32", "value = 4"))
-
-    def run(run_id: str, *extra: str) -> dict:
-        res = CliRunner().invoke(app, [
-            "run", "--url", server.base_url, "--workload", str(tmp_path / "long.toml"), "--concurrency", "1",
-            "--num-requests", "2", "--output-dir", str(tmp_path), "--run-id", run_id, *extra,
-        ])  # fmt: skip
-        assert res.exit_code == 0, res.output
-        (point,) = json.loads((tmp_path / run_id / "summary.json").read_text())["points"]
-        assert point["counts"]["ok"] == 2 and point["counts"]["errors"] == 0
-        return point
-
-    first, again, fresh = run("first", "--seed", "21"), run("again", "--seed", "21"), run("fresh")
+    wl = fixed_workload(tmp_path / "long.toml", 600, 4)
+    first, again, fresh = (cli_point(server.base_url, wl, tmp_path, run_id, 2, *extra)[0]
+                           for run_id, *extra in (("first", "--seed", "21"), ("again", "--seed", "21"), ("fresh",)))  # fmt: skip
     assert first["prefix_cache"]["hit_rate"] < 0.1 and "warning" not in first["prefix_cache"]
     assert again["prefix_cache"]["hit_rate"] > 0.9 and "warning" in again["prefix_cache"]
     assert fresh["prefix_cache"]["hit_rate"] < 0.1 and "warning" not in fresh["prefix_cache"]
-    res = CliRunner().invoke(app, ["run", "--url", server.base_url, "--workload", str(tmp_path / "long.toml"),
-                                   "--num-requests", "1", "--output-dir", str(tmp_path), "--reset-cache"])  # fmt: skip
+    res = CliRunner().invoke(app, ["run", "--url", server.base_url, "--workload", str(wl), "--num-requests", "1",
+                                   "--output-dir", str(tmp_path), "--reset-cache"])  # fmt: skip
     assert res.exit_code == 2 and "offers no prefix-cache reset" in " ".join(res.output.split()), res.output
 
 
@@ -209,20 +200,9 @@ def test_prompts_of_another_tokenizer_are_caught_by_the_servers_count(server, tm
     words = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()
     words.save(str(tmp_path / "words.json"))
-    (tmp_path / "long.toml").write_text(LONG_PROMPTS.replace("value = 32", "value = 4"))
-
-    def run(run_id: str, *extra: str) -> tuple[dict, str]:
-        res = CliRunner().invoke(app, [
-            "run", "--url", server.base_url, "--workload", str(tmp_path / "long.toml"), "--concurrency", "1",
-            "--num-requests", "2", "--seed", "31", "--output-dir", str(tmp_path), "--run-id", run_id, *extra,
-        ])  # fmt: skip
-        assert res.exit_code == 0, res.output
-        (point,) = json.loads((tmp_path / run_id / "summary.json").read_text())["points"]
-        assert point["counts"]["ok"] == 2 and point["counts"]["errors"] == 0
-        return point, " ".join(res.output.split())
-
-    own, _ = run("own")
-    other, out = run("other", "--tokenizer", str(tmp_path / "words.json"))  # one seed: the same prompts each time
+    wl = fixed_workload(tmp_path / "long.toml", 600, 4)
+    own, _ = cli_point(server.base_url, wl, tmp_path, "own", 2, "--seed", "31")
+    other, out = cli_point(server.base_url, wl, tmp_path, "other", 2, "--seed", "31", "--tokenizer", str(tmp_path / "words.json"))
     assert own["prompt_lengths"]["intended"] == own["prompt_lengths"]["counted"] == 1200
     assert "warning" not in own["prompt_lengths"]
     assert other["prompt_lengths"]["intended"] == 1200 and other["prompt_lengths"]["ratio"] > 1.02

@@ -4,6 +4,7 @@ its exact per-iteration records fetched into iterations.jsonl for every point.""
 import json
 
 import pytest
+from support.cli import cli_point, fixed_workload
 from test_robust_runs import default_cli_run  # tests/ is on sys.path
 from typer.testing import CliRunner
 
@@ -56,33 +57,14 @@ def test_default_bench_run_has_no_errors(reference_url, tmp_path, concurrency):
     default_cli_run(reference_url, tmp_path, concurrency, backend="openai")
 
 
-PROMPT_200 = """
-[[classes]]
-name = "p200"
-prompt = { dist = "fixed", value = 200 }
-output = { dist = "fixed", value = 4 }
-"""
-
-
 def test_a_rerun_is_answered_by_the_prefix_cache_until_it_is_reset(reference_url, tmp_path):
     """The same run twice (one --seed) against one server: the second finds its prompts in the server's
     prefix cache, and its summary, table and report say so and warn; --reset-cache empties the cache before
     the point, and the same prompts miss again."""
-    (tmp_path / "p200.toml").write_text(PROMPT_200)
-
-    def run(run_id: str, *extra: str) -> tuple[dict, str]:
-        res = CliRunner().invoke(app, [
-            "run", "--url", reference_url, "--workload", str(tmp_path / "p200.toml"), "--concurrency", "1",
-            "--num-requests", "3", "--seed", "11", "--output-dir", str(tmp_path), "--run-id", run_id, *extra,
-        ])  # fmt: skip
-        assert res.exit_code == 0, res.output
-        (point,) = json.loads((tmp_path / run_id / "summary.json").read_text())["points"]
-        assert point["counts"]["ok"] == 3 and point["counts"]["errors"] == 0
-        return point, " ".join(res.output.split())
-
-    first, _ = run("first")
-    again, out = run("again")
-    reset, out_reset = run("reset", "--reset-cache")
+    wl = fixed_workload(tmp_path / "p200.toml", 200, 4)
+    first, _ = cli_point(reference_url, wl, tmp_path, "first", 3, "--seed", "11")
+    again, out = cli_point(reference_url, wl, tmp_path, "again", 3, "--seed", "11")
+    reset, out_reset = cli_point(reference_url, wl, tmp_path, "reset", 3, "--seed", "11", "--reset-cache")
     assert first["prefix_cache"]["source"] == "responses" and first["prefix_cache"]["hit_rate"] < 0.1
     assert again["prefix_cache"]["hit_rate"] > 0.9 and "warning" in again["prefix_cache"]
     assert "the server had seen these prompts before" in out

@@ -11,14 +11,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from support.cli import cli_point, fixed_workload
 from test_llamaserver import Prompts  # tests/ is on sys.path (pytest rootdir-relative import)
 from test_robust_runs import default_cli_run
-from typer.testing import CliRunner
 
 from backends.launcher import ServerProcess, free_port
 from backends.profile import profile_of
 from backends.vllm import VLLMBackend
-from loadgen.cli import app
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, run_async, run_point
 from loadgen.sidecars.poller import ServerStatePoller
@@ -75,20 +74,9 @@ def test_vllm_stream_continuous_usage_and_metrics(vllm_server, tmp_path, token_i
 def test_a_rerun_hits_vllms_prefix_cache_until_it_is_reset(vllm_server, tmp_path):
     """vLLM says nothing of cached tokens in its usage by default; its prefix-cache counters do: the same run
     twice (one --seed) finds the second's prompts cached and warns; --reset-cache (dev mode) makes them miss."""
-    (tmp_path / "p.toml").write_text('[[classes]]\nname = "p"\nprompt = { dist = "fixed", value = 400 }\n'
-                                     'output = { dist = "fixed", value = 4 }\n')
-
-    def run(run_id: str, *extra: str) -> dict:
-        res = CliRunner().invoke(app, [
-            "run", "--url", vllm_server.base_url, "--workload", str(tmp_path / "p.toml"), "--concurrency", "1",
-            "--num-requests", "3", "--seed", "5", "--output-dir", str(tmp_path), "--run-id", run_id, *extra,
-        ])  # fmt: skip
-        assert res.exit_code == 0, res.output
-        (point,) = json.loads((tmp_path / run_id / "summary.json").read_text())["points"]
-        assert point["counts"]["ok"] == 3 and point["counts"]["errors"] == 0
-        return point
-
-    first, again, reset = run("first"), run("again"), run("reset", "--reset-cache")
+    wl = fixed_workload(tmp_path / "p.toml", 400, 4)
+    first, again, reset = (cli_point(vllm_server.base_url, wl, tmp_path, run_id, 3, "--seed", "5", *extra)[0]
+                           for run_id, *extra in (("first",), ("again",), ("reset", "--reset-cache")))  # fmt: skip
     assert first["prefix_cache"]["source"].startswith("server counters") and first["prefix_cache"]["hit_rate"] < 0.1
     assert again["prefix_cache"]["hit_rate"] > 0.9 and "warning" in again["prefix_cache"]
     assert reset["cache_reset"]["ok"] and reset["prefix_cache"]["hit_rate"] < 0.1
