@@ -66,12 +66,15 @@ def read_api_key(api_key_env: str | None) -> str | None:
     return api_key
 
 
+RESET_TIMEOUT_S = 30.0  # a prefix-cache reset's answer (vLLM and SGLang empty it in the engine first)
+
+
 def reset_cache_path(backend: Backend) -> str:
     """The path whose ``POST`` empties the server's prefix cache (``--reset-cache``), found by trying the
     backend's own, then every known server's, on the server itself (so the first reset happens here)."""
     paths = dict.fromkeys(p for p in (profile_of(backend).reset_cache, *(q.reset_cache for q in server_profiles())) if p)
     tried: list[str] = []
-    with httpx.Client(timeout=30.0, trust_env=False, headers=backend.auth_headers()) as client:
+    with httpx.Client(timeout=RESET_TIMEOUT_S, trust_env=False, headers=backend.auth_headers()) as client:
         for path in paths:
             try:
                 status = client.post(backend.base_url + path).status_code
@@ -90,7 +93,7 @@ def reset_cache_path(backend: Backend) -> str:
 async def reset_cache(backend: Backend, path: str) -> dict[str, Any]:
     """Empty the server's prefix cache before a point; what happened, for the point's summary."""
     try:
-        async with httpx.AsyncClient(timeout=30.0, trust_env=False, headers=backend.auth_headers()) as client:
+        async with httpx.AsyncClient(timeout=RESET_TIMEOUT_S, trust_env=False, headers=backend.auth_headers()) as client:
             status = (await client.post(backend.base_url + path)).status_code
     except httpx.HTTPError as exc:
         return {"path": path, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
