@@ -569,16 +569,18 @@ class PointWorker:
         return self._closed
 
     async def progress_delta(self, since: int) -> dict[str, Any]:
-        """The live counters, the TTFTs and recent requests observed since the last call, and the records
-        written after the first ``since`` bytes of its record file (``records``, complete lines, taken at the
-        same instant as the counters; the caller says where it is, so a reply it never got loses nothing)."""
+        """The live counters, the TTFTs and (up to :data:`RECENT_SHIPPED`) recent requests observed since the
+        last call, and the records written after the first ``since`` bytes of its record file (``records``,
+        complete lines, at least those the counters count; the caller says where it is, so a reply it never
+        got loses nothing)."""
         p = self.progress
         new = len(p.ttft) - self._reported
         self._reported = len(p.ttft)
-        recent = list(p.recent)[-new:] if new else []
+        recent = list(p.recent)[-min(new, RECENT_SHIPPED):] if new else []
         counters = {k: getattr(p, k) for k in ("started", "done", "errors", "inflight", "output_tokens", "warmup_done")}
+        records = await asyncio.to_thread(_lines_from, self.path, since)  # megabytes at scale: off the loop
         return {**counters, "error_kinds": dict(p.error_kinds), "ttft": p.ttft[-new:] if new else [], "recent": recent,
-                "records": _lines_from(self.path, since)}  # fmt: skip
+                "records": records}  # fmt: skip
 
     async def now(self) -> float:
         return self.clock.now()
@@ -825,6 +827,7 @@ def _run_gc() -> Iterator[None]:
             gc.unfreeze()
 
 
+RECENT_SHIPPED = 16  # recent requests (with their events, for the live ITL) a worker's progress reply carries
 LOOKAHEAD = 64  # sessions built ahead of dispatch; open-loop sends set on the alarm ahead of their time
 GC_YOUNG = 10_000  # tracked allocations between young passes while a run lasts: a pass of ~1-6 ms here
 

@@ -243,3 +243,31 @@ async def test_scaling_caps_each_point_and_starts_no_count_past_its_deadline(tmp
         (row,) = await scaling(target, tmp_path, 4, 10**6, (1,), max_s=1.0)
         assert row["errors"] == 0 and 0 < row["requests"] < 10**6 and row["load_s"] < 10
         assert await scaling(target, tmp_path / "late", 4, 100, (1, 2), until=time.monotonic() - 1) == []
+
+
+def test_a_worker_loop_runs_on_while_its_reply_waits_in_the_pipe():
+    """A progress reply carries megabytes of records at scale; writing it waits for the coordinator to read.
+    The worker's event loop (its sends and reads) must not wait with it."""
+    from support.ticker import serve
+
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=serve, args=(child,), daemon=True)
+    proc.start()
+    try:
+        parent.send((0, "start", ()))
+        assert parent.recv() == (0, True, None)
+        parent.send((1, "big", (64 << 20,)))  # 64 MiB: far more than the pipe's buffer
+        sent = time.monotonic()
+        time.sleep(0.6)  # not reading: the reply waits in the pipe
+        assert parent.recv() == (1, True, b"x" * (64 << 20))
+        parent.send((2, "times", ()))
+        i, ok, ticks = parent.recv()
+        assert ok
+        waiting = [t for t in ticks if sent + 0.2 < t < sent + 0.5]
+        assert len(waiting) > 10, f"the worker's loop ran {len(waiting)} times in 0.3 s while its reply waited"
+    finally:
+        parent.send(None)
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
