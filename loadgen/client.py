@@ -102,6 +102,10 @@ class _AiohttpResponse:
     def aiter_raw(self) -> AsyncIterator[bytes]:
         return self._resp.content.iter_any()  # what has arrived, in one piece: one read, one timestamp
 
+    def body_read(self) -> bool:
+        """The whole body has arrived and been read (the chunked terminator came with the last events)."""
+        return self._resp.content.at_eof()
+
     async def aclose(self) -> None:
         self._resp.release()
 
@@ -251,7 +255,7 @@ async def execute(
                         reader.close(clock.now())
                     if rec.error is None and t > deadline:
                         rec.set_error("timeout", f"request took longer than {timeout:g} s")
-                    elif rec.error is None and reader.done:
+                    elif rec.error is None and reader.done and not _body_read(resp):
                         await _drain_after_end(chunks)
         except StaleConnection:  # nothing reached the server: once more, on a connection of its own
             rec.retries += 1
@@ -437,6 +441,12 @@ class StreamReader:
         elif req.prompt_tokens is not None:
             rec.prompt_tokens, rec.prompt_tokens_source = req.prompt_tokens, "tokenizer"
         return "".join(self.texts)
+
+
+def _body_read(resp: Response) -> bool:
+    """Nothing of the body is left to read: draining it would only cost a task and a timer (~0.1 ms of
+    CPU per request, a quarter of a short stream's). Known for aiohttp; httpx's responses are drained."""
+    return isinstance(resp, _AiohttpResponse) and resp.body_read()
 
 
 async def _drain_after_end(chunks: AsyncIterator[bytes]) -> None:
