@@ -67,6 +67,8 @@ FAULTS = ("500", "429", "html", "hang", "disconnect", "garbage", "bad_json", "er
           "stall", "no_done", "cut", "drop_request", "linger")  # fmt: skip
 KEEPALIVE = ("on", "close", "drop", "drop_idle")
 _STATS = {"requests": 0, "dropped_idle": 0, "dropped_requests": 0}
+WHOLE_KEPT = 1024  # whole response bodies kept (Stream.whole), by shape
+_WHOLE: dict[tuple[Any, ...], bytes] = {}
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,21 @@ class Stream:
         else:
             usage = ""
         return f"data: {head}{choice}]{usage}}}\n\n".encode()
+
+    def whole(self) -> bytes:
+        """The whole body at once (every event, the tail and the chunked terminator), kept for the next
+        response of the same shape: building 200 events was 59 of the 167 us of CPU a null-server process
+        spent per response, CPU taken from the client it measures when they share the machine."""
+        b = self.b
+        spec = tuple(b.spec_decode) if b.spec_decode is not None else None  # a list where it came from JSON
+        key = (self.chat, self.n, self.prompt_tokens, self.usage, self.continuous, b.tokens_per_event, b.reasoning,
+               b.usage_on_finish, spec)  # fmt: skip
+        body = _WHOLE.get(key)
+        if body is None:
+            if len(_WHOLE) >= WHOLE_KEPT:
+                _WHOLE.clear()
+            body = _WHOLE[key] = http_chunk(b"".join(map(self.event, range(self.n))) + self.tail()) + b"0\r\n\r\n"
+        return body
 
     def _usage(self, out: int, final: bool = True) -> str:
         p = self.prompt_tokens
@@ -250,7 +267,7 @@ class Conn(asyncio.Protocol):
             t.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/html\r\ncontent-length: %d\r\n\r\n%s"
                     % (len(body_html), body_html))  # fmt: skip
         elif b.fault is None and b.ttft == 0 and b.itl == 0 and self.fast:  # the whole stream in one write
-            t.write(self._head() + http_chunk(b"".join(map(stream.event, range(stream.n))) + stream.tail()) + b"0\r\n\r\n")
+            t.write(self._head() + stream.whole())
             self._done()
         else:
             self.busy = True
