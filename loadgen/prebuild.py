@@ -13,51 +13,71 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 
 from workloads.base import Session
 from workloads.contracts import GenRequest
 
+HAND_S = 0.001  # a batch is handed to the loop once the thread has built for this long
 Item = tuple[int, Session, GenRequest]  # session index in the workload's order, the session, its first request
 
 
 class Prebuilder:
-    """``await peek()`` the next item of this worker (None after the last), ``take()`` it."""
+    """``await peek()`` the next item of this worker (None after the last), ``take()`` it.
+
+    Items cross between the thread and the loop in batches: the loop gives room back a quarter of ``ahead``
+    at a time, and the thread hands what it built when it runs out of room or has built for
+    :data:`HAND_S`. One item at a time, each send woke the thread and then the loop (a self-pipe write) once
+    more, and the thread took a CPU from the loop it feeds (open loop, 2 workers on 2 cores: ...)."""
 
     def __init__(self, sessions: Iterator[Session], mine: Callable[[int], bool], ahead: int) -> None:
         self._loop = asyncio.get_running_loop()
         self._items: deque[Item | BaseException | None] = deque()
         self._ready = asyncio.Event()
         self._room = threading.Semaphore(ahead)
+        self._batch = max(1, ahead // 4)
+        self._taken = 0  # taken, room not yet given back
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(sessions, mine), name="prebuild", daemon=True)
         self._thread.start()
 
     def _run(self, sessions: Iterator[Session], mine: Callable[[int], bool]) -> None:
-        out: Item | BaseException | None = None
+        built: list[Item | BaseException | None] = []
+        since = 0.0
         try:
             for i, sess in enumerate(sessions):
                 if not mine(i):
                     continue
-                while not self._room.acquire(timeout=0.1):
-                    if self._stop.is_set():
-                        return
+                if built and time.monotonic() - since > HAND_S:
+                    self._hand(built)
+                    built = []
+                if not self._room.acquire(blocking=False):
+                    if built:  # out of room: what is built goes now, then wait for the loop to take some
+                        self._hand(built)
+                        built = []
+                    while not self._room.acquire(timeout=0.1):
+                        if self._stop.is_set():
+                            return
                 if self._stop.is_set():
                     return
-                self._hand((i, sess, sess.first()))
+                if not built:
+                    since = time.monotonic()
+                built.append((i, sess, sess.first()))
+            built.append(None)
         except BaseException as exc:  # the workload's error is raised where the loop takes the item
-            out = exc
-        self._hand(out)
+            built.append(exc)
+        self._hand(built)
 
-    def _hand(self, item: Item | BaseException | None) -> None:
+    def _hand(self, items: list[Item | BaseException | None]) -> None:
         try:
-            self._loop.call_soon_threadsafe(self._put, item)
+            self._loop.call_soon_threadsafe(self._put, items)
         except RuntimeError:  # the loop is closed: nobody takes it
             self._stop.set()
 
-    def _put(self, item: Item | BaseException | None) -> None:
-        self._items.append(item)
+    def _put(self, items: list[Item | BaseException | None]) -> None:
+        self._items.extend(items)
         self._ready.set()
 
     async def fill(self, n: int) -> None:
@@ -79,7 +99,10 @@ class Prebuilder:
 
     def take(self) -> None:
         self._items.popleft()
-        self._room.release()
+        self._taken += 1
+        if self._taken >= self._batch:
+            self._room.release(self._taken)
+            self._taken = 0
 
     def close(self) -> None:
         self._stop.set()
