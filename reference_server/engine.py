@@ -35,7 +35,7 @@ from reference_server.model_runner import ModelRunner
 from reference_server.policies import make_policy
 from reference_server.scheduler import Policy, ScheduledBatch, Scheduler
 from reference_server.sequence import SamplingParams, SeqStatus, Sequence
-from reference_server.spec_decode import SpecConfig, make_spec_decoder
+from reference_server.spec_decode import make_spec_decoder
 from reference_server.text import Detokenizer, TextCodec
 
 
@@ -82,10 +82,7 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    self.max_model_len, config.enable_chunked_prefill,
                                    policy or make_policy(config.policy, config.aging_s), gate)
-        self.spec_config = SpecConfig(method=config.spec, num_draft=config.spec_k, adaptive=config.spec_adaptive,  # type: ignore[arg-type]
-                                      max_batch=config.spec_max_batch, draft_model=config.draft_model or None,
-                                      self_draft_layers=config.self_draft_layers)
-        self.spec = make_spec_decoder(self.spec_config, self.runner, self.block_manager, config)
+        self.spec = make_spec_decoder(config, self.runner, self.block_manager)
         self.iterations: deque[IterationRecord] = deque(maxlen=config.iteration_log_size)
         self.num_iterations = 0
         self.on_iteration: list[Callable[[IterationRecord], None]] = []

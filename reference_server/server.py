@@ -606,8 +606,8 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
 
 
 # -- command line ---------------------------------------------------------------------------------------
-# Flag groups in --help order; every EngineConfig field is a flag (``--field-name``) and needs an entry in
-# FLAG_HELP: (group, help). Choices come from the modules that check them; defaults from EngineConfig.
+# Flag groups in --help order; every EngineConfig field is a flag (``--field-name``) whose group and help are
+# its field metadata (config.flag). Choices come from the modules that check them; defaults from EngineConfig.
 FLAG_GROUPS = {
     "model": "which model is served, and how it is computed",
     "engine": "KV cache and engine bookkeeping",
@@ -616,64 +616,13 @@ FLAG_GROUPS = {
     "speculation": "speculative decoding",
     "server": "HTTP front end",
 }
-FLAG_HELP: dict[str, tuple[str, str]] = {
-    "device": ("model", "where the model runs: auto (CUDA when available, else CPU), cpu, cuda, cuda:N"),
-    "dtype": ("model", "weight/activation dtype: auto (bf16 on CPUs with AVX512-BF16 and on CUDA, else "
-                       "fp32), bf16, fp16 or fp32"),
-    "threads": ("model", "torch intra-op threads on CPU (default: all cores when the machine is idle at "
-                         "start, else 1)"),
-    "kernels": ("model", "auto: on CPU in bf16 the native kernels (paged decode attention, RMSNorm, RoPE + KV "
-                         "write, SiLU) when the CPU has AVX-512 BF16, on CUDA the Triton paged-attention kernel "
-                         "when Triton is installed, else PyTorch ops; native, triton or torch insist on one"),
-    "quantization": ("model", "weight-only quantised linears on the native CPU kernels: none (bf16), int8 (per "
-                              "output channel; Q8_0 blocks as they are), int4 (groups of 32; Q4_0/Q4_1 blocks "
-                              "as they are) or auto (from the GGUF's block types)"),
-    "block_size": ("engine", "tokens per KV-cache block (paged KV)"),
-    "kv_cache_dtype": ("engine", "KV cache storage: auto (the model's dtype), bf16, int8 (a float32 scale per "
-                                 "KV head and block: ~2x the tokens in the same memory) or fp8 (e4m3; refused "
-                                 "with the reason: no kernel here reads it)"),
-    "num_kv_blocks": ("engine", "KV pool size in blocks; tokens held = blocks x block size (default: on CUDA "
-                                "sized from free GPU memory by --gpu-memory-utilization, on CPU the memory of "
-                                "2048 blocks in the model's dtype)"),
-    "gpu_memory_utilization": ("engine", "CUDA: fraction of the GPU's memory this server may use, weights, "
-                                         "activations and KV pool together; the pool takes what is left "
-                                         "(0 < f <= 1; ignored with --num-kv-blocks)"),
-    "cuda_graphs": ("model", "CUDA: replay decode steps as CUDA graphs captured per batch-size bucket (1, 2, "
-                             "4, 8, 16, 32, ... up to --max-num-seqs); --no-cuda-graphs runs every step eagerly"),
-    "max_model_len": ("engine", "longest prompt + output in tokens (default: the model's context length)"),
-    "enable_prefix_caching": ("engine", "reuse the KV blocks of a shared prompt prefix (hash of full blocks)"),
-    "iteration_log_size": ("engine", "per-step records kept for GET /v1/iterations"),
-    "batching": ("batching", "continuous: requests join and leave every step; dynamic: batches start when full "
-                             "or after --batch-max-delay-ms; static: a batch runs until all its requests end"),
-    "batch_size": ("batching", "requests per batch (dynamic and static batching)"),
-    "batch_max_delay_ms": ("batching", "dynamic batching: start a partial batch after this wait, ms"),
-    "max_num_batched_tokens": ("batching", "token budget of one engine step (prefill chunks + decodes)"),
-    "max_num_seqs": ("batching", "most requests running at once"),
-    "enable_chunked_prefill": ("batching", "split long prompts across steps so decodes keep running"),
-    "policy": ("scheduling", "order of the waiting queue: fifo, sjf (shortest prompt first) or priority "
-                             "(the request's `priority` field)"),
-    "aging_s": ("scheduling", "sjf/priority: seconds of waiting that count as one priority level (or 64 "
-                              "prompt tokens), so nothing starves"),
-    "max_waiting": ("scheduling", "bound of the waiting queue; beyond it requests get HTTP 429"),
-    "spec": ("speculation", "speculative decoding: off, ngram (prompt lookup), draft (a smaller GGUF, "
-                            "--draft-model) or self (the model's first --self-draft-layers layers)"),
-    "spec_k": ("speculation", "most draft tokens proposed per step"),
-    "spec_adaptive": ("speculation", "adapt the draft length per request (grow after full acceptance, "
-                                     "shrink when nothing is kept), and cap it per step at what measures the "
-                                     "most output tokens/s (0 = off, 1, 2, 4, ..., --spec-k; per batch size; "
-                                     "a neighbouring cap re-tried one step in 16)"),
-    "spec_max_batch": ("speculation", "speculate only while at most this many requests decode"),
-    "draft_model": ("speculation", "GGUF of the draft model for --spec draft (same vocabulary as the model)"),
-    "self_draft_layers": ("speculation", "--spec self: how many of the model's layers draft"),
-}
 _HIDDEN = ("model", "step_sleep_ms")  # --model is added by hand; step_sleep_ms is a test-only env knob
 
 
 def _choices() -> dict[str, tuple[str, ...]]:
     from reference_server.batching import BATCHING
-    from reference_server.config import KERNELS, KV_CACHE_DTYPES, QUANTIZATIONS
+    from reference_server.config import KERNELS, KV_CACHE_DTYPES, QUANTIZATIONS, SPEC_METHODS
     from reference_server.policies import POLICIES
-    from reference_server.spec_decode import SPEC_METHODS
 
     return {"kernels": KERNELS, "quantization": QUANTIZATIONS, "kv_cache_dtype": KV_CACHE_DTYPES, "batching": BATCHING,
             "policy": POLICIES, "spec": SPEC_METHODS}
@@ -696,10 +645,10 @@ def build_parser(prog: str = "python -m reference_server") -> argparse.ArgumentP
     for f in fields(EngineConfig):
         if f.name in _HIDDEN:
             continue
-        group, text = FLAG_HELP.get(f.name, ("engine", ""))  # a missing entry fails tests/test_server_help.py
+        group, text = f.metadata["group"], f.metadata["help"]
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
-        shown = "" if default is None or "default:" in text else " (default: %(default)s)"
+        shown = "" if default in (None, "") or "default:" in text else " (default: %(default)s)"
         if isinstance(default, bool):
             groups[group].add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text + shown)
         else:

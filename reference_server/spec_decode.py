@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal, Protocol, get_args
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -28,43 +28,6 @@ from reference_server.model_runner import ModelRunner
 from reference_server.sampler import target_probs
 from reference_server.scheduler import ScheduledBatch
 from reference_server.sequence import Sequence
-
-SpecMethod = Literal["off", "ngram", "draft", "self"]
-SPEC_METHODS: tuple[str, ...] = get_args(SpecMethod)
-
-
-@dataclass
-class SpecConfig:
-    """Speculation settings (one per server)."""
-
-    method: SpecMethod = "off"
-    num_draft: int = 6  # the most tokens proposed per step (k)
-    adaptive: bool = True  # grow k after full acceptance, shrink it when nothing is kept; cap it where it pays
-    max_batch: int = 4  # speculate only while at most this many requests decode in a step
-    ngram_max: int = 4  # n-gram lookup tries the longest suffix first ...
-    ngram_min: int = 1  # ... down to this length
-    draft_model: str | None = None  # GGUF path for method "draft" (same vocabulary as the target)
-    self_draft_layers: int = 8  # method "self": first N target layers + the target's norm and head
-
-    def __post_init__(self) -> None:
-        if self.method not in SPEC_METHODS:
-            raise ValueError(f"unknown speculation method {self.method!r}: choose one of {', '.join(SPEC_METHODS)}")
-        if self.num_draft < 1 or self.max_batch < 1:
-            raise ValueError("num_draft and spec max_batch must be >= 1")
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ValueError("need 1 <= ngram_min <= ngram_max")
-        if self.method == "draft" and not self.draft_model:
-            raise ValueError("speculation method 'draft' needs a draft model GGUF path")
-        if self.self_draft_layers < 1:
-            raise ValueError("self_draft_layers must be >= 1")
-
-    @property
-    def enabled(self) -> bool:
-        return self.method != "off"
-
-    def active(self, num_decoding: int) -> bool:
-        """Speculation pays while decode is memory-bound; a big batch already fills the compute."""
-        return self.enabled and num_decoding <= self.max_batch
 
 
 @dataclass
@@ -316,14 +279,18 @@ class SpecDecoder:
     draft short), and the model runner returns logits for all of them.
     """
 
-    def __init__(self, cfg: SpecConfig, proposer: Proposer | ModelProposer) -> None:
+    def __init__(self, cfg: EngineConfig, proposer: Proposer | ModelProposer) -> None:
         self.cfg, self.proposer = cfg, proposer
         self.ks: dict[str, AdaptiveK] = {}
         self.drafts: dict[str, Draft] = {}
         self.num_drafted = 0
         self.num_accepted = 0
         self.num_steps = 0  # verification steps that carried a draft
-        self.governor = Governor(cfg.num_draft) if cfg.adaptive else None
+        self.governor = Governor(cfg.spec_k) if cfg.spec_adaptive else None
+
+    def active(self, num_decoding: int) -> bool:
+        """Speculation pays while decode is memory-bound; a big batch already fills the compute."""
+        return num_decoding <= self.cfg.spec_max_batch
 
     def propose(self, decoding: list[Sequence]) -> None:
         """Attach drafts to the requests about to decode (none when the batch is too big to pay)."""
@@ -331,12 +298,12 @@ class SpecDecoder:
             seq.spec_token_ids = []
         if self.governor is not None:
             self.governor.last = None
-        if not decoding or not self.cfg.active(len(decoding)):
+        if not decoding or not self.active(len(decoding)):
             return
-        cap = self.governor.choose(len(decoding)) if self.governor is not None else self.cfg.num_draft
+        cap = self.governor.choose(len(decoding)) if self.governor is not None else self.cfg.spec_k
         if cap == 0:
             return
-        ks = [self.ks.setdefault(s.seq_id, AdaptiveK(self.cfg.num_draft, self.cfg.adaptive)).k for s in decoding]
+        ks = [self.ks.setdefault(s.seq_id, AdaptiveK(self.cfg.spec_k, self.cfg.spec_adaptive)).k for s in decoding]
         ks = [max(0, min(k, cap, s.params.max_tokens - s.num_output_tokens - 1)) for k, s in zip(ks, decoding, strict=True)]
         if isinstance(self.proposer, ModelProposer):
             drafts = self.proposer.propose_batch(decoding, ks)
@@ -384,20 +351,19 @@ class SpecDecoder:
             self.proposer.release(seq)
 
 
-def make_spec_decoder(cfg: SpecConfig, runner: ModelRunner, blocks: BlockManager, engine_config: EngineConfig) -> SpecDecoder | None:
-    """The decoder for ``cfg.method`` (None when off). A separate draft model gets its own runner and
-    KV pool (same block size and pool size as the target's)."""
-    if not cfg.enabled:
+def make_spec_decoder(cfg: EngineConfig, runner: ModelRunner, blocks: BlockManager) -> SpecDecoder | None:
+    """The decoder for ``cfg.spec`` (None when off). A separate draft model gets its own runner and KV pool
+    (same block size and pool size as the target's)."""
+    if cfg.spec == "off":
         return None
-    if cfg.method == "ngram":
-        return SpecDecoder(cfg, NgramProposer(cfg.ngram_max, cfg.ngram_min))
-    if cfg.method == "self":
+    if cfg.spec == "ngram":
+        return SpecDecoder(cfg, NgramProposer(cfg.spec_ngram_max, cfg.spec_ngram_min))
+    if cfg.spec == "self":
         layers = min(cfg.self_draft_layers, runner.spec.n_layers)
         return SpecDecoder(cfg, ModelProposer(runner, blocks, num_layers=layers))
-    assert cfg.draft_model
-    draft_cfg = replace(engine_config, model=Path(cfg.draft_model), num_kv_blocks=runner.num_blocks)
+    draft_cfg = replace(cfg, model=Path(cfg.draft_model), num_kv_blocks=runner.num_blocks)
     draft = ModelRunner(draft_cfg)
     if draft.spec.vocab != runner.spec.vocab:
         raise ValueError(f"draft model vocabulary ({draft.spec.vocab}) differs from the model's ({runner.spec.vocab})")
-    own = BlockManager(draft.num_blocks, engine_config.block_size, enable_prefix_caching=False)
+    own = BlockManager(draft.num_blocks, cfg.block_size, enable_prefix_caching=False)
     return SpecDecoder(cfg, ModelProposer(draft, own, separate=True))

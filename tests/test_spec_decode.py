@@ -1,16 +1,19 @@
 """Speculative decoding: the rejection rule preserves the target distribution; greedy is exact match."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
+from reference_server.config import EngineConfig
 from reference_server.iteration import IterationRecord
 from reference_server.spec_decode import (
     AdaptiveK,
     Draft,
     Governor,
     NgramProposer,
-    SpecConfig,
+    SpecDecoder,
     verify_greedy,
     verify_sampled,
 )
@@ -107,11 +110,12 @@ def test_adaptive_k_and_switch_off():
     k.update(drafted=3, accepted=3)
     k.update(drafted=4, accepted=4)
     assert k.k == 4
-    cfg = SpecConfig(method="ngram", max_batch=2)
-    assert cfg.active(1) and cfg.active(2) and not cfg.active(3)
-    assert not SpecConfig().active(1)
+    dec = SpecDecoder(EngineConfig(model=Path("m"), spec="ngram", spec_max_batch=2), NgramProposer())
+    assert dec.active(1) and dec.active(2) and not dec.active(3)
     with pytest.raises(ValueError, match="draft model"):
-        SpecConfig(method="draft")
+        EngineConfig(model=Path("m"), spec="draft")
+    with pytest.raises(ValueError, match="spec_ngram_min"):
+        EngineConfig(model=Path("m"), spec_ngram_min=3, spec_ngram_max=2)
 
 
 def _record(seconds: float, tokens: int, prefill: int = 0) -> IterationRecord:
