@@ -202,24 +202,18 @@ async def serve(obj: Any, conn: Connection, on_orphaned: Callable[[], Any]) -> N
     os.setpgid(0, 0)  # signals come from the coordinator only
     eof = asyncio.Event()
     tasks: set[asyncio.Task[None]] = set()
-    # Replies are pickled and written on a thread of their own, one at a time: a progress reply carries
-    # half a second of records (megabytes at thousands of requests/s), and writing it into the pipe
-    # waits for the coordinator to read it. On the event loop that stalled every send and read of the
-    # worker twice a second (open loop, 2 workers on 2 cores: schedule lag p99 ~10 ms, 1 worker 1.5 ms).
+    # Replies are pickled and written on a thread of their own, one at a time: a progress reply carries half
+    # a second of records (megabytes at scale), and writing it waits for the coordinator to read it; on the
+    # loop that stalled the worker's sends and reads twice a second (docs/performance.md, issue 38).
     sender = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="servelab-reply")
-
-    def send(msg: tuple[int, bool, Any]) -> None:
-        try:
-            conn.send(msg)
-        except OSError:  # the coordinator is gone
-            pass
 
     async def run(i: int, method: str, args: tuple[Any, ...]) -> None:
         try:
             msg = (i, True, await getattr(obj, method)(*args))
         except Exception as exc:
             msg = (i, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-        await asyncio.get_running_loop().run_in_executor(sender, send, msg)
+        with contextlib.suppress(OSError):  # the coordinator is gone
+            await asyncio.get_running_loop().run_in_executor(sender, conn.send, msg)
 
     def deliver(msg: tuple[int, str, tuple[Any, ...]] | None) -> None:
         if msg is None:  # the coordinator said goodbye, or went away
