@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import reference_server.metric_names as M
+
 # The bundled reference server's speculative-decoding counters.
-REFERENCE_SPEC = ("servelab_spec_draft_tokens_total", "servelab_spec_accepted_tokens_total")
-REFERENCE_KV_BLOCKS = ("servelab_kv_blocks_used", "servelab_kv_blocks_total")
+REFERENCE_SPEC = (M.total(M.SPEC_DRAFT_TOKENS), M.total(M.SPEC_ACCEPTED_TOKENS))
 # vLLM's naming, ``<prefix>:spec_decode_num_..._tokens_total``, which other servers follow.
 _VLLM_SPEC_SUFFIXES = ("spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total")
 
@@ -68,9 +69,9 @@ class ServerProfile:
 DEFAULT_PROFILE = ServerProfile()
 # The bundled reference server (served through the plain OpenAI backend).
 REFERENCE_PROFILE = ServerProfile(
-    spec_drafted=REFERENCE_SPEC[0], spec_accepted=REFERENCE_SPEC[1], running=("servelab_requests_running",),
-    waiting=("servelab_requests_waiting",), kv_blocks=REFERENCE_KV_BLOCKS,
-    prefix_cache=PrefixCounters("servelab_prefix_cache_hits_total", "servelab_prefix_cache_queries_total"),
+    spec_drafted=REFERENCE_SPEC[0], spec_accepted=REFERENCE_SPEC[1],
+    running=(M.REQUESTS_RUNNING,), waiting=(M.REQUESTS_WAITING,), kv_blocks=(M.KV_BLOCKS_USED, M.KV_BLOCKS_TOTAL),
+    prefix_cache=PrefixCounters(M.total(M.PREFIX_CACHE_HITS), M.total(M.PREFIX_CACHE_QUERIES)),
     reset_cache="/reset_prefix_cache",
 )  # fmt: skip
 

@@ -17,7 +17,6 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from backends.profile import REFERENCE_KV_BLOCKS
 from loadgen.defaults import RESULTS_ROOT
 from loadgen.engine import LoadSpec
 from loadgen.experiment import (
@@ -34,6 +33,7 @@ from loadgen.experiment import (
 )
 from loadgen.results import new_run_id
 from loadgen.sweep import PointPlan
+from reference_server import metric_names
 from workloads.base import Workload
 from workloads.loader import load_workload
 from workloads.spec import EXPERIMENTS_DIR
@@ -246,7 +246,7 @@ def quantization() -> Experiment:
             decode, LoadSpec(process="closed", concurrency=c, num_requests=(2 if quick else 6) * c, seed=3))]
 
     def probe(base_url: str, args: list[str]) -> dict[str, Any]:
-        kv_tokens = scrape_metrics(base_url).get(REFERENCE_KV_BLOCKS[1], 0) * 16
+        kv_tokens = scrape_metrics(base_url).get(metric_names.KV_BLOCKS_TOTAL, 0) * 16
         flags = [a for flag in ("--model", "--quantization", "--kv-cache-dtype") if flag in args
                  for a in (flag, args[args.index(flag) + 1])]  # fmt: skip
         res = subprocess.run([sys.executable, "-m", "reference_server.accuracy", *flags], capture_output=True,

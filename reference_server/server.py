@@ -44,6 +44,7 @@ from prometheus_client import (
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import ClientDisconnect
 
+from reference_server import metric_names as M
 from reference_server.config import EngineConfig
 from reference_server.engine import Engine, EngineDead, IterationRecord, RequestOutput
 from reference_server.quant import linear_bytes
@@ -163,36 +164,36 @@ class Metrics:
 
     def __init__(self, engine: Engine) -> None:
         self.registry = r = CollectorRegistry()
-        self.running = Gauge("servelab_requests_running", "Requests in the running batch", registry=r)
-        self.waiting = Gauge("servelab_requests_waiting", "Requests waiting for admission", registry=r)
-        self.kv_used = Gauge("servelab_kv_blocks_used", "KV-cache blocks referenced by requests", registry=r)
-        self.kv_total = Gauge("servelab_kv_blocks_total", "KV-cache blocks in the pool", registry=r)
-        self.preemptions = Counter("servelab_preemptions", "Requests preempted (recomputed later)", registry=r)
-        self.prefix_queries = Counter("servelab_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r)
-        self.prefix_hits = Counter("servelab_prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
-        self.iterations = Counter("servelab_iterations", "Engine steps", registry=r)
-        self.prompt_tokens = Counter("servelab_prompt_tokens", "Prompt tokens computed (prefill)", registry=r)
-        self.generation_tokens = Counter("servelab_generation_tokens", "Tokens generated (accepted draft tokens included)",
+        self.running = Gauge(M.REQUESTS_RUNNING, "Requests in the running batch", registry=r)
+        self.waiting = Gauge(M.REQUESTS_WAITING, "Requests waiting for admission", registry=r)
+        self.kv_used = Gauge(M.KV_BLOCKS_USED, "KV-cache blocks referenced by requests", registry=r)
+        self.kv_total = Gauge(M.KV_BLOCKS_TOTAL, "KV-cache blocks in the pool", registry=r)
+        self.preemptions = Counter(M.PREEMPTIONS, "Requests preempted (recomputed later)", registry=r)
+        self.prefix_queries = Counter(M.PREFIX_CACHE_QUERIES, "Prompt tokens looked up in the prefix cache", registry=r)
+        self.prefix_hits = Counter(M.PREFIX_CACHE_HITS, "Prompt tokens found in the prefix cache", registry=r)
+        self.iterations = Counter(M.ITERATIONS, "Engine steps", registry=r)
+        self.prompt_tokens = Counter(M.PROMPT_TOKENS, "Prompt tokens computed (prefill)", registry=r)
+        self.generation_tokens = Counter(M.GENERATION_TOKENS, "Tokens generated (accepted draft tokens included)",
                                          registry=r)
-        self.requests = Counter("servelab_requests_finished", "Requests ended, by finish reason (stop, length, "
+        self.requests = Counter(M.REQUESTS_FINISHED, "Requests ended, by finish reason (stop, length, "
                                 "abort: the client went away, error: failed on the server)", ["finish_reason"], registry=r)
-        self.alive = Gauge("servelab_engine_alive", "1 while the engine loop runs, 0 once it has died", registry=r)
+        self.alive = Gauge(M.ENGINE_ALIVE, "1 while the engine loop runs, 0 once it has died", registry=r)
         buckets = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-        self.tokens_per_iter = Histogram("servelab_tokens_per_iteration", "Tokens computed per engine step",
+        self.tokens_per_iter = Histogram(M.TOKENS_PER_ITERATION, "Tokens computed per engine step",
                                          buckets=buckets, registry=r)
         lat = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80)
-        self.ttft = Histogram("servelab_time_to_first_token_seconds", "Time to first token", buckets=lat, registry=r)
-        self.itl = Histogram("servelab_inter_token_latency_seconds", "Time between output tokens", buckets=lat, registry=r)
-        self.spec_drafted = Counter("servelab_spec_draft_tokens", "Speculative draft tokens verified", registry=r)
-        self.spec_accepted = Counter("servelab_spec_accepted_tokens", "Speculative draft tokens accepted", registry=r)
-        self.spec_steps = Counter("servelab_spec_verify_steps", "Verification passes that carried a draft", registry=r)
+        self.ttft = Histogram(M.TIME_TO_FIRST_TOKEN, "Time to first token", buckets=lat, registry=r)
+        self.itl = Histogram(M.INTER_TOKEN_LATENCY, "Time between output tokens", buckets=lat, registry=r)
+        self.spec_drafted = Counter(M.SPEC_DRAFT_TOKENS, "Speculative draft tokens verified", registry=r)
+        self.spec_accepted = Counter(M.SPEC_ACCEPTED_TOKENS, "Speculative draft tokens accepted", registry=r)
+        self.spec_steps = Counter(M.SPEC_VERIFY_STEPS, "Verification passes that carried a draft", registry=r)
         self.kv_total.set(engine.block_manager.num_blocks)
         # read when scraped, so they are current while the engine idles (after aborts, say)
         self.running.set_function(lambda: len(engine.scheduler.running))
         self.waiting.set_function(engine.num_waiting)
         self.kv_used.set_function(lambda: engine.block_manager.num_used)
         self.alive.set_function(lambda: int(engine.alive))
-        self.open = Gauge("servelab_requests_open", "Requests the HTTP front end holds an output queue for", registry=r)
+        self.open = Gauge(M.REQUESTS_OPEN, "Requests the HTTP front end holds an output queue for", registry=r)
         self._engine = engine
         self._seen = (0, 0, 0, 0, 0, 0)
 

@@ -16,11 +16,12 @@ from pathlib import Path
 from backends.llamacpp import LLAMACPP_PROFILE
 from backends.profile import REFERENCE_PROFILE, PrefixCounters
 from backends.vllm import VLLMBackend
+from reference_server import metric_names as M
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "grafana"
 SEL = '{instance=~"$instance"}'
 SERVERS = {  # server -> (dashboard title, a metric every scrape has: feeds the instance picker)
-    "servelab": ("servelab reference server", "servelab_requests_running"),
+    "servelab": ("servelab reference server", M.REQUESTS_RUNNING),
     "vllm": ("vLLM", "vllm:num_requests_running"),
     "llamacpp": ("llama.cpp llama-server", "llamacpp:requests_processing"),
 }
@@ -48,39 +49,39 @@ def _hit_rate(pc: PrefixCounters) -> str:
 # (title, Grafana unit, {server: [(PromQL, legend)]}); the order is the layout (two panels per row)
 PANELS: list[tuple[str, str, dict[str, list[tuple[str, str]]]]] = [
     ("Requests running / waiting", "short", {
-        "servelab": [(f"servelab_requests_running{SEL}", "running"), (f"servelab_requests_waiting{SEL}", "waiting")],
+        "servelab": [(f"{M.REQUESTS_RUNNING}{SEL}", "running"), (f"{M.REQUESTS_WAITING}{SEL}", "waiting")],
         "vllm": [(f"vllm:num_requests_running{SEL}", "running"), (f"vllm:num_requests_waiting{SEL}", "waiting")],
         "llamacpp": [(f"llamacpp:requests_processing{SEL}", "running"),
                      (f"llamacpp:requests_deferred{SEL}", "waiting (deferred)")],
     }),
     ("KV cache used", "percentunit", {
-        "servelab": [(f"servelab_kv_blocks_used{SEL} / servelab_kv_blocks_total{SEL}", "blocks used")],
+        "servelab": [(f"{M.KV_BLOCKS_USED}{SEL} / {M.KV_BLOCKS_TOTAL}{SEL}", "blocks used")],
         "vllm": [(f"vllm:kv_cache_usage_perc{SEL}", "used")],
     }),
     ("Output tokens/s", "short", {
-        "servelab": [(_rate("servelab_generation_tokens_total"), "generated")],
+        "servelab": [(_rate(M.total(M.GENERATION_TOKENS)), "generated")],
         "vllm": [(_rate("vllm:generation_tokens_total"), "generated")],
         "llamacpp": [(_rate("llamacpp:tokens_predicted_total"), "generated")],
     }),
     ("Prompt tokens/s (prefill)", "short", {
-        "servelab": [(_rate("servelab_prompt_tokens_total"), "computed")],
+        "servelab": [(_rate(M.total(M.PROMPT_TOKENS)), "computed")],
         "vllm": [(_rate("vllm:prompt_tokens_total"), "prompt")],
         "llamacpp": [(_rate("llamacpp:prompt_tokens_total"), "computed")],
     }),
     ("Time to first token", "s", {
-        "servelab": _quantiles("servelab_time_to_first_token_seconds"),
+        "servelab": _quantiles(M.TIME_TO_FIRST_TOKEN),
         "vllm": _quantiles("vllm:time_to_first_token_seconds"),
     }),
     ("Inter-token latency", "s", {
-        "servelab": _quantiles("servelab_inter_token_latency_seconds"),
+        "servelab": _quantiles(M.INTER_TOKEN_LATENCY),
         "vllm": _quantiles("vllm:inter_token_latency_seconds"),
     }),
     ("Finished requests/s", "reqps", {
-        "servelab": [(f"sum by (finish_reason) ({_rate('servelab_requests_finished_total')})", "{{finish_reason}}")],
+        "servelab": [(f"sum by (finish_reason) ({_rate(M.total(M.REQUESTS_FINISHED))})", "{{finish_reason}}")],
         "vllm": [(f"sum by (finished_reason) ({_rate('vllm:request_success_total')})", "{{finished_reason}}")],
     }),
     ("Engine steps/s", "short", {
-        "servelab": [(_rate("servelab_iterations_total"), "steps")],
+        "servelab": [(_rate(M.total(M.ITERATIONS)), "steps")],
         "vllm": [(_rate("vllm:iteration_tokens_total_count"), "steps")],
         "llamacpp": [(_rate("llamacpp:n_decode_total"), "decode calls")],
     }),
@@ -90,11 +91,11 @@ PANELS: list[tuple[str, str, dict[str, list[tuple[str, str]]]]] = [
         if profile.prefix_cache
     }),
     ("Preemptions/s", "short", {
-        "servelab": [(_rate("servelab_preemptions_total"), "preempted")],
+        "servelab": [(_rate(M.total(M.PREEMPTIONS)), "preempted")],
         "vllm": [(_rate("vllm:num_preemptions_total"), "preempted")],
     }),
     ("Speculative decoding: accepted / drafted tokens", "percentunit", {
-        "servelab": [(_ratio("servelab_spec_accepted_tokens_total", "servelab_spec_draft_tokens_total"), "acceptance")],
+        "servelab": [(_ratio(M.total(M.SPEC_ACCEPTED_TOKENS), M.total(M.SPEC_DRAFT_TOKENS)), "acceptance")],
         "vllm": [(_ratio("vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_draft_tokens_total"),
                   "acceptance")],
         "llamacpp": [(_ratio("llamacpp:spec_decode_num_accepted_tokens_total",

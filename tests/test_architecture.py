@@ -3,8 +3,8 @@
 Data flows workload -> arrivals -> dispatcher -> backend -> records -> metrics -> report. The layers
 below the load generator know nothing of it, and the reference server stands alone. Two modules are shared
 by the layers below it: ``workloads.contracts`` (the types that cross a layer boundary; workloads are the
-first stage, so every later layer may import it) and ``reference_server.model_files`` (the bundled model's
-facts); both import nothing of the project and load no heavy package. Imports inside functions count too: a
+first stage, so every later layer may import it), ``reference_server.model_files`` (the bundled model's
+facts) and ``reference_server.metric_names`` (its Prometheus names); each imports nothing of the project and load no heavy package. Imports inside functions count too: a
 lazy import is still a dependency.
 """
 
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("backends", "workloads", "loadgen", "reference_server")
 
 # Modules the layers below the load generator share: each imports nothing of the project.
-SHARED = ("workloads.contracts", "reference_server.model_files")
+SHARED = ("workloads.contracts", "reference_server.model_files", "reference_server.metric_names")
 
 # package -> (the project packages it must never import, the shared modules of those it may import)
 FORBIDDEN = {
