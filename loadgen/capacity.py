@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -48,84 +47,10 @@ from loadgen.defaults import REQUEST_TIMEOUT_S, REQUESTS_FILE
 from loadgen.engine import LoadSpec, Progress, run_point
 from loadgen.fleet import ONE_PROCESS, Fleet
 from loadgen.gate import Check, GateReport, t_quantile
+from loadgen.slo import SLO
 from workloads.contracts import read_jsonl
 
 MODES = ("rate", "concurrency")
-_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
-
-
-class SloError(ValueError):
-    """A malformed ``--slo``; the message names the bad key."""
-
-
-@dataclass(frozen=True)
-class SLO:
-    """``metric_pQ <= limit`` (seconds) or, with metric ``error_rate``, the share of failed requests <= limit."""
-
-    metric: str
-    quantile: float  # 0.99 for p99; for error_rate the allowed share
-    limit: float
-
-    @property
-    def key(self) -> str:
-        return "error_rate" if self.metric == "error_rate" else f"{self.metric}_p{_pct(self.quantile)}"
-
-    @property
-    def allowed(self) -> float:
-        """The largest share of requests that may miss it."""
-        return self.limit if self.metric == "error_rate" else 1.0 - self.quantile
-
-    def describe(self) -> str:
-        if self.metric == "error_rate":
-            return f"error_rate <= {self.limit:.2%}"
-        return f"{self.key} <= {_fmt_s(self.limit)}"
-
-
-def _pct(q: float) -> str:
-    return f"{q * 100:g}"
-
-
-def _fmt_s(v: float) -> str:
-    return f"{v * 1e3:g} ms" if v < 1 else f"{v:g} s"
-
-
-def parse_slos(text: str) -> list[SLO]:
-    """``ttft_p99=1s,tpot_p99=60ms,e2e_p90=5s,error_rate=1%`` (a bare number is milliseconds, a bare
-    error rate a fraction)."""
-    slos: list[SLO] = []
-    if not text or not text.strip():
-        raise SloError("--slo is empty; give e.g. ttft_p99=1s,tpot_p99=60ms")
-    for part in text.split(","):
-        key, eq, value = (s.strip() for s in part.partition("="))
-        if not eq or not value:
-            raise SloError(f"--slo: {key or part!r} has no value (write {key or 'ttft_p99'}=1s)")
-        if key.lower() == "error_rate":
-            m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*(%?)", value)
-            if not m:
-                raise SloError(f"--slo: error_rate={value!r} is not a share (write error_rate=1% or 0.01)")
-            share = float(m.group(1)) / (100 if m.group(2) else 1)
-            if not 0 < share < 1:
-                raise SloError(f"--slo: error_rate={value} must be above 0 (no finite probe can confirm 0 %) "
-                               "and below 100 %")  # fmt: skip
-            slos.append(SLO("error_rate", share, share))
-            continue
-        m = re.fullmatch(r"([a-z][a-z0-9]*)_p([0-9]+(?:\.[0-9]+)?)", key.lower())
-        if not m or m.group(1) not in metrics.SLO_KEYS:
-            raise SloError(f"--slo: unknown key {key!r}; keys are {'|'.join(metrics.SLO_KEYS)}_pNN (e.g. ttft_p99) "
-                           "and error_rate")  # fmt: skip
-        q = float(m.group(2)) / 100
-        if not 0 < q < 1:
-            raise SloError(f"--slo: {key}: the percentile must be between 0 and 100")
-        v = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*(us|ms|s)?", value)
-        if not v or float(v.group(1)) <= 0:
-            raise SloError(f"--slo: {key}={value!r} is not a positive duration (write e.g. {key}=500ms)")
-        slos.append(SLO(m.group(1), q, float(v.group(1)) * _UNITS[v.group(2) or "ms"]))
-    keys = [s.key for s in slos]
-    if len(set(keys)) != len(keys):
-        raise SloError(f"--slo: a key appears twice in {keys}")
-    return slos
-
-
 # --- the statistical decision --------------------------------------------------------------------------
 
 
@@ -325,8 +250,8 @@ def check(samples: Samples, slo: SLO, z: float, confidence: float = 0.95) -> Slo
     if slo.metric == "error_rate":
         holds = hi <= slo.allowed
     else:
-        value, vlo = _quantile_lower(vals, slo.quantile, z, tau)
-        vhi = lognormal_upper(vals, slo.quantile, z, n / tau)
+        value, vlo = _quantile_lower(vals, slo.q, z, tau)
+        vhi = lognormal_upper(vals, slo.q, z, n / tau)
         margin = k == 0 and n / tau >= units_to_see(slo, confidence) and vhi is not None and vhi <= slo.limit
         holds = hi <= slo.allowed or margin
     state = "violated" if lo > slo.allowed else "holds" if holds else "open"

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from backends.launcher import GridPoint, LaunchError, server_grid, sweep_servers
-from loadgen.capacity import MODES, CapacityResult, LiveProber, SearchConfig, SloError, parse_slos, search
+from loadgen.capacity import MODES, CapacityResult, LiveProber, SearchConfig, search
 from loadgen.clock import RunClock
 from loadgen.defaults import REQUEST_TIMEOUT_S, RESULTS_ROOT
 from loadgen.engine import run_async
@@ -43,6 +43,7 @@ from loadgen.options import (
 )
 from loadgen.records import write_json
 from loadgen.results import new_run_id
+from loadgen.slo import SloError, parse_slos
 from loadgen.targets import embedded_server, load_workload, make_backend, read_api_key
 
 EXIT = {"unreachable": ExitCode.SLO_UNREACHABLE, "not_saturated": ExitCode.NOT_SATURATED, "server_gone": ExitCode.SERVER_GONE}
@@ -106,7 +107,7 @@ def capacity_command(
 ) -> None:  # fmt: skip
     """Find the highest load (rate or concurrency) at which every SLO holds, with its interval."""
     try:
-        slos = parse_slos(slo)
+        slos = parse_slos(slo, percentiles=True)
         if mode not in MODES:
             raise UsageError(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
         if arrival not in ("poisson", "constant"):

@@ -19,10 +19,9 @@ from loadgen.defaults import REQUEST_TIMEOUT_S, RESULTS_ROOT, STALL_TIMEOUT_S
 from loadgen.exitcodes import UsageError
 from loadgen.fleet import Fleet
 from loadgen.sidecars import telemetry
+from loadgen.slo import SloError, parse_slos
 from workloads.base import Workload
 from workloads.contracts import APIS, ARRIVAL_PROCESSES, OPEN_LOOP_PROCESSES
-
-_UNITS = {"ms": 1e-3, "s": 1.0, "us": 1e-6}
 
 
 def parse_list(text: str, kind: type[float] | type[int], what: str) -> list[Any]:
@@ -36,21 +35,13 @@ def parse_list(text: str, kind: type[float] | type[int], what: str) -> list[Any]
 
 
 def parse_slo(text: str | None) -> dict[str, float] | None:
-    """``ttft=500ms,tpot=50ms,e2e=10s`` → seconds; a bare number is milliseconds (as vLLM's --goodput)."""
+    """Goodput's per-request limits (``ttft=500ms,tpot=50ms,e2e=10s``, :mod:`loadgen.slo`) in seconds."""
     if not text:
         return None
-    slo: dict[str, float] = {}
-    for part in text.split(","):
-        key, _, value = part.partition("=")
-        key = key.strip().lower()
-        m = re.fullmatch(r"\s*([0-9.]+)\s*(ms|s|us)?\s*", value)
-        if key not in metrics.SLO_KEYS or not m:
-            raise UsageError(f"--slo wants ttft=..,tpot=..,e2e=.. (e.g. ttft=500ms,tpot=50ms), got {part!r}")
-        try:
-            slo[key] = float(m.group(1)) * _UNITS[m.group(2) or "ms"]
-        except ValueError:
-            raise UsageError(f"--slo: {value!r} is not a number") from None
-    return slo
+    try:
+        return {s.metric: s.limit for s in parse_slos(text, percentiles=False)}
+    except SloError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _not_config() -> Any:

@@ -36,7 +36,6 @@ from typing import Any
 import numpy as np
 
 from loadgen.capacity import (
-    SLO,
     Decision,
     Probe,
     ProbeJudge,
@@ -47,6 +46,7 @@ from loadgen.capacity import (
     probe_result,
 )
 from loadgen.nullserver import Behaviour, Conn, NullServerProcess, Stream, http_chunk, serve
+from loadgen.slo import SLO
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,10 @@ import numpy as np
 
 from backends.openai import OpenAIBackend
 from loadgen.calibrate import FixedWorkload
-from loadgen.capacity import LiveProber, SearchConfig, Sequential, linear_sweep, parse_slos, search
+from loadgen.capacity import LiveProber, SearchConfig, Sequential, linear_sweep, search
 from loadgen.engine import run_async
 from loadgen.servicemodel import ServiceModel, ServiceModelProcess, SimProber, true_capacity
+from loadgen.slo import parse_slos
 
 CASES = [("concurrency", "closed", "tpot_p90=9.5ms"), ("concurrency", "closed", "ttft_p99=40ms"),
          ("concurrency", "closed", "e2e_p90=150ms,error_rate=1%"), ("rate", "constant", "tpot_p90=9.5ms"),
@@ -62,7 +63,7 @@ def main() -> None:
     model, job = ServiceModel(), (60, 16)
     rows = []
     for mode, process, slo in CASES if args.seeds else []:
-        slos = parse_slos(slo)
+        slos = parse_slos(slo, percentiles=True)
         truth = true_capacity(model, job, slos, mode, "constant" if mode == "rate" else "poisson", requests=3000)
         step = max(1.0, round(0.1 * truth)) if mode == "concurrency" else 0.1 * truth
         s_cost, l_cost, hits = [], [], 0
@@ -84,7 +85,7 @@ def main() -> None:
                             decode_per_seq=0.004)  # fmt: skip
         wl = FixedWorkload(max_tokens=8, prompt="w " * 60)
         for mode, process, slo in (("concurrency", "closed", "tpot_p90=20ms"), ("rate", "constant", "ttft_p99=20ms")):
-            slos = parse_slos(slo)
+            slos = parse_slos(slo, percentiles=True)
             truth = true_capacity(live, (60, 8), slos, mode, "constant", requests=3000)
             step = 1.0 if mode == "concurrency" else 0.1 * truth
             s_cost, l_cost, hits = [], [], 0
@@ -112,7 +113,7 @@ def main() -> None:
                               decode_per_seq=0.006)  # tests/test_capacity.py LIVE  # fmt: skip
     for m, job, slo in POISSON_CASES if args.poisson else []:  # Poisson: the soft boundary
         model_p = live_model if m == "live" else model
-        slos = parse_slos(slo)
+        slos = parse_slos(slo, percentiles=True)
         truth = true_capacity(model_p, job, slos, "rate", "poisson", requests=20000, seeds=4)
         runs, l_cost = [], []
         for seed in range(args.poisson):

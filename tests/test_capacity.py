@@ -27,13 +27,11 @@ from loadgen.capacity import (
     SearchConfig,
     Sequential,
     SloCheck,
-    SloError,
     _probe_time_hint,
     _reach,
     check,
     linear_sweep,
     lognormal_upper,
-    parse_slos,
     samples_to_hold,
     search,
 )  # fmt: skip
@@ -41,6 +39,7 @@ from loadgen.engine import run_async
 from loadgen.exitcodes import ExitCode
 from loadgen.report.capacity import write_report
 from loadgen.servicemodel import ServiceModel, ServiceModelProcess, SimProber, simulate, true_capacity
+from loadgen.slo import SloError, parse_slos
 
 SIM = ServiceModel()  # 8 slots, prefill 4 ms + 0.1 ms/token, decode step 4 ms + 1 ms per occupied slot
 SIM_JOB = (60, 16)
@@ -48,7 +47,7 @@ SIM_MIX = [(p, o) for p in range(20, 401, 20) for o in range(2, 41, 2)]  # each 
 
 
 def test_parse_slos_and_malformed_keys_are_named():
-    slos = parse_slos("ttft_p99=1s,tpot_p99=60ms,e2e_p90=2500,error_rate=1%")
+    slos = parse_slos("ttft_p99=1s,tpot_p99=60ms,e2e_p90=2500,error_rate=1%", percentiles=True)
     assert [(s.key, s.limit) for s in slos] == [("ttft_p99", 1.0), ("tpot_p99", 0.06), ("e2e_p90", 2.5),
                                                 ("error_rate", 0.01)]  # fmt: skip
     assert slos[0].allowed == pytest.approx(0.01) and slos[3].allowed == pytest.approx(0.01)
@@ -56,7 +55,7 @@ def test_parse_slos_and_malformed_keys_are_named():
                        ("ttft_p99", "ttft_p99"), ("error_rate=150%", "error_rate"), ("error_rate=0", "error_rate"), ("ttft_p0=1s", "ttft_p0"),
                        ("ttft_p99=1s,ttft_p99=2s", "ttft_p99")]:  # fmt: skip
         with pytest.raises(SloError, match=named):
-            parse_slos(bad)
+            parse_slos(bad, percentiles=True)
 
 
 def test_simulator_matches_the_closed_form_below_the_slots():
@@ -66,7 +65,7 @@ def test_simulator_matches_the_closed_form_below_the_slots():
         assert {round(x.tpot or 0, 9) for x in tl} == {round(SIM.step(c), 9)}
     queued = simulate(SIM, [SIM_JOB] * 90, concurrency=9)[18:]
     assert np.mean([x.ttft for x in queued]) > SIM.prefill(60) + 0.005  # nine sessions queue for eight slots
-    assert true_capacity(SIM, SIM_JOB, parse_slos("tpot_p90=9.5ms"), "concurrency") == 5
+    assert true_capacity(SIM, SIM_JOB, parse_slos("tpot_p90=9.5ms", percentiles=True), "concurrency") == 5
 
 
 def _lognormal_waves(share_over: float, wave: int, scale: float = 1.0, icc: float = 0.99):
@@ -84,7 +83,7 @@ def _bimodal_waves(share_slow: float, wave: int):
 
 
 def _verdicts(values, wave: int, seeds: int = 200) -> list[tuple[str, bool, int]]:
-    slo = parse_slos("ttft_p90=100ms")
+    slo = parse_slos("ttft_p90=100ms", percentiles=True)
     out = []
     for seed in range(seeds):
         rng = np.random.default_rng(seed)
@@ -124,7 +123,7 @@ def test_sequential_decisions_are_calibrated():
     s = Samples()
     for _ in range(50):
         s.add(0.2, None, 0.2, False)
-    c = check(s, parse_slos("ttft_p90=100ms")[0], 2.0)
+    c = check(s, parse_slos("ttft_p90=100ms", percentiles=True)[0], 2.0)
     assert c.state == "violated" and c.misses == 50
 
 
@@ -147,7 +146,7 @@ def test_a_latency_far_under_its_slo_passes_on_its_margin():
     short = Samples(wave=8)
     for v in np.full(230, 0.03):
         short.add(v, None, v, False)
-    slo = parse_slos("ttft_p90=100ms")[0]
+    slo = parse_slos("ttft_p90=100ms", percentiles=True)[0]
     assert check(short, slo, 2.64).state == "open" and check(short, slo, 2.64).value_hi == pytest.approx(0.03)
     assert samples_to_hold(slo, 2.64, 0.95) == 30
     # just above 1 + z²/2 effective samples the tolerance factor is ~1,700: no bound, not an overflow (a
@@ -167,7 +166,7 @@ def test_a_rate_above_the_capacity_does_not_pass_on_an_idle_servers_first_reques
     since the queue forms only once the slots have filled: a verdict on them was a confirmed pass (the false
     pass [24.19, 25.53] of a live search). The backlog those requests find keeps growing, so neither constant
     arrivals nor 10 seeds of Poisson arrivals confirm a pass there; 10 % below the capacity a probe does."""
-    slos = parse_slos("ttft_p90=60ms")
+    slos = parse_slos("ttft_p90=60ms", percentiles=True)
     truth = true_capacity(LIVE, (60, 8), slos, "rate", "constant", requests=3000)
     first = simulate(LIVE, [(60, 8)] * 30, arrivals=(np.arange(30) / (1.09 * truth)).tolist())
     assert max(x.ttft for x in first) < 0.06
@@ -189,7 +188,7 @@ SIM_CASES = [
 
 @pytest.mark.parametrize(("mode", "process", "slo"), SIM_CASES)
 def test_search_interval_contains_the_true_capacity_in_virtual_time(mode, process, slo):
-    slos = parse_slos(slo)
+    slos = parse_slos(slo, percentiles=True)
     truth = true_capacity(SIM, SIM_JOB, slos, mode, process, requests=3000)
     hits, cost = 0, []
     for seed in range(10):
@@ -214,13 +213,13 @@ def test_a_closed_loop_wave_of_requests_with_their_own_lengths_counts_more_than_
     the 30 waves. A search with the job mix (its true capacity 8 by simulation of 2,000 requests per
     concurrency) contains the truth at the adjacent-integer resolution in >= 9 of 10 seeds; counting each wave
     once, its probes at 8 and 9 sessions stayed undecided and the searches ended `unresolved` at [7, 10]."""
-    slos = parse_slos("e2e_p90=800ms")
+    slos = parse_slos("e2e_p90=800ms", percentiles=True)
     for seed in range(10):
         mix, one = (run_async(SimProber(SIM, jobs, slos, seed=seed).probe("concurrency", 8, Sequential(slos), 60, 0, "search"))
                     for jobs in (SIM_MIX, SIM_JOB))  # fmt: skip
         assert mix.verdict == "pass" and mix.confident and mix.requests < 240, (seed, mix.requests, mix.reason)
         assert one.verdict == "pass" and one.confident and one.requests > 240, (seed, one.requests, one.reason)
-    slos = parse_slos("e2e_p90=470ms")
+    slos = parse_slos("e2e_p90=470ms", percentiles=True)
     truth = true_capacity(SIM, SIM_MIX, slos, "concurrency", requests=20000)
     assert truth == 8
     hits = 0
@@ -244,7 +243,7 @@ def test_poisson_rate_search_reaches_the_resolution_and_contains_the_true_capaci
     LIVE: ~6 % at 0.95x, ~15 % at 1.05x, misses correlated over ~20 requests), so no single 60-s probe places
     it within ±5 %; the probes near the crossing together do (pooled_fit). Before: 7 of 10 seeds contained
     the truth (LIVE, e2e_p90) and at most 1 reached ±5 %. The truth is the exceedance over 4 x 20,000 arrivals."""
-    slos = parse_slos(slo)
+    slos = parse_slos(slo, percentiles=True)
     truth = true_capacity(model, job, slos, "rate", "poisson", requests=20000, seeds=4, near=near)
     hits, resolved = 0, 0
     for seed in range(10):
@@ -268,7 +267,7 @@ def test_poisson_rate_search_out_of_budget_says_so_and_holds_a_true_bracket(mode
     """Where ±5 % costs more than the budget (a p99, whose miss share moves by ~0.4 points per 5 % of load,
     needs ~10,000 requests near the crossing; the live test's 50 s budget), the search says so (status
     budget) and the interval it holds still contains the truth in >= 9 of 10 seeds."""
-    slos = parse_slos(slo)
+    slos = parse_slos(slo, percentiles=True)
     truth = true_capacity(model, job, slos, "rate", "poisson", requests=10000, seeds=2, near=near)
     hits = 0
     for seed in range(10):
@@ -290,7 +289,7 @@ LIVE_CASES = [
 def test_live_search_finds_the_known_capacity(tmp_path, mode, process, slo):
     """One search per mode against the live server on loopback: its interval contains the model's capacity,
     at the stated resolution, with no failed request."""
-    slos = parse_slos(slo)
+    slos = parse_slos(slo, percentiles=True)
     truth = true_capacity(LIVE, (60, 8), slos, mode, process, requests=3000)
     with ServiceModelProcess(LIVE) as url:
         prober = LiveProber(OpenAIBackend(url, model="null"), LIVE_WL, slos, tmp_path, process=process, timeout=30)
@@ -344,7 +343,7 @@ def test_cli_capacity_per_server_configuration_and_gate(tmp_path):
     assert sorted(got) == ["2", "4"] and "probes: np2" in r.stdout and "probes: np4" in r.stdout
     assert (tmp_path / "grid" / "capacity.html").stat().st_size > 100_000
     for np_, e in got.items():
-        truth = true_capacity(ServiceModel(**{**vars(LIVE), "slots": int(np_)}), (60, 8), parse_slos(slo), "concurrency")
+        truth = true_capacity(ServiceModel(**{**vars(LIVE), "slots": int(np_)}), (60, 8), parse_slos(slo, percentiles=True), "concurrency")
         lo, hi = e["interval"]
         assert e["status"] == "ok" and lo <= truth < hi, (np_, truth, e["interval"])
         assert e["capacity"] == lo and e["goodput"] > 0 and f"np{np_}: capacity {int(lo)} concurrency" in r.stdout
@@ -389,7 +388,7 @@ def test_cli_sigint_stops_the_search_and_keeps_the_probes(tmp_path):
 def test_no_finished_request_is_no_verdict():
     """A server too slow for the probe time is not 'unreachable': the search says the budget ran out."""
     slow = ServiceModel(prefill_base=100.0)
-    slos = parse_slos("ttft_p90=1s")
+    slos = parse_slos("ttft_p90=1s", percentiles=True)
     for mode in ("concurrency", "rate"):
         res = run_async(search(SimProber(slow, SIM_JOB, slos), slos, SearchConfig(mode, budget_s=6, max_probe_s=2)))
         assert res.status == "budget" and "raise --max-probe-s" in res.message, res.message
@@ -398,7 +397,7 @@ def test_no_finished_request_is_no_verdict():
 def test_report_of_a_search_stopped_in_its_pilot_has_no_empty_chart(tmp_path):
     """A budget spent in the pilot leaves no search probe: the report draws the search path and says why
     there is no SLO chart, rather than empty ones (the browser check is tests/test_capacity_report.py)."""
-    slos = parse_slos("ttft_p90=25ms,tpot_p90=9.5ms")
+    slos = parse_slos("ttft_p90=25ms,tpot_p90=9.5ms", percentiles=True)
     res = run_async(search(SimProber(SIM, SIM_JOB, slos), slos, SearchConfig("concurrency", budget_s=0.5)))
     assert res.status == "budget" and res.probes and {p.phase for p in res.probes} == {"pilot"}
     (tmp_path / "capacity.json").write_text(json.dumps({"config": {}, "configs": [{"point_id": "server", **res.to_json()}]}))
@@ -410,7 +409,7 @@ def test_unreachable_needs_more_than_a_pilot_cut_short():
     """A pilot that finished one request before its time cap is no verdict on a p90: the SLOs are called
     unreachable only on a pilot that finished its waves (here 8 of 8 over) or a confident sequential probe."""
     slow = ServiceModel(prefill_base=1.5)  # every first token after 1.5 s: ttft_p90=1s is truly unreachable
-    slos = parse_slos("ttft_p90=1s")
+    slos = parse_slos("ttft_p90=1s", percentiles=True)
     short = run_async(search(SimProber(slow, SIM_JOB, slos), slos, SearchConfig("concurrency", budget_s=6, max_probe_s=2)))
     assert short.status == "budget" and short.probes[0].requests <= 2, short.message
     res = run_async(search(SimProber(slow, SIM_JOB, slos), slos, SearchConfig("concurrency", budget_s=200)))
@@ -423,7 +422,7 @@ def test_a_search_with_short_probes_starts_where_a_probe_can_count_enough_waves(
     can count them, so below the pilot's failing 8 sessions the search starts at 4 (the pilot's last pass,
     within reach), confirms it with the probe's last look at its time cap, and ends with a confirmed
     passing low end rather than an interval of unconfirmed probes."""
-    slos = parse_slos("tpot_p90=11ms")  # TPOT = 4 + c ms up to the 8 slots: the true capacity is 7
+    slos = parse_slos("tpot_p90=11ms", percentiles=True)  # TPOT = 4 + c ms up to the 8 slots: the true capacity is 7
     cfg = SearchConfig("concurrency", budget_s=30, max_probe_s=4)
     res = run_async(search(SimProber(SIM, SIM_JOB, slos), slos, cfg))
     first = next(p for p in res.probes if p.phase == "search")
@@ -449,7 +448,7 @@ def test_a_closed_loops_first_wave_is_not_judged():
                 [s.sent[i] for i in order], [s.end[i] for i in order], wave=4)  # fmt: skip
     steady = s.steady()
     assert len(steady) == len(s) - 4 and max(steady.values["ttft"]) < 1
-    assert check(steady, parse_slos("ttft_p90=2s")[0], 2.64).misses == 0
+    assert check(steady, parse_slos("ttft_p90=2s", percentiles=True)[0], 2.64).misses == 0
 
 
 class _Scripted:
@@ -475,7 +474,7 @@ def test_with_no_failing_end_an_undecided_closed_loop_probe_grows_the_load():
     180-s cap, and the budget ran out at [4, ?]: the search crept up one resolution step per undecided pass
     and never looked for the upper end. With no confident fail yet, an undecided probe now grows the load
     as a confident pass does (6, 9, 14 here), so the search finds a failing end first and closes."""
-    slos = parse_slos("ttft_p90=2s,tpot_p90=150ms")
+    slos = parse_slos("ttft_p90=2s,tpot_p90=150ms", percentiles=True)
     cfg = SearchConfig("concurrency", resolution=0.1, budget_s=900, max_probe_s=180)
     res = run_async(search(_Scripted(sure=4, fails=12), slos, cfg))
     loads = [p.load for p in res.probes if p.phase == "search"]
@@ -488,7 +487,7 @@ def test_the_probe_time_reach_counts_a_wave_as_its_probe_measured():
     """How many sessions can a 4-s probe confirm? With one job size a wave counts once (its requests are
     alike): 30 waves and the first within 4 s at the probe's throughput. With the job mix the probe at 8
     sessions measured a wave worth several requests, and the reach is more than twice as high."""
-    slos = parse_slos("e2e_p90=800ms")
+    slos = parse_slos("e2e_p90=800ms", percentiles=True)
     cfg = SearchConfig("concurrency", max_probe_s=4)
     mix, one = (run_async(SimProber(SIM, jobs, slos).probe("concurrency", 8, Sequential(slos), 60, 0, "search"))
                 for jobs in (SIM_MIX, SIM_JOB))  # fmt: skip
@@ -500,7 +499,7 @@ def test_a_search_that_cannot_confirm_an_slo_says_how_many_requests_it_needs():
     """error_rate=1% holds only after 690 error-free requests at 95 % (z 2.64 over the looks): probes capped
     well below that end the search undecided, and the message says so instead of leaving the user guessing,
     with the probe time and budget it would take; the search run with them confirms the pass."""
-    slos = parse_slos("ttft_p90=1s,error_rate=1%")
+    slos = parse_slos("ttft_p90=1s,error_rate=1%", percentiles=True)
     cfg = SearchConfig("concurrency", budget_s=20, max_probe_s=3, max_concurrency=4)  # ~90 requests a probe
     res = run_async(search(SimProber(SIM, SIM_JOB, slos), slos, cfg))
     assert res.status == "budget" and not any(p.confident for p in res.probes if p.phase == "search")
@@ -516,7 +515,7 @@ def test_the_probe_time_hint_counts_the_misses_a_probe_saw():
     """A load that passed on its point estimate with misses needs more independent requests than the 30 a p90
     needs with none (the Wilson bound at its miss share), the hint names the probe cheapest to confirm, and a
     probe of fewer than ten independent requests tells nothing."""
-    slos = parse_slos("tpot_p90=150ms")
+    slos = parse_slos("tpot_p90=150ms", percentiles=True)
 
     def probe(load: float, n: int, misses: int, tau: float, seconds: float) -> Probe:
         c = SloCheck(key="tpot_p90", limit=0.15, n=n, misses=misses, share_lo=0.0, share_hi=0.3, value=0.1,
@@ -542,7 +541,7 @@ def test_a_slow_open_loop_probe_runs_long_enough_to_count_its_requests():
     as its SLOs need, up to a quarter of the budget; a given --max-probe-s, a closed loop and a pooled probe
     keep their cap. On a model of capacity ~1.16 req/s, at half of it, 20 seeds: 12 confident passes against 5
     with 60-s probes."""
-    slos = parse_slos("ttft_p90=1s")
+    slos = parse_slos("ttft_p90=1s", percentiles=True)
     cfg = SearchConfig("rate")
     need = math.log(20) / 0.1  # independent requests a p90 needs at 95 %
     assert cfg.probe_cap(slos, 20.0, False, None) == 60.0
@@ -572,7 +571,7 @@ def test_one_probe_judge_for_the_live_and_the_simulated_prober():
     for prober in (LiveProber, SimProber):
         src = inspect.getsource(prober.probe)
         assert "judge.look(" in src and "pilot_decision" not in src and ".decide(" not in src, prober
-    slos = parse_slos("ttft_p90=100ms")
+    slos = parse_slos("ttft_p90=100ms", percentiles=True)
     built: list[int] = []
 
     def build(n: int, ttft: float = 0.05):

@@ -9,16 +9,17 @@ from dataclasses import asdict
 import pytest
 from support.browser import find_chromium, inspect_report_sync
 
-from loadgen.capacity import SearchConfig, parse_slos, search
+from loadgen.capacity import SearchConfig, search
 from loadgen.engine import run_async
 from loadgen.report.capacity import write_report
 from loadgen.servicemodel import ServiceModel, SimProber
+from loadgen.slo import parse_slos
 
 pytestmark = pytest.mark.browser
 
 
 def test_capacity_report_in_chromium(tmp_path):
-    slos = parse_slos("ttft_p90=25ms,tpot_p99=11ms,error_rate=1%")
+    slos = parse_slos("ttft_p90=25ms,tpot_p99=11ms,error_rate=1%", percentiles=True)
     model = ServiceModel()
     entries = []
     for mode in ("concurrency", "rate"):

@@ -8,7 +8,9 @@ from typer.testing import CliRunner
 
 from loadgen.calibrate import FixedWorkload
 from loadgen.cli import app
+from loadgen.exitcodes import UsageError
 from loadgen.options import parse_slo
+from loadgen.slo import SloError, parse_slos
 from workloads.contracts import GenRequest, read_jsonl
 
 runner = CliRunner()
@@ -43,6 +45,20 @@ def test_bad_input_is_a_clear_error(args, message, monkeypatch):
 def test_parse_slo_units():
     assert parse_slo("ttft=500ms,tpot=50,e2e=2s") == pytest.approx({"ttft": 0.5, "tpot": 0.05, "e2e": 2.0})
     assert parse_slo(None) is None
+    assert parse_slo("ttft=500us") == pytest.approx({"ttft": 0.0005})
+
+
+def test_one_slo_grammar_and_each_command_says_which_form_it_takes():
+    """Goodput's per-request limits and capacity's percentiles are one grammar (loadgen/slo.py); a key in the
+    other command's form is an error that shows how to write it here."""
+    with pytest.raises(UsageError, match="write ttft=1s"):
+        parse_slo("ttft_p99=1s")
+    with pytest.raises(UsageError, match="max-error-rate"):
+        parse_slo("ttft=1s,error_rate=1%")
+    with pytest.raises(SloError, match="ttft_p99=1s"):
+        parse_slos("ttft=1s", percentiles=True)
+    (slo,) = parse_slos("tpot_p90=60", percentiles=True)
+    assert (slo.key, slo.limit, slo.allowed) == ("tpot_p90", pytest.approx(0.06), pytest.approx(0.1))
 
 
 def test_bench_run_writes_the_results_layout(null_server, tmp_path):
