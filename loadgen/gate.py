@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from loadgen.defaults import RUN_FILE, SUMMARY_FILE
-from loadgen.metrics import LATENCIES
+from loadgen.metrics import LATENCIES, STAT_KEYS
 from loadgen.options import RunOptions
 from loadgen.records import write_json
 from loadgen.results import leaves, lookup, read_summary
@@ -45,7 +45,6 @@ BASELINE_FORMAT = "servelab-baseline/1"
 
 # Short metric names -> path in a PointSummary (loadgen.metrics); any dotted path is accepted too.
 _THROUGHPUT = {"output_tok_s": "output_tok_per_s", "total_tok_s": "total_tok_per_s", "req_s": "req_per_s"}
-_STATS = ("mean", "p50", "p90", "p95", "p99", "max")
 _TRIAL = re.compile(r"/t(\d+)$")
 
 
@@ -65,7 +64,7 @@ def metric_path(name: str) -> tuple[str, ...]:
     if name == "capacity":  # a `bench capacity` result: loadgen.capacity.gate_capacity compares it
         return ("capacity",)
     for lat in LATENCIES:
-        for st in _STATS:
+        for st in STAT_KEYS:
             if name == f"{lat}_{st}":
                 return ("latency", lat, st)
     if "." in name:

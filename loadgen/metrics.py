@@ -36,6 +36,7 @@ import numpy as np
 
 Record = dict[str, Any]
 PERCENTILES = (50, 90, 95, 99)
+STAT_KEYS = ("mean", *(f"p{p}" for p in PERCENTILES), "min", "max")  # what stats() gives of every distribution
 LATENCIES = ("ttft", "ttfo", "tpot", "itl", "chunk_gap", "e2e", "tail", "ttft_from_intended", "e2e_from_intended")
 SLO_KEYS = ("ttft", "tpot", "e2e")
 SLO_FROM = ("sent", "intended")
