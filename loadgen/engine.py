@@ -12,8 +12,8 @@ Library API (used by ``bench``, the sweep driver and other areas)::
 
 Load: ``closed`` keeps ``concurrency`` sessions in flight (a slot's next session starts when the last
 one ends; ``intended`` is that moment); ``constant``/``poisson``/``gamma`` send on a seeded schedule
-regardless of responses, and a session with ``at`` set (trace replay) is sent at ``at / speedup``
-instead (``trace`` uses only ``at``). Multi-turn sessions send the next turn ``think`` seconds after the
+regardless of responses (a recorded session's ``at`` aside), and ``trace`` sends each session at its
+``at / speedup`` (trace replay). Multi-turn sessions send the next turn ``think`` seconds after the
 previous response. The first ``warmup`` sessions are marked warm-up and run first, as their own phase
 under the same load (closed: at most ``concurrency`` at once; open: on the arrival schedule), and all of
 them end before measured dispatch starts (as vLLM's ``bench serve`` and AIPerf do): no measured request
@@ -393,7 +393,7 @@ class _Dispatch:
                 if times is not None:  # session i's time in the phase's schedule; the other workers' are skipped
                     t = next(itertools.islice(times, i - pos, None))
                     pos = i + 1
-                if sess.at is not None:
+                elif sess.at is not None:  # trace arrivals: its recorded time (under any other process, the schedule's)
                     t = sess.at / load.speedup
                 if t is None:
                     raise ValueError("trace replay needs every session to carry `at`")

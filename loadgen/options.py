@@ -88,6 +88,7 @@ class RunOptions:
     server: str | None = field(default=None, metadata=_incomparable())
     grid: list[str] | None = None
     tokenizer: str | None = None
+    dataset_field: str | None = None  # a JSONL dataset of text: the key holding each prompt
     max_error_rate: float = 0.05
     wait_for_server: float = 0.0
     slo_from: str = "sent"
@@ -216,4 +217,6 @@ Ray = Annotated[str | None, typer.Option(help="Run the workers as Ray actors: 'l
                                          "a cluster address (needs pip install 'servelab[ray]').")]
 ResetCache = Annotated[bool, typer.Option(help="Empty the server's prefix cache before each point (vLLM "
                       "/reset_prefix_cache with VLLM_SERVER_DEV_MODE=1, SGLang /flush_cache, the reference server).")]
+DatasetField = Annotated[str | None, typer.Option(help="A JSONL dataset of text as --workload: the key holding each "
+                        "line's prompt (ShareGPT .json and request-body .jsonl need none; workloads/datasets.py).")]
 TelemetryUrl = Annotated[str | None, typer.Option(help="Prometheus URL of a DCGM/node exporter on the server's host.")]

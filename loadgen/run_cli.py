@@ -31,6 +31,7 @@ from loadgen.options import (
     Burstiness,
     Client,
     ContinuousUsage,
+    DatasetField,
     Duration,
     ExtraBody,
     MaxErrorRate,
@@ -89,6 +90,7 @@ def run(
     speedup: Speedup = 1.0, poll_hz: PollHz = 10.0, telemetry_hz: TelemetryHz = 10.0,
     telemetry_url: TelemetryUrl = None, tokenizer: TokenizerOpt = None, max_error_rate: MaxErrorRate = 0.05,
     slo_from: SloFrom = "sent", workers: Workers = 1, ray: Ray = None, reset_cache: ResetCache = False,
+    dataset_field: DatasetField = None,
 ) -> None:  # fmt: skip
     """Run one load point (closed loop at --concurrency or open loop at --rate)."""
     if concurrency is not None and rate is not None:
@@ -105,7 +107,7 @@ def run(
         continuous_usage=continuous_usage, extra_body=extra_body, client=client, timeout=timeout,
         stall_timeout=stall_timeout, speedup=speedup, default_num_requests=100, poll_hz=poll_hz,
         telemetry_hz=telemetry_hz, telemetry_url=telemetry_url, tokenizer=tokenizer, max_error_rate=max_error_rate,
-        slo_from=slo_from, workers=workers, ray=ray, reset_cache=reset_cache,
+        slo_from=slo_from, workers=workers, ray=ray, reset_cache=reset_cache, dataset_field=dataset_field,
     ))  # fmt: skip
 
 
@@ -127,6 +129,7 @@ def sweep(
     server_timeout: Annotated[float, typer.Option(help="Seconds to wait for a started server's health.")] = 300.0,
     tokenizer: TokenizerOpt = None, max_error_rate: MaxErrorRate = 0.05, wait_for_server: WaitForServer = 0.0,
     slo_from: SloFrom = "sent", workers: Workers = 1, ray: Ray = None, reset_cache: ResetCache = False,
+    dataset_field: DatasetField = None,
 ) -> None:  # fmt: skip
     """Run a list of load points (concurrencies and/or rates × workloads) into one results directory."""
 
@@ -145,7 +148,7 @@ def sweep(
             server=server, grid=[axis for g in grid or [] for axis in g.split()], server_timeout=server_timeout,
             telemetry_hz=telemetry_hz, telemetry_url=telemetry_url, tokenizer=tokenizer,
             max_error_rate=max_error_rate, wait_for_server=wait_for_server, slo_from=slo_from, workers=workers, ray=ray,
-            reset_cache=reset_cache,
+            reset_cache=reset_cache, dataset_field=dataset_field,
         ))  # fmt: skip
 
     guard(body)
@@ -157,7 +160,7 @@ def execute(opts: RunOptions) -> ExitCode:
     grid_points = opts.check()
     api_key = read_api_key(opts.api_key_env)
     check_tokenizer(opts.tokenizer)
-    wls = [load_workload(w, opts.tokenizer) for w in opts.workloads]
+    wls = [load_workload(w, opts.tokenizer, opts.dataset_field) for w in opts.workloads]
     run_id = opts.run_id or new_run_id()
     opts = opts.resolve(wls, finite=all(map(is_finite, wls)))
     if opts.seed is None:

@@ -26,11 +26,11 @@ from loadgen.exitcodes import ServerGone, UsageError, console
 from workloads.base import Workload
 
 
-def load_workload(name: str, tokenizer: str | None = None) -> Workload:
+def load_workload(name: str, tokenizer: str | None = None, field: str | None = None) -> Workload:
     from workloads.loader import load_workload as _load
 
     try:
-        return _load(name, tokenizer=tokenizer)
+        return _load(name, tokenizer=tokenizer, field=field)
     except (FileNotFoundError, KeyError, ValueError) as exc:
         raise UsageError(f"workload {name!r}: {exc}") from None
 
@@ -50,10 +50,8 @@ def check_tokenizer(path: str | None) -> None:
 
 
 def is_finite(workload: Workload) -> bool:
-    """A trace ends by itself; synthetic workloads are infinite."""
-    from workloads.traces import TraceWorkload
-
-    return isinstance(workload, TraceWorkload)
+    """A trace or a dataset ends by itself; synthetic workloads are infinite."""
+    return workload.finite
 
 
 def read_api_key(api_key_env: str | None) -> str | None:

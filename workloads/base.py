@@ -55,6 +55,8 @@ class ArrivalSpec:
 class Workload(ABC):
     """A reproducible source of sessions: the same seed yields the same sessions, byte for byte."""
 
+    finite = False  # True: its sessions end (a trace, a dataset), and a run sends them all by default
+
     name: str
     arrival: ArrivalSpec
 

@@ -27,9 +27,12 @@ def _classes(spec: WorkloadSpec) -> str:
     return ", ".join(f"{c.name}×{c.weight:g}" for c in spec.classes)
 
 
-def _load(name: str) -> WorkloadSpec:
+DatasetField = Annotated[str | None, typer.Option(help="a JSONL dataset of text: the key holding each prompt")]
+
+
+def _load(name: str, field: str | None = None) -> WorkloadSpec:
     try:
-        return load_spec_for(name)
+        return load_spec_for(name, field=field)
     except WorkloadError as exc:
         err.print(f"[red]error:[/] {exc}")
         raise typer.Exit(1) from exc
@@ -53,20 +56,22 @@ def list_() -> None:
 @app.command()
 def show(
     name: Annotated[
-        str, typer.Argument(help="built-in name, workload .toml, or trace (.jsonl Mooncake, .csv Azure)")
+        str, typer.Argument(help="built-in name, workload .toml, trace (.jsonl Mooncake, .csv Azure) or dataset "
+                                 "(.json ShareGPT, .jsonl request bodies or text)")
     ],
     sample: Annotated[int, typer.Option(help="also generate this many requests and show them")] = 3,
     seed: Annotated[int, typer.Option(help="seed for the sample")] = 0,
+    dataset_field: DatasetField = None,
 ) -> None:
     """A workload's settings (as parsed) and a sample of the requests it generates."""
-    spec = _load(name)
+    spec = _load(name, dataset_field)
     if spec.trace is None:
         console.print_json(json.dumps(spec_dict(spec)))
         console.print(f"[dim]file: {spec.source}[/]")
     if sample <= 0:
         return
     try:
-        wl = load_workload(name)
+        wl = load_workload(name, field=dataset_field)
         sessions = list(islice(wl.sessions(seed), sample))
     except (WorkloadError, FileNotFoundError, ValueError) as exc:
         err.print(f"[red]error:[/] {exc}")
@@ -77,7 +82,8 @@ def show(
     for sess in sessions:
         req = sess.first()
         text = req.prompt if isinstance(req.prompt, str) else json.dumps(req.prompt, ensure_ascii=False)
-        turns = str(getattr(sess, "turns", 1))
+        turns = getattr(sess, "turns", 1)
+        turns = str(len(turns) if isinstance(turns, list) else turns)
         at = "" if sess.at is None else f"{sess.at:.3f}"
         shown = text[:80].replace("\n", "⏎")
         table.add_row(
@@ -88,13 +94,14 @@ def show(
 
 @app.command()
 def validate(
-    files: Annotated[list[str], typer.Argument(help="workload .toml files, built-in names or trace files")],
+    files: Annotated[list[str], typer.Argument(help="workload .toml files, built-in names, trace or dataset files")],
+    dataset_field: DatasetField = None,
 ) -> None:
     """Check workload files (schema, and that prompts can be built); non-zero exit when any fails."""
     failed = 0
     for name in files:
         try:
-            wl = load_workload(name)
+            wl = load_workload(name, field=dataset_field)
             next(iter(wl.sessions(0))).first()
         except (WorkloadError, FileNotFoundError, ValueError) as exc:
             err.print(f"[red]✗[/] {exc}")

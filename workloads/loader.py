@@ -3,12 +3,14 @@
     from workloads.loader import load_workload
     wl = load_workload("chat-short")                       # a built-in (workloads/builtin/*.toml)
     wl = load_workload("my.toml", rate=8.0)                # a workload file, arrival overridden
-    wl = load_workload("trace.jsonl")                      # a Mooncake trace (.csv: Azure trace)
+    wl = load_workload("trace.jsonl")                      # a Mooncake trace (.csv: Azure trace), or request bodies
+    wl = load_workload("sharegpt.json")                    # ShareGPT conversations (workloads/datasets.py)
+    wl = load_workload("data.jsonl", field="question")     # a text column
     for session in wl.sessions(seed=0): ...
 
 Overrides (``None`` values are ignored, so CLI options can be passed straight through): ``tokenizer``,
 ``api``, ``process``, ``rate``, ``concurrency``, ``burstiness``, ``limit`` (trace rows), ``name``,
-``output`` (every class's max_tokens).
+``output`` (every class's max_tokens; a dataset's where its data has none), ``field`` (a text dataset's key).
 """
 
 from __future__ import annotations
@@ -19,9 +21,18 @@ from typing import Any
 
 from workloads.base import ArrivalSpec, Workload
 from workloads.contracts import APIS, ARRIVAL_PROCESSES
-from workloads.spec import BUILTIN_DIR, Dist, TraceSpec, WorkloadError, WorkloadSpec, load_spec
+from workloads.spec import (
+    BUILTIN_DIR,
+    DATASET_FORMATS,
+    Dist,
+    TraceSpec,
+    WorkloadError,
+    WorkloadSpec,
+    load_spec,
+    trace_format,
+)
 
-OVERRIDES = ("tokenizer", "api", "process", "rate", "concurrency", "burstiness", "limit", "name", "output")
+OVERRIDES = ("tokenizer", "api", "process", "rate", "concurrency", "burstiness", "limit", "name", "output", "field")
 
 
 def builtin_names() -> list[str]:
@@ -31,12 +42,12 @@ def builtin_names() -> list[str]:
 def load_spec_for(name_or_path: str, **overrides: Any) -> WorkloadSpec:
     """The validated spec for a built-in name, a ``.toml`` file or a trace file, overrides applied."""
     path = Path(name_or_path)
-    if path.suffix in (".jsonl", ".csv"):
+    if path.suffix in (".jsonl", ".csv", ".json"):
         if not path.is_file():
-            raise WorkloadError(name_or_path, "", "trace file not found")
-        fmt = "azure" if path.suffix == ".csv" else "mooncake"
+            raise WorkloadError(name_or_path, "", "trace or dataset file not found")
+        fmt = trace_format(path, overrides.get("field"))
         spec = WorkloadSpec(name=path.stem, source=str(path), arrival=ArrivalSpec(process="trace"),
-                            trace=TraceSpec(path=path, format=fmt))  # fmt: skip
+                            trace=TraceSpec(path=path, format=fmt, field=overrides.get("field")))  # fmt: skip
     elif path.suffix == ".toml" or path.is_file():
         if not path.is_file():
             raise WorkloadError(name_or_path, "", "workload file not found")
@@ -76,7 +87,11 @@ def apply_overrides(spec: WorkloadSpec, **overrides: Any) -> WorkloadSpec:
     spec = replace(spec, arrival=arrival, **{k: given[k] for k in ("tokenizer", "api", "name") if k in given})
     if given.get("api") == "chat":  # the server applies its own chat template
         spec = replace(spec, classes=tuple(replace(c, template="none") for c in spec.classes))
-    if "output" in given:
+    if "field" in given and (spec.trace is None or spec.trace.format != "text"):
+        raise WorkloadError(spec.source, "field", "only applies to a JSONL dataset of text (--dataset-field)")
+    if "output" in given and spec.trace is not None and spec.trace.format in DATASET_FORMATS:
+        spec = replace(spec, trace=replace(spec.trace, output=int(given["output"])))
+    elif "output" in given:
         if spec.trace is not None:
             raise WorkloadError(spec.source, "output", "only applies to workloads with classes (a trace has its own)")
         output = Dist("fixed", value=float(given["output"]))
@@ -91,6 +106,10 @@ def apply_overrides(spec: WorkloadSpec, **overrides: Any) -> WorkloadSpec:
 def load_workload(name_or_path: str, **overrides: Any) -> Workload:
     """A ready :class:`Workload`; raises :class:`WorkloadError` (file, key, expected) on bad input."""
     spec = load_spec_for(name_or_path, **overrides)
+    if spec.trace is not None and spec.trace.format in DATASET_FORMATS:
+        from workloads.datasets import DatasetWorkload
+
+        return DatasetWorkload(spec)
     if spec.trace is not None:
         from workloads.traces import TraceWorkload
 

@@ -10,6 +10,7 @@ docs/workloads.md documents it.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import sys
@@ -29,8 +30,35 @@ BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"  # the built-in worklo
 EXPERIMENTS_DIR = Path(__file__).resolve().parent / "experiments"  # the traffic of `bench experiment NAME`
 CONTENTS = ("corpus", "code-edit", "creative")
 TEMPLATES = ("none", "chatml")
-TRACE_FORMATS = ("mooncake", "azure")
+DATASET_FORMATS = ("sharegpt", "openai", "text")  # recorded requests (workloads/datasets.py)
+TRACE_FORMATS = ("mooncake", "azure", *DATASET_FORMATS)  # lengths and times only (workloads/traces.py), or datasets
 DISTS = ("fixed", "uniform", "normal", "lognormal", "empirical")
+
+
+def trace_format(path: Path, field: str | None = None) -> str:
+    """A recorded-traffic file's format: ``.csv`` Azure, ``.json`` ShareGPT, ``.jsonl`` by its first object
+    (Mooncake's ``input_length``, request bodies' ``messages``/``prompt``), or a text column with ``field``."""
+    if field is not None:
+        return "text"
+    if path.suffix == ".csv":
+        return "azure"
+    if path.suffix == ".json":
+        return "sharegpt"
+    with open(path, encoding="utf-8") as f:
+        line = next((ln for ln in f if ln.strip()), None)
+    if line is None:
+        raise WorkloadError(str(path), "", "the file is empty")
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise WorkloadError(str(path), "line 1", f"expected a JSON object: {exc.msg}") from exc
+    if isinstance(obj, dict) and "input_length" in obj:
+        return "mooncake"
+    if isinstance(obj, dict) and ("messages" in obj or "prompt" in obj):
+        return "openai"
+    keys = sorted(obj) if isinstance(obj, dict) else []
+    raise WorkloadError(str(path), "line 1", "neither a Mooncake trace (input_length) nor request bodies (messages "
+                        f"or prompt): name the prompt's key with --dataset-field (its keys: {keys})")  # fmt: skip
 
 
 class WorkloadError(ValueError):
@@ -270,8 +298,10 @@ class ClassSpec:
 @dataclass(frozen=True)
 class TraceSpec:
     path: Path
-    format: str  # "mooncake" | "azure"
+    format: str  # TRACE_FORMATS: "mooncake" | "azure" traces, "sharegpt" | "openai" | "text" datasets (datasets.py)
     limit: int | None = None  # first N rows only
+    field: str | None = None  # format "text": the JSONL key holding each prompt
+    output: int | None = None  # a dataset's max_tokens for requests whose data says none (or all: the override)
 
 
 @dataclass(frozen=True)
@@ -375,8 +405,12 @@ def parse_spec(data: dict[str, Any], source: str, base_dir: Path | None = None) 
         path = Path(tr.get("path", str, required=True))
         if not path.is_absolute() and base_dir is not None:
             path = base_dir / path
-        fmt = tr.choice("format", TRACE_FORMATS) or ("azure" if path.suffix == ".csv" else "mooncake")
-        trace = TraceSpec(path=path, format=fmt, limit=tr.integer("limit", minimum=1))
+        field_name = tr.get("field", str)
+        fmt = tr.choice("format", TRACE_FORMATS) or (trace_format(path, field_name) if path.is_file() else "mooncake")
+        if (fmt == "text") != (field_name is not None):
+            raise t.error("trace.field", "names the prompt's key of a text dataset: with format \"text\", and only then")
+        trace = TraceSpec(path=path, format=fmt, limit=tr.integer("limit", minimum=1), field=field_name,
+                          output=tr.integer("output", minimum=1))  # fmt: skip
         tr.done()
     raw_classes = t.raw("classes")
     classes: list[ClassSpec] = []

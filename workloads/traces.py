@@ -173,6 +173,8 @@ class _Blocks:
 
 
 class TraceWorkload(Workload):
+    finite = True
+
     def __init__(self, spec: WorkloadSpec) -> None:
         if spec.trace is None:
             raise ValueError("TraceWorkload needs a spec with a trace")
