@@ -80,6 +80,12 @@ def test_text_column_needs_its_field_and_bad_data_is_named(tmp_path):
             load_workload(str(_jsonl(tmp_path / "bad.jsonl", rows)))
     res = CliRunner().invoke(app, ["workloads", "validate", str(path), "--dataset-field", "question"])
     assert res.exit_code == 0, res.output
+    toml = tmp_path / "qa.toml"
+    toml.write_text('[trace]\npath = "qa.jsonl"\nformat = "text"\nfield = "question"\noutput = 11\n')
+    assert [s.first().max_tokens for s in load_workload(str(toml)).sessions(0)] == [5, 11]
+    toml.write_text('[trace]\npath = "qa.jsonl"\nfield = "question"\nformat = "openai"\n')
+    with pytest.raises(WorkloadError, match="trace.field"):
+        load_workload(str(toml))
 
 
 def test_datasets_run_live_replayed_and_under_a_rate(null_server, tmp_path):
