@@ -131,7 +131,7 @@ class OpenAIBackend(Backend):
         choice = choices[0]
         delta = choice.get("delta")
         thought = (delta.get("reasoning_content") or delta.get("reasoning") or "") if delta else ""
-        text = (delta.get("content") or "") if delta else choice.get("text") or ""
+        text = (delta.get("content") or _tool_call_text(delta.get("tool_calls"))) if delta else choice.get("text") or ""
         out = Delta(text=text or thought, reasoning=not text and bool(thought), finish_reason=choice.get("finish_reason"))
         ids = choice.get("token_ids")
         if ids is not None:
@@ -180,6 +180,15 @@ def _spec_counts(usage: dict[str, Any]) -> dict[str, int] | None:
     if not isinstance(drafted, int) or not isinstance(accepted, int):
         return None
     return {"drafted": drafted, "accepted": accepted}
+
+
+def _tool_call_text(calls: object) -> str:
+    """A streamed ``tool_calls`` delta as output: the function's name and arguments so far are what the model
+    generated (vLLM, SGLang and llama.cpp stream them in pieces, with no ``content``)."""
+    if not isinstance(calls, list):
+        return ""
+    fns = [c.get("function") for c in calls if isinstance(c, dict)]
+    return "".join(f"{f.get('name') or ''}{f.get('arguments') or ''}" for f in fns if isinstance(f, dict))
 
 
 def _flatten_chat(messages: list[dict[str, str]]) -> str:

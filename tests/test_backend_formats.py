@@ -377,3 +377,20 @@ def test_reasoning_deltas_are_kept_apart_from_the_answer():
             raw = [json.dumps(e).encode() for e in events]
             assert OpenAIBackend("http://127.0.0.1:1").plain_texts(raw[1:]) == []  # reasoning: not plain
             assert OpenAIBackend("http://127.0.0.1:1").plain_texts(raw[3:]) == ["Paris", "."]
+
+
+def test_streamed_tool_calls_are_output():
+    """A tool-calling answer streams ``tool_calls`` deltas with no ``content`` (vLLM's shape below); each piece
+    of the function's name and arguments is output, so the request has its first token and its ITLs."""
+    def chunk(finish=None, **delta):
+        return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}], "object": "chat.completion.chunk"}
+
+    call = {"index": 0, "id": "chatcmpl-tool-1", "type": "function", "function": {"name": "get_weather", "arguments": ""}}
+    events = [chunk(role="assistant", content=""), chunk(tool_calls=[call]),
+              chunk(tool_calls=[{"index": 0, "function": {"arguments": '{"city": '}}]),
+              chunk(tool_calls=[{"index": 0, "function": {"arguments": '"Paris"}'}}]), chunk(finish="tool_calls")]  # fmt: skip
+    for b in (OpenAIBackend("http://127.0.0.1:1"), VLLMBackend("http://127.0.0.1:1"), SGLangBackend("http://127.0.0.1:1")):
+        deltas = run(b, events)
+        assert [d.text for d in deltas if d.text] == ["get_weather", '{"city": ', '"Paris"}'], b.name
+        assert not any(d.reasoning for d in deltas) and deltas[-1].finish_reason == "tool_calls"
+    assert OpenAIBackend("http://127.0.0.1:1").plain_texts([json.dumps(e).encode() for e in events[1:]]) == []
