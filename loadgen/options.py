@@ -210,7 +210,9 @@ Speedup = Annotated[float, typer.Option(help="Trace replay speed-up (send at at/
 PollHz = Annotated[float, typer.Option(help="Server-state poller rate (/metrics, /slots), Hz; 0 = off.")]
 TelemetryHz = Annotated[float, typer.Option(help="Telemetry rate (NVML GPUs, host, server process), Hz; 0 = off.")]
 TokenizerOpt = Annotated[str | None, typer.Option(
-    help="tokenizer.json of the target model for exact prompt lengths (default: the bundled model's).")]
+    help="The target model's tokenizer for exact prompt lengths: a tokenizer.json or .gguf file, a model folder, or "
+         "a Hugging Face id such as HuggingFaceTB/SmolLM2-135M-Instruct (through the HF cache; HF_HUB_OFFLINE=1 "
+         "keeps to it). Default: the bundled model's.")]
 Workers = Annotated[int, typer.Option(help="Load processes on this machine (or Ray actors with --ray), each with "
                                       "its own event loop and HTTP client; the load of each point is split over them.")]
 Ray = Annotated[str | None, typer.Option(help="Run the workers as Ray actors: 'local' (start Ray here), 'auto' or "

@@ -35,16 +35,15 @@ def load_workload(name: str, tokenizer: str | None = None, field: str | None = N
         raise UsageError(f"workload {name!r}: {exc}") from None
 
 
-def check_tokenizer(path: str | None) -> None:
-    """``--tokenizer``: an existing tokenizer.json (or .gguf) file, checked before anything starts."""
-    if path is None:
+def check_tokenizer(spec: str | None) -> None:
+    """``--tokenizer``: a tokenizer that loads (a file, a model folder, a Hugging Face id), checked before
+    anything starts."""
+    if spec is None:
         return
-    if not Path(path).is_file():
-        raise UsageError(f"--tokenizer: {path!r} not found (give the path of the model's tokenizer.json)")
     from workloads.text import load_tokenizer
 
     try:
-        load_tokenizer(path)
+        load_tokenizer(spec)
     except (OSError, ValueError) as exc:
         raise UsageError(f"--tokenizer: {exc}") from None
 

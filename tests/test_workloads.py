@@ -104,6 +104,31 @@ def test_tokenizer_json_path_is_used(tmp_path, tok):
         load_workload("chat-short", tokenizer=str(tmp_path / "missing.json"))
 
 
+def test_tokenizer_from_a_model_folder_or_a_hugging_face_id_in_the_cache(tmp_path, tok, monkeypatch):
+    """``--tokenizer`` takes a model's folder and a hub id (``org/name``): the id resolves through the Hugging
+    Face cache (here one laid out as huggingface_hub writes it, offline), and a missing id says so."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    snapshot = tmp_path / "hf" / "hub" / "models--acme--tiny-lm" / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    tok.save(str(snapshot / "tokenizer.json"))
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as hf
+
+    monkeypatch.setattr(hf, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.setattr(hf, "HF_HUB_OFFLINE", True)
+    wf = write(tmp_path, '[[classes]]\nname = "a"\nprompt = 77\n')
+    for spec in (str(folder), "acme/tiny-lm"):
+        req = next(iter(load_workload(str(wf), tokenizer=spec).sessions(0))).first()
+        assert n_tokens(tok, req.prompt) == req.prompt_tokens == 77, spec
+    with pytest.raises(FileNotFoundError, match="acme/missing-lm.*Hugging Face cache"):
+        load_workload(str(wf), tokenizer="acme/missing-lm")
+
+
 def _stream(name: str, seed: int, n: int = 40) -> str:
     out = []
     for sess in islice(load_workload(name).sessions(seed), n):

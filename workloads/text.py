@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import os
 import random
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -27,15 +29,22 @@ SEAM_UNITS = 8  # whole corpus units on each side of a seam, encoded with it to 
 
 @lru_cache(maxsize=8)
 def load_tokenizer(spec: str = "bundled") -> Tokenizer:
-    """``bundled`` (the reference server's GGUF), a ``.gguf`` file, or a ``tokenizer.json`` file."""
+    """``bundled`` (the reference server's GGUF), a ``.gguf`` file, a ``tokenizer.json`` file, a folder holding
+    one (a model's snapshot), or a Hugging Face model id (``org/name``: its ``tokenizer.json`` through the
+    Hugging Face cache, downloaded when not there; ``HF_HUB_OFFLINE=1`` keeps to the cache)."""
     from reference_server.model_files import default_model_path, tokenizer_from_gguf
 
     if spec == "bundled":
         return tokenizer_from_gguf(default_model_path())
     path = Path(spec)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    elif not path.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", spec):
+        path = _hub_tokenizer(spec)
     if not path.is_file():
         raise FileNotFoundError(
-            f"tokenizer {spec!r} not found: use 'bundled', a .gguf file or a tokenizer.json file"
+            f"tokenizer {spec!r} not found: use 'bundled', a .gguf file, a tokenizer.json file, a folder holding "
+            "one, or a Hugging Face model id (org/name)"
         )
     if path.suffix == ".gguf":
         return tokenizer_from_gguf(path)
@@ -43,6 +52,21 @@ def load_tokenizer(spec: str = "bundled") -> Tokenizer:
         return Tokenizer.from_file(str(path))
     except Exception as exc:
         raise ValueError(f"{spec}: not a tokenizer.json file ({exc})") from exc
+
+
+def _hub_tokenizer(repo: str) -> Path:
+    """``tokenizer.json`` of Hugging Face model ``repo`` from the cache (or the hub)."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(repo, "tokenizer.json"))
+    except LocalEntryNotFoundError as exc:
+        raise FileNotFoundError(f"tokenizer {repo!r}: not in the Hugging Face cache and the hub cannot be reached "
+                                f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '')!r}); give a tokenizer.json "
+                                "file or a model folder") from exc  # fmt: skip
+    except (HfHubHTTPError, OSError, ValueError) as exc:
+        raise FileNotFoundError(f"tokenizer {repo!r}: {exc}") from exc
 
 
 class PromptBuilder:
