@@ -82,7 +82,7 @@ class EngineConfig:
     spec_ngram_max: int = flag(4, "speculation", "--spec ngram: the longest suffix looked up in the prompt and "
                                "output so far (tried first)")
     spec_ngram_min: int = flag(1, "speculation", "--spec ngram: the shortest suffix looked up")
-    draft_model: str = flag("", "speculation", "GGUF of the draft model for --spec draft (same vocabulary as the "
+    draft_model: str | None = flag(None, "speculation", "GGUF of the draft model for --spec draft (same vocabulary as the "
                             "model)")
     self_draft_layers: int = flag(20, "speculation", "--spec self: how many of the model's layers draft")
     step_sleep_ms: float = float(os.environ.get("SERVELAB_ENGINE_SLEEP_MS", "0") or 0)

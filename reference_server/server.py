@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import jinja2
 import uvicorn
@@ -131,6 +131,16 @@ class Message(BaseModel):
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize``: a completions ``prompt`` or chat ``messages`` (templated as a chat request is)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None  # vLLM's; the prompt is encoded as the completions API encodes it
 
 
 class ApiError(Exception):
@@ -385,7 +395,8 @@ class Server:
         except (UnicodeError, TypeError) as e:  # lone surrogates (valid JSON, not valid Unicode text)
             raise ApiError(400, f"the prompt is not valid Unicode text: {e}", "prompt") from None
 
-    def _chat_prompt(self, req: ChatRequest) -> list[int]:
+    def _chat_prompt(self, req: ChatRequest | TokenizeRequest) -> list[int]:
+        assert req.messages is not None
         messages = [{"role": m.role, "content": m.content if isinstance(m.content, str)
                      else "".join(p.text for p in m.content)} for m in req.messages]
         try:
@@ -415,12 +426,7 @@ class Server:
             raise ApiError(503, f"the engine has stopped ({self.engine.fatal or 'shutting down'})", None, "engine_dead")
         body = await self._body(request)
         self._check_supported(body)
-        try:
-            req: _Common = (ChatRequest if chat else CompletionRequest).model_validate(body)
-        except ValidationError as e:
-            err = e.errors()[0]
-            param = ".".join(str(p) for p in err["loc"])
-            raise ApiError(400, f"invalid field {_clip(param)}: {err['msg']}", param) from None
+        req = _validated(ChatRequest if chat else CompletionRequest, body)
         self._check_model(req.model)
         self._note_extra(req)
         if isinstance(req, ChatRequest):
@@ -499,6 +505,18 @@ class Server:
         if opts.include_usage and last is not None and last.error is None:
             yield chunk([], self._usage(last))
         yield b"data: [DONE]\n\n"
+
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def _validated(model: type[_M], body: dict[str, Any]) -> _M:
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err["loc"])
+        raise ApiError(400, f"invalid field {_clip(param)}: {err['msg']}", param) from None
 
 
 async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
@@ -592,6 +610,16 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.post("/tokenize")  # vLLM's shape: what a client needs to build prompts of exact length for this model
+    async def tokenize(request: Request) -> dict[str, Any]:
+        req = _validated(TokenizeRequest, await server._body(request))
+        server._check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError(400, "give `prompt` (text) or `messages` (chat), one of them", "prompt")
+        ids = await asyncio.to_thread(server._chat_prompt if req.messages is not None else
+                                      lambda r: server._encode(r.prompt), req)  # fmt: skip
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
     @app.post("/reset_prefix_cache")  # vLLM's path (a dev-mode endpoint there): benchmarks reset both alike
     async def reset_prefix_cache() -> Response:
         engine.reset_prefix_cache()
@@ -649,11 +677,11 @@ def build_parser(prog: str = "python -m reference_server") -> argparse.ArgumentP
         group, text = f.metadata["group"], f.metadata["help"]
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
-        shown = "" if default in (None, "") or "default:" in text else " (default: %(default)s)"
+        shown = "" if default is None or "default:" in text else " (default: %(default)s)"
         if isinstance(default, bool):
             groups[group].add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text + shown)
         else:
-            kind = {"threads": int, "max_model_len": int, "num_kv_blocks": int}.get(f.name, type(default))
+            kind = {"threads": int, "max_model_len": int, "num_kv_blocks": int, "draft_model": str}.get(f.name, type(default))
             groups[group].add_argument(flag, type=kind, default=default, choices=choices.get(f.name),
                                        help=text + shown)  # fmt: skip
     return p

@@ -73,3 +73,20 @@ def test_a_rerun_is_answered_by_the_prefix_cache_until_it_is_reset(reference_url
     assert reset["prefix_cache"]["cached_tokens"] == 0 and "had seen" not in out_reset
     # the server's own counters agree with what its responses said
     assert again["server"]["point"]["prefix_cache"]["cached_tokens"] == again["prefix_cache"]["cached_tokens"]
+
+
+def test_tokenize_counts_what_the_server_counts(reference_url):
+    """``POST /tokenize`` (vLLM's shape) counts a prompt or chat messages as the server does when it serves
+    them (usage.prompt_tokens); a body with neither, both or another model is a 4xx JSON error."""
+    import httpx
+
+    prompt, messages = "The quick brown fox jumps over the lazy dog.", [{"role": "user", "content": "Hello there!"}]
+    with httpx.Client(base_url=reference_url, timeout=60) as c:
+        model = c.get("/v1/models").json()["data"][0]["id"]
+        for body, api in (({"prompt": prompt}, "/v1/completions"), ({"messages": messages}, "/v1/chat/completions")):
+            tok = c.post("/tokenize", json={"model": model, **body, "add_special_tokens": None}).json()
+            served = c.post(api, json={"model": model, **body, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
+            assert tok["count"] == len(tok["tokens"]) == served > 3 and tok["max_model_len"] > 0, (body, tok)
+        for bad in ({}, {"prompt": prompt, "messages": messages}, {"prompt": 3}, {"model": "other", "prompt": "x"}):
+            r = c.post("/tokenize", json=bad)
+            assert 400 <= r.status_code < 500 and "message" in r.json()["error"], (bad, r.text)
