@@ -887,9 +887,15 @@ async def search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig) -> Capa
 
 async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes: list[Probe]) -> CapacityResult:
     spent = 0.0
+    unspent: tuple[float, float] | None = None  # (load, seconds it needs) of the probe the budget left out
 
-    async def run(mode: str, load: float, phase: str, pooled: bool = False) -> Probe:
-        nonlocal spent
+    async def run(mode: str, load: float, phase: str, pooled: bool = False) -> Probe | None:
+        """The probe, or None when what is left of the budget would end it before it judged anything."""
+        nonlocal spent, unspent
+        need = judge_s(cfg, probes, mode, load) if phase == "search" else 0.0
+        if cfg.budget_s - spent < need:
+            unspent = (load, need)
+            return None
         seq = Sequential(slos, cfg.confidence, cfg.first_look, cfg.max_samples, cfg.resolution, pooled) if phase == "search" else None
         last = next((q for q in reversed(probes) if q.phase == "search"), None)
         cap = cfg.probe_cap(slos, load, pooled, last) if phase == "search" else cfg.fixed_probe_s
@@ -902,6 +908,7 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
     c, last_ok, first_bad = 1, None, None
     while spent < cfg.budget_s:
         p = await run("concurrency", c, "pilot")
+        assert p is not None  # a pilot probe always runs
         if p.verdict == "fail":
             first_bad = p
             break
@@ -948,8 +955,10 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
     pooled = False
     status = "unreachable" if hi is not None and hi <= lo_bound else "budget"
     while spent < cfg.budget_s and status == "budget":
-        p = await run(cfg.mode, x, "search", pooled)
-        pooled = False
+        q = await run(cfg.mode, x, "search", pooled)
+        if q is None:
+            break
+        p, pooled = q, False
         if p.confident and p.verdict == "pass":
             lo = x if lo is None else max(lo, x)
         elif p.confident:
@@ -1004,7 +1013,23 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
             x = float(max(1, round(x) if round(x) != round(p.load) else round(p.load) + (1 if x > p.load else -1)))
     if status == "budget" and p.bursty and fit is not None and fit.lo is not None and fit.hi is not None:
         lo, hi = fit.lo, fit.hi  # under random arrivals the pooled evidence, not the last probes' verdicts
-    return _result(status, cfg, slos, lo, hi, estimate, spent, probes, fit)
+    return _result(status, cfg, slos, lo, hi, estimate, spent, probes, fit, unspent)
+
+
+def judge_s(cfg: SearchConfig, probes: Sequence[Probe], mode: str, load: float) -> float:
+    """About how long a search probe at ``load`` runs before it can judge (its first look: ``first_look``
+    requests finished), from the probe nearest in load that finished any: a closed loop's waves of that probe's
+    mean E2E (longer in proportion above its load: a longer queue), an open loop's arrivals plus one E2E. A
+    probe given less would end with nothing judged, its seconds lost; 0 before any probe finished a request."""
+    done = [p for p in probes if p.mean_e2e] or [None]
+    same = [p for p in done if p is not None and p.mode == mode]
+    near = min(same, key=lambda p: abs(math.log(p.load / load))) if same else done[-1]
+    if near is None or near.mean_e2e is None:
+        return 0.0
+    e2e = near.mean_e2e * (max(1.0, load / near.load) if near.mode == mode else 1.0)
+    if mode == "concurrency":
+        return e2e * math.ceil(cfg.first_look / max(load, 1.0))
+    return cfg.first_look / load + e2e
 
 
 HINT_EVIDENCE = 10
@@ -1055,7 +1080,7 @@ def _beside(estimate: float, probes: Sequence[Probe], step: float) -> float:
 
 def _result(
     status: str, cfg: SearchConfig, slos: Sequence[SLO], lo: float | None, hi: float | None, estimate: float,
-    spent: float, probes: list[Probe], fit: Fit | None = None,
+    spent: float, probes: list[Probe], fit: Fit | None = None, unspent: tuple[float, float] | None = None,
 ) -> CapacityResult:  # fmt: skip
     unit = "concurrency" if cfg.mode == "concurrency" else "req/s"
     res_met = lo is not None and hi is not None and _converged(cfg.mode, lo, hi, cfg.resolution)
@@ -1079,6 +1104,9 @@ def _result(
                             f"{fit.probes} probes near the crossing, fitted against load together")  # fmt: skip
     elif fit is not None and (lo, hi) == (fit.lo, fit.hi):
         messages[status] += f" (the SLO misses of the {fit.probes} probes near the crossing, fitted against load together)"
+    if status == "budget" and unspent is not None:
+        messages[status] += (f"; the last {cfg.budget_s - spent:.0f} s were not spent: a probe at {_fmt_load(unspent[0])} "
+                             f"{unit} needs ~{unspent[1]:.0f} s to judge its first {cfg.first_look} requests")  # fmt: skip
     if status == "budget" and probes and probes[-1].requests == 0:
         messages[status] += (f"; the last probe finished no request in {probes[-1].seconds:.0f} s: raise --max-probe-s "
                              "(and --budget) for a server this slow")  # fmt: skip

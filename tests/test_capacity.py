@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from statistics import NormalDist
 
 import numpy as np
@@ -30,6 +31,7 @@ from loadgen.capacity import (
     _probe_time_hint,
     _reach,
     check,
+    judge_s,
     linear_sweep,
     lognormal_upper,
     samples_to_hold,
@@ -593,3 +595,18 @@ def test_one_probe_judge_for_the_live_and_the_simulated_prober():
     end = judge.look(20, build(20, 0.2), over=True, t=60.0, inflight=1)
     assert built == [8, 20] and end is not None and end.reason.startswith("sample/time cap") and end.verdict == "fail"
     assert (judge.samples.wave, judge.samples.rate, judge.samples.bursty) == (1, 10.0, True)
+
+
+def test_a_probe_the_budget_would_end_before_it_judges_is_not_run():
+    """Issue 40: a probe cut by the budget before its first look wastes its seconds. It is not run; the message
+    says what was left and what the probe would have needed (judge_s: waves of the nearest probe's E2E)."""
+    slos = parse_slos("tpot_p90=9.5ms", percentiles=True)
+    res = run_async(search(SimProber(SIM, SIM_JOB, slos, seed=1), slos, SearchConfig("concurrency", budget_s=4)))
+    assert res.status == "budget" and "were not spent" in res.message and res.probe_seconds < 4, res.message
+    assert all(p.requests > 0 for p in res.probes)
+    cfg = SearchConfig("concurrency")
+    done = replace(res.probes[-1], mode="concurrency", load=8.0, mean_e2e=0.1)
+    assert judge_s(cfg, [done], "concurrency", 4) == pytest.approx(0.1 * 8)  # 30 requests: 8 waves of 4
+    assert judge_s(cfg, [done], "concurrency", 16) == pytest.approx(0.2 * 2)  # twice the queue, 2 waves
+    assert judge_s(cfg, [done], "rate", 10) == pytest.approx(30 / 10 + 0.1)  # arrivals, then one E2E
+    assert judge_s(cfg, [], "concurrency", 4) == 0.0
