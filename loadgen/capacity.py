@@ -1013,7 +1013,26 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
             x = float(max(1, round(x) if round(x) != round(p.load) else round(p.load) + (1 if x > p.load else -1)))
     if status == "budget" and p.bursty and fit is not None and fit.lo is not None and fit.hi is not None:
         lo, hi = fit.lo, fit.hi  # under random arrivals the pooled evidence, not the last probes' verdicts
+    if fit is not None:
+        estimate = fit.estimate
+    elif (crossing := point_crossing([p for p in probes if p.mode == cfg.mode], slos, lo, hi)) is not None:
+        estimate = crossing
     return _result(status, cfg, slos, lo, hi, estimate, spent, probes, fit, unspent)
+
+
+def point_crossing(probes: Sequence[Probe], slos: Sequence[SLO], lo: float | None, hi: float | None) -> float | None:
+    """Where the probes' (of one mode) point estimates put the capacity: the highest load that met every SLO on its point
+    estimate below the lowest that missed one, within the confirmed bracket [lo, hi) (None: no such load).
+    Loads that passed this way but not yet at the stated confidence are what the confirmed answer leaves out."""
+    by_key = {s.key: s for s in slos}
+
+    def over(p: Probe) -> bool:
+        return any(_over(c, by_key[c.key]) for c in p.checks if c.key in by_key)
+
+    judged = [p for p in probes if p.requests and (hi is None or p.load < hi)]
+    fail = min((p.load for p in judged if over(p)), default=math.inf)
+    passed = [p.load for p in judged if not over(p) and p.load < fail and (lo is None or p.load >= lo)]
+    return max(passed, default=None)
 
 
 def judge_s(cfg: SearchConfig, probes: Sequence[Probe], mode: str, load: float) -> float:
@@ -1104,6 +1123,9 @@ def _result(
                             f"{fit.probes} probes near the crossing, fitted against load together")  # fmt: skip
     elif fit is not None and (lo, hi) == (fit.lo, fit.hi):
         messages[status] += f" (the SLO misses of the {fit.probes} probes near the crossing, fitted against load together)"
+    if status in ("budget", "unresolved") and fit is None and estimate is not None and estimate > (lo or 0.0):
+        messages[status] += (f"; the probes' point estimates put it at {_fmt_load(estimate)} {unit} (it passed there, "
+                             f"not yet at {cfg.confidence:.0%} confidence)")  # fmt: skip
     if status == "budget" and unspent is not None:
         messages[status] += (f"; the last {cfg.budget_s - spent:.0f} s were not spent: a probe at {_fmt_load(unspent[0])} "
                              f"{unit} needs ~{unspent[1]:.0f} s to judge its first {cfg.first_look} requests")  # fmt: skip

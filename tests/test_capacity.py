@@ -34,6 +34,7 @@ from loadgen.capacity import (
     judge_s,
     linear_sweep,
     lognormal_upper,
+    point_crossing,
     samples_to_hold,
     search,
 )  # fmt: skip
@@ -610,3 +611,22 @@ def test_a_probe_the_budget_would_end_before_it_judges_is_not_run():
     assert judge_s(cfg, [done], "concurrency", 16) == pytest.approx(0.2 * 2)  # twice the queue, 2 waves
     assert judge_s(cfg, [done], "rate", 10) == pytest.approx(30 / 10 + 0.1)  # arrivals, then one E2E
     assert judge_s(cfg, [], "concurrency", 4) == 0.0
+
+
+def test_the_estimate_is_where_the_probes_point_estimates_cross():
+    """Issue 40's run: c = 8 confirmed, 32, 53 and 64 passed on their point estimates, 96 failed; the answer
+    was "capacity 8" with the pilot's 32 as its estimate. The estimate is now the point-estimate crossing
+    within the confirmed bracket (64), and a budget-bound search says so."""
+    (slo,) = parse_slos("tpot_p90=150ms", percentiles=True)
+
+    def probe(load, misses, confident=False):
+        c = SloCheck(slo.key, slo.limit, 100, misses, 0.0, 1.0, 0.1, None, None, "open")
+        return Probe(0, "search", "concurrency", load, "pass" if misses <= 10 else "fail", confident, "", 60.0, 100, 0, [c])
+
+    probes = [probe(8, 0, True), probe(32, 2), probe(53, 5), probe(64, 9), probe(96, 40, True), probe(67, 0)]
+    assert point_crossing(probes, [slo], 8, 96) == 67  # 67 passed too (below the lowest point-estimate fail)
+    assert point_crossing([*probes, probe(60, 30)], [slo], 8, 96) == 53  # a fail at 60 caps it
+    assert point_crossing(probes[:1], [slo], 8, 96) == 8 and point_crossing([probe(96, 40)], [slo], None, None) is None
+    slos = parse_slos("tpot_p90=9.5ms", percentiles=True)  # the simulator's capacity is 5 sessions
+    res = run_async(search(SimProber(SIM, SIM_JOB, slos, seed=1), slos, SearchConfig("concurrency", budget_s=6)))
+    assert res.status == "budget" and res.estimate == 5 and "point estimates put it at 5" in res.message, res.message
