@@ -160,6 +160,7 @@ def _run_flag(run_json: Path, key: str) -> bool:
 # Config keys that do not change what is measured (loadgen.options.RunOptions marks them). Everything else in
 # ``config`` (workload, load, model, API, client) must match; the seed need not (another sample of the same workload).
 CONFIG_IGNORED = RunOptions.incomparable() | {"run_id"}  # run_id: results written before RunOptions
+CONFIG_DEFAULTS = RunOptions.config_defaults()
 ENV_IGNORED = frozenset({"load_average"})
 
 
@@ -167,8 +168,8 @@ def comparable_config(doc: dict[str, Any]) -> dict[str, Any]:
     """What must be equal for two results to be compared: the run config without :data:`CONFIG_IGNORED`
     (so a refusal can name the field), or the bare ``fingerprint`` when a result has no config."""
     config = doc.get("config")
-    if isinstance(config, dict):
-        return {k: v for k, v in config.items() if k not in CONFIG_IGNORED}
+    if isinstance(config, dict):  # a key newer than the result: it ran with that option's default
+        return {k: v for k, v in {**CONFIG_DEFAULTS, **config}.items() if k not in CONFIG_IGNORED}
     fp = doc.get("fingerprint")
     return fp if isinstance(fp, dict) else {"fingerprint": fp}
 

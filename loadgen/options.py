@@ -5,8 +5,10 @@ runs comparable (``bench gate``); and the command-line spelling of options share
 
 from __future__ import annotations
 
+import inspect
 import re
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -44,6 +46,60 @@ def parse_slo(text: str | None) -> dict[str, float] | None:
         raise UsageError(str(exc)) from None
 
 
+# The command-line spelling of options several commands share.
+Url = Annotated[str | None, typer.Option(help="Target base URL (default: start the bundled reference server).")]
+BackendOpt = Annotated[str, typer.Option("--backend", help="Server dialect: auto (ask the server: llama.cpp, vLLM, "
+                                          "TGI, SGLang, reference; else plain OpenAI) or one of backends.registry.")]
+MaxErrorRate = Annotated[float, typer.Option(help="Exit 1 when a point's error rate is above this (0..1).")]
+WaitForServer = Annotated[float, typer.Option(help="When the server goes away mid-point, wait up to this many "
+                                              "seconds for it and go on with the next point (0: stop).")]
+ApiOpt = Annotated[str | None, typer.Option(help="completions or chat (default: the workload's).")]
+Model = Annotated[str | None, typer.Option(help="Model name sent to the server (default: GET /v1/models).")]
+Arrival = Annotated[str | None, typer.Option(help=f"Arrival process: {', '.join(ARRIVAL_PROCESSES)} (default: closed with"
+                                             " --concurrency, poisson with --rate).")]  # fmt: skip
+Burstiness = Annotated[float, typer.Option(help="Gamma shape: 1 = Poisson, < 1 burstier.")]
+WorkloadOpt = Annotated[str, typer.Option(help="Workload name or TOML path.")]
+NumRequests = Annotated[int | None, typer.Option(
+    help="Measured requests per point (default: run 100, sweep 32; a replayed trace runs to its end).")]
+Duration = Annotated[float | None, typer.Option(help="Seconds of dispatch per point.")]
+Warmup = Annotated[int, typer.Option(help="Warm-up sessions per point (excluded from metrics).")]
+Seed = Annotated[int | None, typer.Option(help="Seed for arrivals and workload sampling (default: derived from "
+                                           "the run id, so runs send fresh prompts; run.json records it: pass "
+                                           "it again to repeat a run's prompts).")]
+Slo = Annotated[str | None, typer.Option(help="Goodput SLOs, e.g. ttft=500ms,tpot=50ms,e2e=10s (bare = ms).")]
+SloFrom = Annotated[str, typer.Option(help="Judge the SLOs' TTFT and E2E from the request's actual send "
+                    "(sent) or its intended send time (intended: a client running late cannot flatter goodput).")]
+Repeat = Annotated[int, typer.Option(help="Repeat each point N times as separate trials.")]
+OutputDir = Annotated[Path, typer.Option(help="Results root; the run goes to <output-dir>/<run-id>/.")]
+RunId = Annotated[str | None, typer.Option(help="Run id (default: a timestamp).")]
+ApiKeyEnv = Annotated[str | None, typer.Option(help="Name of the env var holding the API key (never stored).")]
+ContinuousUsage = Annotated[bool, typer.Option(help="Ask for per-chunk usage (vLLM continuous_usage_stats).")]
+ExtraBody = Annotated[str | None, typer.Option(help="JSON object merged into every request body.")]
+Client = Annotated[str, typer.Option(help="HTTP transport: aiohttp or httpx.")]
+Timeout = Annotated[float, typer.Option(help="Per-request limit, seconds.")]
+StallTimeout = Annotated[float, typer.Option(help="Longest silence within a response, seconds.")]
+Speedup = Annotated[float, typer.Option(help="Trace replay speed-up (send at at/speedup).")]
+PollHz = Annotated[float, typer.Option(help="Server-state poller rate (/metrics, /slots), Hz; 0 = off.")]
+TelemetryHz = Annotated[float, typer.Option(help="Telemetry rate (NVML GPUs, host, server process), Hz; 0 = off.")]
+TokenizerOpt = Annotated[str | None, typer.Option(
+    help="The target model's tokenizer for exact prompt lengths: a tokenizer.json or .gguf file, a model folder, or "
+         "a Hugging Face id such as HuggingFaceTB/SmolLM2-135M-Instruct (through the HF cache; HF_HUB_OFFLINE=1 "
+         "keeps to it). Default: the bundled model's.")]
+Workers = Annotated[int, typer.Option(help="Load processes on this machine (or Ray actors with --ray), each with "
+                                      "its own event loop and HTTP client; the load of each point is split over them.")]
+Ray = Annotated[str | None, typer.Option(help="Run the workers as Ray actors: 'local' (start Ray here), 'auto' or "
+                                         "a cluster address (needs pip install 'servelab[ray]').")]
+ResetCache = Annotated[bool, typer.Option(help="Empty the server's prefix cache before each point (vLLM "
+                      "/reset_prefix_cache with VLLM_SERVER_DEV_MODE=1, SGLang /flush_cache, the reference server).")]
+DatasetField = Annotated[str | None, typer.Option(help="A JSONL dataset of text as --workload: the key holding each "
+                        "line's prompt (ShareGPT .json and request-body .jsonl need none; workloads/datasets.py).")]
+TelemetryUrl = Annotated[str | None, typer.Option(help="Prometheus URL of a DCGM/node exporter on the server's host.")]
+ServerCmd = Annotated[str | None, typer.Option("--server", help="Start this server command for each grid point, "
+                     "e.g. 'llama-server -m {model} -np {np} --port {port}' ({model}: bundled GGUF, {port}: free port).")]
+Grid = Annotated[list[str] | None, typer.Option(help="Server grid axis NAME=V1,V2 (repeat for a product).")]
+ServerTimeout = Annotated[float, typer.Option(help="Seconds to wait for a started server's health.")]
+
+
 def _not_config() -> Any:
     return {"config": False}
 
@@ -60,48 +116,54 @@ class RunOptions:
     only in them. The server command is not compared either: comparing two servers is the point."""
 
     command: str = field(metadata=_incomparable())
-    url: str | None = field(default=None, metadata=_incomparable())
-    backend: str = "auto"
-    api: str | None = None
-    model: str | None = None
+    url: str | None = field(default=None, metadata={**_incomparable(), "cli": Url})
+    backend: str = field(default="auto", metadata={"cli": BackendOpt})
+    api: str | None = field(default=None, metadata={"cli": ApiOpt})
+    model: str | None = field(default=None, metadata={"cli": Model})
     workloads: list[str] = field(default_factory=lambda: ["chat-short"])
     concurrency: list[int] = field(default_factory=list)
     rate: list[float] = field(default_factory=list)
-    arrival: str | None = None
-    burstiness: float = 1.0
-    num_requests: int | None = None
-    duration: float | None = None
-    warmup: int = 0
+    arrival: str | None = field(default=None, metadata={"cli": Arrival})
+    burstiness: float = field(default=1.0, metadata={"cli": Burstiness})
+    num_requests: int | None = field(default=None, metadata={"cli": NumRequests})
+    duration: float | None = field(default=None, metadata={"cli": Duration})
+    warmup: int = field(default=0, metadata={"cli": Warmup})
     # None: derived from the run id (execute); run.json records the one used. Not part of what makes runs
     # comparable: other prompts of the same workload are another sample of it
-    seed: int | None = field(default=None, metadata=_incomparable())
-    slo: str | None = None  # as given; run.json holds it in seconds (:func:`parse_slo`)
-    repeat: int = field(default=1, metadata=_incomparable())
-    api_key_env: str | None = field(default=None, metadata=_incomparable())
-    continuous_usage: bool = False
-    extra_body: str | None = None
-    client: str = "aiohttp"
-    timeout: float = field(default=REQUEST_TIMEOUT_S, metadata=_incomparable())
-    stall_timeout: float = field(default=STALL_TIMEOUT_S, metadata=_incomparable())
-    speedup: float = 1.0
-    poll_hz: float = field(default=10.0, metadata=_incomparable())
-    server: str | None = field(default=None, metadata=_incomparable())
-    grid: list[str] | None = None
-    tokenizer: str | None = None
-    dataset_field: str | None = None  # a JSONL dataset of text: the key holding each prompt
-    max_error_rate: float = 0.05
-    wait_for_server: float = 0.0
-    slo_from: str = "sent"
-    reset_cache: bool = False  # empty the server's prefix cache before each point
-    workers: int = field(default=1, metadata=_incomparable())
-    ray: str | None = field(default=None, metadata=_incomparable())
+    seed: int | None = field(default=None, metadata={**_incomparable(), "cli": Seed})
+    slo: str | None = field(default=None, metadata={"cli": Slo})  # as given; run.json holds it in seconds (:func:`parse_slo`)
+    repeat: int = field(default=1, metadata={**_incomparable(), "cli": Repeat})
+    api_key_env: str | None = field(default=None, metadata={**_incomparable(), "cli": ApiKeyEnv})
+    continuous_usage: bool = field(default=False, metadata={"cli": ContinuousUsage})
+    extra_body: str | None = field(default=None, metadata={"cli": ExtraBody})
+    client: str = field(default="aiohttp", metadata={"cli": Client})
+    timeout: float = field(default=REQUEST_TIMEOUT_S, metadata={**_incomparable(), "cli": Timeout})
+    stall_timeout: float = field(default=STALL_TIMEOUT_S, metadata={**_incomparable(), "cli": StallTimeout})
+    speedup: float = field(default=1.0, metadata={"cli": Speedup})
+    poll_hz: float = field(default=10.0, metadata={**_incomparable(), "cli": PollHz})
+    server: str | None = field(default=None, metadata={**_incomparable(), "cli": ServerCmd})
+    grid: list[str] | None = field(default=None, metadata={"cli": Grid})
+    tokenizer: str | None = field(default=None, metadata={"cli": TokenizerOpt})
+    dataset_field: str | None = field(default=None, metadata={"cli": DatasetField})  # a JSONL dataset of text: the key holding each prompt
+    max_error_rate: float = field(default=0.05, metadata={"cli": MaxErrorRate})
+    wait_for_server: float = field(default=0.0, metadata={"cli": WaitForServer})
+    slo_from: str = field(default="sent", metadata={"cli": SloFrom})
+    reset_cache: bool = field(default=False, metadata={"cli": ResetCache})  # empty the server's prefix cache before each point
+    workers: int = field(default=1, metadata={**_incomparable(), "cli": Workers})
+    ray: str | None = field(default=None, metadata={**_incomparable(), "cli": Ray})
     # how the run is carried out, not what it measures: not in run.json
-    output_dir: Path = field(default=RESULTS_ROOT, metadata=_not_config())
-    run_id: str | None = field(default=None, metadata=_not_config())
-    telemetry_hz: float = field(default=10.0, metadata=_not_config())
-    telemetry_url: str | None = field(default=None, metadata=_not_config())
-    server_timeout: float = field(default=300.0, metadata=_not_config())
+    output_dir: Path = field(default=RESULTS_ROOT, metadata={**_not_config(), "cli": OutputDir})
+    run_id: str | None = field(default=None, metadata={**_not_config(), "cli": RunId})
+    telemetry_hz: float = field(default=10.0, metadata={**_not_config(), "cli": TelemetryHz})
+    telemetry_url: str | None = field(default=None, metadata={**_not_config(), "cli": TelemetryUrl})
+    server_timeout: float = field(default=300.0, metadata={**_not_config(), "cli": ServerTimeout})
     default_num_requests: int = field(default=100, metadata=_not_config())
+
+    @classmethod
+    def config_defaults(cls) -> dict[str, Any]:
+        """Each ``run.json`` config key's default: what a result written before the key existed ran with."""
+        return {f.name: f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+                for f in fields(cls) if f.metadata.get("config", True) and f.name != "command"}  # fmt: skip
 
     @classmethod
     def incomparable(cls) -> frozenset[str]:
@@ -174,51 +236,34 @@ class RunOptions:
         return out
 
 
-# The command-line spelling of options several commands share.
-Url = Annotated[str | None, typer.Option(help="Target base URL (default: start the bundled reference server).")]
-BackendOpt = Annotated[str, typer.Option("--backend", help="Server dialect: auto (ask the server: llama.cpp, vLLM, "
-                                          "TGI, SGLang, reference; else plain OpenAI) or one of backends.registry.")]
-MaxErrorRate = Annotated[float, typer.Option(help="Exit 1 when a point's error rate is above this (0..1).")]
-WaitForServer = Annotated[float, typer.Option(help="When the server goes away mid-point, wait up to this many "
-                                              "seconds for it and go on with the next point (0: stop).")]
-ApiOpt = Annotated[str | None, typer.Option(help="completions or chat (default: the workload's).")]
-Model = Annotated[str | None, typer.Option(help="Model name sent to the server (default: GET /v1/models).")]
-Arrival = Annotated[str | None, typer.Option(help=f"Arrival process: {', '.join(ARRIVAL_PROCESSES)} (default: closed with"
-                                             " --concurrency, poisson with --rate).")]  # fmt: skip
-Burstiness = Annotated[float, typer.Option(help="Gamma shape: 1 = Poisson, < 1 burstier.")]
-WorkloadOpt = Annotated[str, typer.Option(help="Workload name or TOML path.")]
-NumRequests = Annotated[int | None, typer.Option(
-    help="Measured requests per point (default: run 100, sweep 32; a replayed trace runs to its end).")]
-Duration = Annotated[float | None, typer.Option(help="Seconds of dispatch per point.")]
-Warmup = Annotated[int, typer.Option(help="Warm-up sessions per point (excluded from metrics).")]
-Seed = Annotated[int | None, typer.Option(help="Seed for arrivals and workload sampling (default: derived from "
-                                           "the run id, so runs send fresh prompts; run.json records it: pass "
-                                           "it again to repeat a run's prompts).")]
-Slo = Annotated[str | None, typer.Option(help="Goodput SLOs, e.g. ttft=500ms,tpot=50ms,e2e=10s (bare = ms).")]
-SloFrom = Annotated[str, typer.Option(help="Judge the SLOs' TTFT and E2E from the request's actual send "
-                    "(sent) or its intended send time (intended: a client running late cannot flatter goodput).")]
-Repeat = Annotated[int, typer.Option(help="Repeat each point N times as separate trials.")]
-OutputDir = Annotated[Path, typer.Option(help="Results root; the run goes to <output-dir>/<run-id>/.")]
-RunId = Annotated[str | None, typer.Option(help="Run id (default: a timestamp).")]
-ApiKeyEnv = Annotated[str | None, typer.Option(help="Name of the env var holding the API key (never stored).")]
-ContinuousUsage = Annotated[bool, typer.Option(help="Ask for per-chunk usage (vLLM continuous_usage_stats).")]
-ExtraBody = Annotated[str | None, typer.Option(help="JSON object merged into every request body.")]
-Client = Annotated[str, typer.Option(help="HTTP transport: aiohttp or httpx.")]
-Timeout = Annotated[float, typer.Option(help="Per-request limit, seconds.")]
-StallTimeout = Annotated[float, typer.Option(help="Longest silence within a response, seconds.")]
-Speedup = Annotated[float, typer.Option(help="Trace replay speed-up (send at at/speedup).")]
-PollHz = Annotated[float, typer.Option(help="Server-state poller rate (/metrics, /slots), Hz; 0 = off.")]
-TelemetryHz = Annotated[float, typer.Option(help="Telemetry rate (NVML GPUs, host, server process), Hz; 0 = off.")]
-TokenizerOpt = Annotated[str | None, typer.Option(
-    help="The target model's tokenizer for exact prompt lengths: a tokenizer.json or .gguf file, a model folder, or "
-         "a Hugging Face id such as HuggingFaceTB/SmolLM2-135M-Instruct (through the HF cache; HF_HUB_OFFLINE=1 "
-         "keeps to it). Default: the bundled model's.")]
-Workers = Annotated[int, typer.Option(help="Load processes on this machine (or Ray actors with --ray), each with "
-                                      "its own event loop and HTTP client; the load of each point is split over them.")]
-Ray = Annotated[str | None, typer.Option(help="Run the workers as Ray actors: 'local' (start Ray here), 'auto' or "
-                                         "a cluster address (needs pip install 'servelab[ray]').")]
-ResetCache = Annotated[bool, typer.Option(help="Empty the server's prefix cache before each point (vLLM "
-                      "/reset_prefix_cache with VLLM_SERVER_DEV_MODE=1, SGLang /flush_cache, the reference server).")]
-DatasetField = Annotated[str | None, typer.Option(help="A JSONL dataset of text as --workload: the key holding each "
-                        "line's prompt (ShareGPT .json and request-body .jsonl need none; workloads/datasets.py).")]
-TelemetryUrl = Annotated[str | None, typer.Option(help="Prometheus URL of a DCGM/node exporter on the server's host.")]
+
+
+def command(body: Callable[..., Any], names: Sequence[str], own: Mapping[str, inspect.Parameter] | None = None,
+            defaults: Mapping[str, Any] | None = None) -> Callable[..., None]:  # fmt: skip
+    """A typer command that calls ``body(**options)``: its options are the :class:`RunOptions` fields ``names``,
+    in that order, each spelled once (the field's ``cli`` annotation) with the field's default or the
+    command's own (``defaults``); a name in ``own`` is the command's own parameter instead (run's single
+    ``--concurrency`` and sweep's list of them). Its help is ``body``'s docstring."""
+    by_name = {f.name: f for f in fields(RunOptions)}
+    own, defaults = own or {}, defaults or {}
+    params = []
+    for name in names:
+        if name in own:
+            params.append(own[name])
+            continue
+        f = by_name[name]
+        default = defaults.get(name, f.default if f.default is not MISSING else f.default_factory())  # type: ignore[misc]
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=f.metadata["cli"]))
+
+    def cmd(**options: Any) -> None:
+        body(**options)
+
+    cmd.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    cmd.__annotations__ = {p.name: p.annotation for p in params}
+    cmd.__doc__, cmd.__name__ = body.__doc__, body.__name__.lstrip("_")
+    return cmd
+
+
+def param(name: str, annotation: Any, default: Any) -> inspect.Parameter:
+    """A command's own option (see :func:`command`)."""
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)

@@ -19,47 +19,11 @@ from backends.launcher import GridPoint, sweep_servers
 from backends.profile import profile_of
 from loadgen import metrics
 from loadgen.clock import RunClock, Sidecar
-from loadgen.defaults import REQUEST_TIMEOUT_S, RESULTS_ROOT, RUN_FILE, STALL_TIMEOUT_S
+from loadgen.defaults import RUN_FILE
 from loadgen.engine import LoadSpec, run_async
 from loadgen.exitcodes import ExitCode, UsageError, console, guard, worst
 from loadgen.live import LiveDisplay
-from loadgen.options import (
-    ApiKeyEnv,
-    ApiOpt,
-    Arrival,
-    BackendOpt,
-    Burstiness,
-    Client,
-    ContinuousUsage,
-    DatasetField,
-    Duration,
-    ExtraBody,
-    MaxErrorRate,
-    Model,
-    NumRequests,
-    OutputDir,
-    PollHz,
-    Ray,
-    Repeat,
-    ResetCache,
-    RunId,
-    RunOptions,
-    Seed,
-    Slo,
-    SloFrom,
-    Speedup,
-    StallTimeout,
-    TelemetryHz,
-    TelemetryUrl,
-    Timeout,
-    TokenizerOpt,
-    Url,
-    WaitForServer,
-    Warmup,
-    Workers,
-    WorkloadOpt,
-    parse_list,
-)  # fmt: skip
+from loadgen.options import RunOptions, WorkloadOpt, command, param, parse_list
 from loadgen.records import write_json
 from loadgen.report.cli import auto_report
 from loadgen.results import ResultsDir, new_run_id
@@ -77,21 +41,16 @@ from loadgen.targets import (
     reset_cache_path,
 )
 
+# The RunOptions fields both commands take as they are, in --help order; concurrency, rate and workload are each
+# command's own (one value for run, lists for sweep).
+SHARED = ("url", "backend", "api", "model", "concurrency", "rate", "arrival", "burstiness", "workload", "num_requests",
+          "duration", "warmup", "seed", "slo", "repeat", "output_dir", "run_id", "api_key_env", "continuous_usage",
+          "extra_body", "client", "timeout", "stall_timeout", "speedup", "poll_hz", "telemetry_hz", "telemetry_url",
+          "tokenizer", "dataset_field", "max_error_rate", "slo_from", "workers", "ray", "reset_cache")  # fmt: skip
+SWEEP_ONLY = ("server", "grid", "server_timeout", "wait_for_server")
 
-def run(
-    url: Url = None, backend: BackendOpt = "auto", api: ApiOpt = None, model: Model = None,
-    concurrency: Annotated[int | None, typer.Option(help="Closed-loop concurrency.")] = None,
-    rate: Annotated[float | None, typer.Option(help="Open-loop rate, req/s.")] = None,
-    arrival: Arrival = None, burstiness: Burstiness = 1.0, workload: WorkloadOpt = "chat-short",
-    num_requests: NumRequests = None, duration: Duration = None, warmup: Warmup = 0, seed: Seed = None,
-    slo: Slo = None, repeat: Repeat = 1, output_dir: OutputDir = RESULTS_ROOT, run_id: RunId = None,
-    api_key_env: ApiKeyEnv = None, continuous_usage: ContinuousUsage = False, extra_body: ExtraBody = None,
-    client: Client = "aiohttp", timeout: Timeout = REQUEST_TIMEOUT_S, stall_timeout: StallTimeout = STALL_TIMEOUT_S,
-    speedup: Speedup = 1.0, poll_hz: PollHz = 10.0, telemetry_hz: TelemetryHz = 10.0,
-    telemetry_url: TelemetryUrl = None, tokenizer: TokenizerOpt = None, max_error_rate: MaxErrorRate = 0.05,
-    slo_from: SloFrom = "sent", workers: Workers = 1, ray: Ray = None, reset_cache: ResetCache = False,
-    dataset_field: DatasetField = None,
-) -> None:  # fmt: skip
+
+def _run(concurrency: int | None, rate: float | None, workload: str, **options: Any) -> None:
     """Run one load point (closed loop at --concurrency or open loop at --rate)."""
     if concurrency is not None and rate is not None:
         console.print("[red]error[/]: bench run takes --concurrency or --rate, not both (use bench sweep)")
@@ -99,59 +58,36 @@ def run(
     if concurrency is not None and concurrency < 1 or rate is not None and rate <= 0:
         console.print("[red]error[/]: --concurrency must be >= 1 and --rate > 0")
         raise typer.Exit(ExitCode.USAGE)
-    guard(execute, opts=RunOptions(
-        command="run", url=url, backend=backend, api=api, model=model, workloads=[workload],
-        concurrency=[concurrency] if concurrency else [], rate=[rate] if rate else [], arrival=arrival,
-        burstiness=burstiness, num_requests=num_requests, duration=duration, warmup=warmup, seed=seed, slo=slo,
-        repeat=repeat, output_dir=output_dir, run_id=run_id, api_key_env=api_key_env,
-        continuous_usage=continuous_usage, extra_body=extra_body, client=client, timeout=timeout,
-        stall_timeout=stall_timeout, speedup=speedup, default_num_requests=100, poll_hz=poll_hz,
-        telemetry_hz=telemetry_hz, telemetry_url=telemetry_url, tokenizer=tokenizer, max_error_rate=max_error_rate,
-        slo_from=slo_from, workers=workers, ray=ray, reset_cache=reset_cache, dataset_field=dataset_field,
-    ))  # fmt: skip
+    guard(execute, opts=RunOptions(command="run", workloads=[workload], concurrency=[concurrency] if concurrency else [],
+                                   rate=[rate] if rate else [], default_num_requests=100, **options))  # fmt: skip
 
 
-def sweep(
-    url: Url = None, backend: BackendOpt = "auto", api: ApiOpt = None, model: Model = None,
-    concurrency: Annotated[str | None, typer.Option(help="Closed-loop concurrencies, e.g. 1,4,16.")] = None,
-    rate: Annotated[str | None, typer.Option(help="Open-loop rates in req/s, e.g. 2,4,8.")] = None,
-    arrival: Arrival = None, burstiness: Burstiness = 1.0,
-    workload: Annotated[str, typer.Option(help="Workload name(s) or TOML path(s), comma-separated.")] = "chat-short",
-    num_requests: NumRequests = None, duration: Duration = None, warmup: Warmup = 2, seed: Seed = None,
-    slo: Slo = None, repeat: Repeat = 1, output_dir: OutputDir = RESULTS_ROOT, run_id: RunId = None,
-    api_key_env: ApiKeyEnv = None, continuous_usage: ContinuousUsage = False, extra_body: ExtraBody = None,
-    client: Client = "aiohttp", timeout: Timeout = REQUEST_TIMEOUT_S, stall_timeout: StallTimeout = STALL_TIMEOUT_S,
-    speedup: Speedup = 1.0, poll_hz: PollHz = 10.0, telemetry_hz: TelemetryHz = 10.0,
-    telemetry_url: TelemetryUrl = None,
-    server: Annotated[str | None, typer.Option(help="Start this server command for each grid point, e.g. "
-                      "'llama-server -m {model} -np {np} --port {port}' ({model}: bundled GGUF, {port}: free port).")] = None,
-    grid: Annotated[list[str] | None, typer.Option(help="Server grid axis NAME=V1,V2 (repeat for a product).")] = None,
-    server_timeout: Annotated[float, typer.Option(help="Seconds to wait for a started server's health.")] = 300.0,
-    tokenizer: TokenizerOpt = None, max_error_rate: MaxErrorRate = 0.05, wait_for_server: WaitForServer = 0.0,
-    slo_from: SloFrom = "sent", workers: Workers = 1, ray: Ray = None, reset_cache: ResetCache = False,
-    dataset_field: DatasetField = None,
-) -> None:  # fmt: skip
+def _sweep(concurrency: str | None, rate: str | None, workload: str, grid: list[str] | None, **options: Any) -> None:
     """Run a list of load points (concurrencies and/or rates × workloads) into one results directory."""
 
     def body() -> ExitCode:
         conc = parse_list(concurrency, int, "--concurrency") if concurrency else []
         rates = parse_list(rate, float, "--rate") if rate else []
-        if not conc and not rates and arrival != "trace":
+        if not conc and not rates and options["arrival"] != "trace":
             conc = [1, 4, 16]
-        return execute(RunOptions(
-            command="sweep", url=url, backend=backend, api=api, model=model,
-            workloads=[w for w in workload.split(",") if w], concurrency=conc, rate=rates, arrival=arrival,
-            burstiness=burstiness, num_requests=num_requests, duration=duration, warmup=warmup, seed=seed,
-            slo=slo, repeat=repeat, output_dir=output_dir, run_id=run_id, api_key_env=api_key_env,
-            continuous_usage=continuous_usage, extra_body=extra_body, client=client, timeout=timeout,
-            stall_timeout=stall_timeout, speedup=speedup, default_num_requests=32, poll_hz=poll_hz,
-            server=server, grid=[axis for g in grid or [] for axis in g.split()], server_timeout=server_timeout,
-            telemetry_hz=telemetry_hz, telemetry_url=telemetry_url, tokenizer=tokenizer,
-            max_error_rate=max_error_rate, wait_for_server=wait_for_server, slo_from=slo_from, workers=workers, ray=ray,
-            reset_cache=reset_cache, dataset_field=dataset_field,
-        ))  # fmt: skip
+        return execute(RunOptions(command="sweep", workloads=[w for w in workload.split(",") if w], concurrency=conc,
+                                  rate=rates, grid=[axis for g in grid or [] for axis in g.split()],
+                                  default_num_requests=32, **options))  # fmt: skip
 
     guard(body)
+
+
+run = command(_run, SHARED, own={
+    "concurrency": param("concurrency", Annotated[int | None, typer.Option(help="Closed-loop concurrency.")], None),
+    "rate": param("rate", Annotated[float | None, typer.Option(help="Open-loop rate, req/s.")], None),
+    "workload": param("workload", WorkloadOpt, "chat-short"),
+})  # fmt: skip
+sweep = command(_sweep, (*SHARED, *SWEEP_ONLY), defaults={"warmup": 2}, own={
+    "concurrency": param("concurrency", Annotated[str | None, typer.Option(help="Closed-loop concurrencies, e.g. 1,4,16.")], None),
+    "rate": param("rate", Annotated[str | None, typer.Option(help="Open-loop rates in req/s, e.g. 2,4,8.")], None),
+    "workload": param("workload", Annotated[str, typer.Option(help="Workload name(s) or TOML path(s), comma-separated.")],
+                      "chat-short"),
+})  # fmt: skip
 
 
 def execute(opts: RunOptions) -> ExitCode:

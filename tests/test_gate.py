@@ -235,6 +235,11 @@ def test_config_fingerprint_ignores_url_and_repeat_but_not_traffic(tmp_path):
     d = write_run_result(tmp_path / "d", tok, {**CONFIG, "concurrency": [8]}, ENV)
     rep = compare(load(b), load(d), RULES[:1])
     assert rep.verdict == "invalid" and "concurrency: [4] != [8]" in rep.errors[0]
+    # an option newer than the baseline: the baseline ran with its default, so only another value differs
+    e = write_run_result(tmp_path / "e", tok, {**CONFIG, "dataset_field": None, "reset_cache": False}, ENV)
+    assert compare(load(b), load(e), RULES[:1]).verdict == "pass"
+    f = write_run_result(tmp_path / "f", tok, {**CONFIG, "reset_cache": True}, ENV)
+    assert "reset_cache: False != True" in compare(load(b), load(f), RULES[:1]).errors[0]
 
 
 def _bench(*args: str):
