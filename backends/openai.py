@@ -151,14 +151,20 @@ class OpenAIBackend(Backend):
 
 
 def _final_usage(usage: dict[str, Any]) -> Delta:
-    """The request's final usage totals (and speculative-decoding counts when the server reports them)."""
+    """The request's final usage totals (and speculative-decoding counts and reasoning tokens when the server
+    reports them: ``completion_tokens_details.reasoning_tokens``, OpenAI's and vLLM's field)."""
     spec = _spec_counts(usage)
+    details = usage.get("completion_tokens_details")
+    thought = details.get("reasoning_tokens") if isinstance(details, dict) else None
+    extra: dict[str, Any] = {"spec_decode": spec} if spec else {}
+    if isinstance(thought, int) and not isinstance(thought, bool):
+        extra["reasoning_tokens"] = thought
     return Delta(
         prompt_tokens=usage.get("prompt_tokens"),
         completion_tokens=usage.get("completion_tokens"),
         cached_tokens=cached_tokens(usage),
         tokens_source="usage",
-        extra={"spec_decode": spec} if spec else {},
+        extra=extra,
     )
 
 

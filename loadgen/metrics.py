@@ -127,7 +127,11 @@ def ttfo(r: Record) -> float | None:
 
 
 def reasoning_tokens(r: Record) -> int:
-    """Tokens of the reasoning events before the answer."""
+    """Reasoning tokens: the server's count where its usage states one (``completion_tokens_details``), else
+    the tokens of the reasoning events before the answer."""
+    stated = (r.get("extra") or {}).get("reasoning_tokens")
+    if isinstance(stated, int):
+        return stated
     i = first_output(r)
     return sum(tokens_of(e) for e in r["events"][: len(r["events"]) if i is None else i])
 

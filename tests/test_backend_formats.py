@@ -394,3 +394,16 @@ def test_streamed_tool_calls_are_output():
         assert [d.text for d in deltas if d.text] == ["get_weather", '{"city": ', '"Paris"}'], b.name
         assert not any(d.reasoning for d in deltas) and deltas[-1].finish_reason == "tool_calls"
     assert OpenAIBackend("http://127.0.0.1:1").plain_texts([json.dumps(e).encode() for e in events[1:]]) == []
+
+
+def test_reasoning_tokens_the_server_counted_are_used():
+    """``usage.completion_tokens_details.reasoning_tokens`` (OpenAI's field, vLLM's): the server's own count of
+    the thinking tokens goes into the record and the point's count, over the events it streamed."""
+    from loadgen import metrics
+
+    final = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 30,
+                                      "completion_tokens_details": {"reasoning_tokens": 21}}}  # fmt: skip
+    (d,) = run(OpenAIBackend("http://127.0.0.1:1"), [final])
+    assert d.completion_tokens == 30 and d.extra == {"reasoning_tokens": 21}
+    r = {"events": [[0.1, 1], [0.2, 1], [0.3, 1]], "first_output": 1, "extra": {}}
+    assert metrics.reasoning_tokens(r) == 1 and metrics.reasoning_tokens({**r, "extra": d.extra}) == 21
