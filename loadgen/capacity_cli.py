@@ -8,9 +8,11 @@ lowest load, 5 they still hold at the highest load searched.
 
 from __future__ import annotations
 
+import inspect
 import re
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Annotated, Any
 
 import httpx
@@ -21,25 +23,13 @@ from rich.table import Table
 from backends.launcher import GridPoint, LaunchError, server_grid, sweep_servers
 from loadgen.capacity import MODES, CapacityResult, LiveProber, SearchConfig, search
 from loadgen.clock import RunClock
-from loadgen.defaults import REQUEST_TIMEOUT_S, RESULTS_ROOT
 from loadgen.engine import run_async
 from loadgen.exitcodes import ExitCode, UsageError, console, exits
 from loadgen.fleet import Fleet
 from loadgen.options import (
-    ApiKeyEnv,
-    ApiOpt,
-    BackendOpt,
-    Client,
-    ExtraBody,
-    Model,
-    OutputDir,
-    Ray,
-    RunId,
-    Seed,
-    Timeout,
-    Url,
-    Workers,
     WorkloadOpt,
+    command,
+    param,
 )
 from loadgen.records import write_json
 from loadgen.results import new_run_id
@@ -81,54 +71,55 @@ def _check_reachable(url: str) -> None:
         raise typer.Exit(ExitCode.SERVER_GONE) from None
 
 
-def capacity_command(
-    slo: Annotated[str, typer.Option(help="SLOs, e.g. ttft_p99=1s,tpot_p99=60ms,e2e_p90=10s,error_rate=1% "
-                                     "(bare numbers are ms).")],  # fmt: skip
-    mode: Annotated[str, typer.Option(help="rate: open-loop req/s; concurrency: closed-loop sessions.")] = "rate",
-    url: Url = None, backend: BackendOpt = "auto", api: ApiOpt = None, model: Model = None,
-    workload: WorkloadOpt = "chat-short",
-    arrival: Annotated[str, typer.Option(help="Rate mode arrivals: poisson or constant.")] = "poisson",
-    resolution: Annotated[float, typer.Option(help="Target half-width of the interval, share of the capacity.")] = 0.05,
-    budget: Annotated[float, typer.Option(help="Probe-seconds the whole search may take.")] = 600.0,
-    confidence: Annotated[float, typer.Option(help="Confidence of each probe's verdict.")] = 0.95,
-    max_probe_s: Annotated[float | None, typer.Option(help="Longest probe, seconds [default: 60, and at a rate too "
-                           "low to bring the requests the SLOs need in 60 s as long as they take, up to a quarter of "
-                           "the budget].")] = None,  # fmt: skip
-    max_samples: Annotated[int, typer.Option(help="Most requests one probe measures.")] = 2000,
-    max_concurrency: Annotated[int, typer.Option(help="Highest concurrency searched.")] = 256,
-    max_rate: Annotated[float, typer.Option(help="Highest rate searched, req/s.")] = 1000.0,
-    seed: Seed = 0, output_dir: OutputDir = RESULTS_ROOT, run_id: RunId = None, api_key_env: ApiKeyEnv = None,
-    extra_body: ExtraBody = None, client: Client = "aiohttp", timeout: Timeout = REQUEST_TIMEOUT_S,
-    server: Annotated[str | None, typer.Option(help="Start this server command per grid point, e.g. "
-                      "'llama-server -m {model} -np {np} --port {port}'.")] = None,  # fmt: skip
-    grid: Annotated[list[str] | None, typer.Option(help="Server grid axis NAME=V1,V2 (repeat for a product).")] = None,
-    server_timeout: Annotated[float, typer.Option(help="Seconds to wait for a started server's health.")] = 300.0,
-    workers: Workers = 1, ray: Ray = None,
-) -> None:  # fmt: skip
+SEARCH = ("resolution", "budget", "confidence", "max_probe_s", "max_samples", "max_concurrency", "max_rate")
+OWN = {  # bench capacity's own options (the RunOptions ones it shares are spelled there)
+    "slo": param("slo", Annotated[str, typer.Option(help="SLOs, e.g. ttft_p99=1s,tpot_p99=60ms,e2e_p90=10s,error_rate=1% "
+                                                     "(bare numbers are ms).")], inspect.Parameter.empty),
+    "mode": param("mode", Annotated[str, typer.Option(help="rate: open-loop req/s; concurrency: closed-loop sessions.")],
+                  "rate"),
+    "workload": param("workload", WorkloadOpt, "chat-short"),
+    "arrival": param("arrival", Annotated[str, typer.Option(help="Rate mode arrivals: poisson or constant.")], "poisson"),
+    "resolution": param("resolution", Annotated[float, typer.Option(help="Target half-width of the interval, share of "
+                                                                         "the capacity.")], 0.05),
+    "budget": param("budget", Annotated[float, typer.Option(help="Probe-seconds the whole search may take.")], 600.0),
+    "confidence": param("confidence", Annotated[float, typer.Option(help="Confidence of each probe's verdict.")], 0.95),
+    "max_probe_s": param("max_probe_s", Annotated[float | None, typer.Option(help="Longest probe, seconds [default: 60, "
+                         "and at a rate too low to bring the requests the SLOs need in 60 s as long as they take, up to a "
+                         "quarter of the budget].")], None),
+    "max_samples": param("max_samples", Annotated[int, typer.Option(help="Most requests one probe measures.")], 2000),
+    "max_concurrency": param("max_concurrency", Annotated[int, typer.Option(help="Highest concurrency searched.")], 256),
+    "max_rate": param("max_rate", Annotated[float, typer.Option(help="Highest rate searched, req/s.")], 1000.0),
+}  # fmt: skip
+OPTIONS = ("slo", "mode", "url", "backend", "api", "model", "workload", "arrival", *SEARCH, "seed", "output_dir", "run_id",
+           "api_key_env", "extra_body", "client", "timeout", "server", "grid", "server_timeout", "workers", "ray")  # fmt: skip
+
+
+def _capacity(slo: str, mode: str, workload: str, arrival: str, **options: Any) -> None:
     """Find the highest load (rate or concurrency) at which every SLO holds, with its interval."""
+    o = SimpleNamespace(**options)
     try:
         slos = parse_slos(slo, percentiles=True)
         if mode not in MODES:
             raise UsageError(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
         if arrival not in ("poisson", "constant"):
             raise UsageError(f"--arrival must be poisson or constant, got {arrival!r}")
-        if url is not None and not re.match(r"^https?://", url):
-            raise UsageError(f"--url must start with http:// or https://, got {url!r}")
-        if server and url:
+        if o.url is not None and not re.match(r"^https?://", o.url):
+            raise UsageError(f"--url must start with http:// or https://, got {o.url!r}")
+        if o.server and o.url:
             raise UsageError("--server starts the target itself; drop --url")
-        if grid and not server:
+        if o.grid and not o.server:
             raise UsageError("--grid needs --server (the command template the grid fills in)")
-        if max_samples < 30 or max_concurrency < 1 or max_rate <= 0:
+        if o.max_samples < 30 or o.max_concurrency < 1 or o.max_rate <= 0:
             raise UsageError("--max-samples must be >= 30, --max-concurrency >= 1 and --max-rate > 0")
         try:
-            fleet = Fleet(workers, ray)
-            cfg = SearchConfig(mode=mode, resolution=resolution, budget_s=budget, confidence=confidence,
-                               max_probe_s=max_probe_s, max_samples=max_samples, max_concurrency=max_concurrency,
-                               max_rate=max_rate)  # fmt: skip
+            fleet = Fleet(o.workers, o.ray)
+            cfg = SearchConfig(mode=mode, resolution=o.resolution, budget_s=o.budget, confidence=o.confidence,
+                               max_probe_s=o.max_probe_s, max_samples=o.max_samples, max_concurrency=o.max_concurrency,
+                               max_rate=o.max_rate)  # fmt: skip
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-        grid_points = server_grid(server, [a for g in grid or [] for a in g.split()]) if server else []
-        api_key = read_api_key(api_key_env)
+        grid_points = server_grid(o.server, [a for g in o.grid or [] for a in g.split()]) if o.server else []
+        api_key = read_api_key(o.api_key_env)
         wl = load_workload(workload)
     except SloError as exc:
         console.print(f"[red]error[/]: {exc}")
@@ -136,19 +127,19 @@ def capacity_command(
     except (UsageError, ValueError, LaunchError) as exc:
         console.print(f"[red]error[/]: {exc}")
         raise typer.Exit(ExitCode.USAGE) from None
-    out = output_dir / (run_id or f"capacity-{new_run_id()}")
+    out = o.output_dir / (o.run_id or f"capacity-{new_run_id()}")
     out.mkdir(parents=True, exist_ok=True)
-    config = {"command": "capacity", "slo": slo, "mode": mode, "url": url, "backend": backend, "workload": workload,
-              "arrival": arrival, "server": server, "grid": grid, "search": cfg.__dict__, **fleet.describe()}  # fmt: skip
+    config = {"command": "capacity", "slo": slo, "mode": mode, "url": o.url, "backend": o.backend, "workload": workload,
+              "arrival": arrival, "server": o.server, "grid": o.grid, "search": cfg.__dict__, **fleet.describe()}  # fmt: skip
     entries: list[dict[str, Any]] = []
     stdout = Console(width=None if sys.stdout.isatty() else 200)
 
     def one(target: str, gp: GridPoint | None = None, previous: Any = None) -> list[dict[str, Any]]:
         _check_reachable(target)
-        be = make_backend(backend, target, model, api, api_key, False, extra_body)
+        be = make_backend(o.backend, target, o.model, o.api, api_key, False, o.extra_body)
         where = out / gp.label if gp else out
-        prober = LiveProber(be, wl, slos, where, RunClock(), process=arrival, seed=seed, timeout=timeout,
-                            client_kind=client, fleet=fleet)  # fmt: skip
+        prober = LiveProber(be, wl, slos, where, RunClock(), process=arrival, seed=o.seed, timeout=o.timeout,
+                            client_kind=o.client, fleet=fleet)  # fmt: skip
         label = gp.label if gp else "server"
         console.print(f"[dim]{label}: searching the {mode} capacity under {', '.join(s.describe() for s in slos)}[/]")
         res = run_async(search(prober, slos, cfg))
@@ -168,18 +159,18 @@ def capacity_command(
         return [entry]
 
     with exits(interrupted=f"probes so far are in {out}"):
-        if server:
-            results = sweep_servers(server, grid_points, out, one, health_timeout_s=server_timeout)
+        if o.server:
+            results = sweep_servers(o.server, grid_points, out, one, health_timeout_s=o.server_timeout)
             for r in results:
                 if "failed" in r:
                     console.print(f"[red]failed[/] {r['point_id']}: {r['failed']['message']}")
                     entries.append(r)
             _write(out, config, entries)
-        elif url is None:
+        elif o.url is None:
             with embedded_server(out / "server.log") as target:
                 one(target)
         else:
-            one(url)
+            one(o.url)
     from loadgen.report.capacity import write_report
 
     html = write_report(out)
@@ -190,6 +181,9 @@ def capacity_command(
     codes = [EXIT[e["status"]] for e in done if e["status"] in EXIT]
     if codes:
         raise typer.Exit(codes[0])
+
+
+capacity_command = command(_capacity, OPTIONS, own=OWN, defaults={"seed": 0})
 
 
 def _write(out: Path, config: dict[str, Any], entries: list[dict[str, Any]]) -> None:
