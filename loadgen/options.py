@@ -84,7 +84,8 @@ TelemetryHz = Annotated[float, typer.Option(help="Telemetry rate (NVML GPUs, hos
 TokenizerOpt = Annotated[str | None, typer.Option(
     help="The target model's tokenizer for exact prompt lengths: a tokenizer.json or .gguf file, a model folder, or "
          "a Hugging Face id such as HuggingFaceTB/SmolLM2-135M-Instruct (through the HF cache; HF_HUB_OFFLINE=1 "
-         "keeps to it). Default: the bundled model's.")]
+         "keeps to it). Default: the served model's where its id (GET /v1/models) names one this machine has (a "
+         "folder, a file, a cached hub id), else the bundled model's.")]
 Workers = Annotated[int, typer.Option(help="Load processes on this machine (or Ray actors with --ray), each with "
                                       "its own event loop and HTTP client; the load of each point is split over them.")]
 Ray = Annotated[str | None, typer.Option(help="Run the workers as Ray actors: 'local' (start Ray here), 'auto' or "

@@ -39,6 +39,7 @@ from loadgen.targets import (
     make_backend,
     read_api_key,
     reset_cache_path,
+    served_tokenizer,
 )
 
 # The RunOptions fields both commands take as they are, in --help order; concurrency, rate and workload are each
@@ -96,6 +97,9 @@ def execute(opts: RunOptions) -> ExitCode:
     grid_points = opts.check()
     api_key = read_api_key(opts.api_key_env)
     check_tokenizer(opts.tokenizer)
+    if opts.tokenizer is None and opts.url is not None and (served := served_tokenizer(opts.url, api_key)) is not None:
+        console.print(f"[dim]tokenizer: the served model's ({served})[/]")
+        opts = replace(opts, tokenizer=served)
     wls = [load_workload(w, opts.tokenizer, opts.dataset_field) for w in opts.workloads]
     run_id = opts.run_id or new_run_id()
     opts = opts.resolve(wls, finite=all(map(is_finite, wls)))

@@ -131,6 +131,23 @@ def make_backend(
         raise UsageError(f"backend {name!r}: {exc}") from None
 
 
+def served_tokenizer(url: str, api_key: str | None) -> str | None:
+    """``--tokenizer`` left out: the served model's own, where its id (GET /v1/models) names one this machine has
+    (a model folder, a tokenizer file, or a Hugging Face id already in the cache: nothing is downloaded
+    for it); None: the bundled one. Prompts cut with another model's tokenizer are not the lengths asked
+    (each run compares them with the server's counts)."""
+    from workloads.text import load_tokenizer
+
+    model = _first_model(url, api_key)
+    if model is None:
+        return None
+    try:
+        load_tokenizer(model, offline=True)
+    except (OSError, ValueError):
+        return None
+    return model
+
+
 def _first_model(url: str, api_key: str | None) -> str | None:
     """The server's first model from GET /v1/models; None when it has no such endpoint."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

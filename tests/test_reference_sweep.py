@@ -90,3 +90,24 @@ def test_tokenize_counts_what_the_server_counts(reference_url):
         for bad in ({}, {"prompt": prompt, "messages": messages}, {"prompt": 3}, {"model": "other", "prompt": "x"}):
             r = c.post("/tokenize", json=bad)
             assert 400 <= r.status_code < 500 and "message" in r.json()["error"], (bad, r.text)
+
+
+def test_without_tokenizer_flag_the_served_models_own_is_used(tmp_path):
+    """`bench run --url` with no --tokenizer: a server whose model id names a folder with a tokenizer.json (as
+    vLLM serving a local model does) gets prompts cut with that tokenizer; their lengths are the server's count."""
+    import sys
+
+    from backends.launcher import ServerProcess, free_port
+    from reference_server.model_files import default_model_path, tokenizer_from_gguf
+
+    folder = tmp_path / "served-model"
+    folder.mkdir()
+    tokenizer_from_gguf(default_model_path()).save(str(folder / "tokenizer.json"))
+    wl = fixed_workload(tmp_path / "w.toml", 300, 4)
+    port = free_port()
+    cmd = [sys.executable, "-m", "reference_server", "--port", str(port), "--threads", "1", "--served-model-name", str(folder)]
+    with ServerProcess(cmd, port, tmp_path / "server.log", health_timeout_s=180) as srv:
+        point, out = cli_point(srv.base_url, wl, tmp_path, "auto", 3)
+    assert f"tokenizer: the served model's ({folder})" in out
+    assert json.loads((tmp_path / "auto" / "run.json").read_text())["config"]["tokenizer"] == str(folder)
+    assert point["prompt_lengths"]["intended"] == point["prompt_lengths"]["counted"] == 900

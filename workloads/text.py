@@ -28,10 +28,10 @@ SEAM_UNITS = 8  # whole corpus units on each side of a seam, encoded with it to 
 
 
 @lru_cache(maxsize=8)
-def load_tokenizer(spec: str = "bundled") -> Tokenizer:
+def load_tokenizer(spec: str = "bundled", offline: bool = False) -> Tokenizer:
     """``bundled`` (the reference server's GGUF), a ``.gguf`` file, a ``tokenizer.json`` file, a folder holding
     one (a model's snapshot), or a Hugging Face model id (``org/name``: its ``tokenizer.json`` through the
-    Hugging Face cache, downloaded when not there; ``HF_HUB_OFFLINE=1`` keeps to the cache)."""
+    Hugging Face cache, downloaded when not there; ``HF_HUB_OFFLINE=1`` or ``offline`` keep to the cache)."""
     from reference_server.model_files import default_model_path, tokenizer_from_gguf
 
     if spec == "bundled":
@@ -40,7 +40,7 @@ def load_tokenizer(spec: str = "bundled") -> Tokenizer:
     if path.is_dir():
         path = path / "tokenizer.json"
     elif not path.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", spec):
-        path = _hub_tokenizer(spec)
+        path = _hub_tokenizer(spec, offline)
     if not path.is_file():
         raise FileNotFoundError(
             f"tokenizer {spec!r} not found: use 'bundled', a .gguf file, a tokenizer.json file, a folder holding "
@@ -54,13 +54,13 @@ def load_tokenizer(spec: str = "bundled") -> Tokenizer:
         raise ValueError(f"{spec}: not a tokenizer.json file ({exc})") from exc
 
 
-def _hub_tokenizer(repo: str) -> Path:
-    """``tokenizer.json`` of Hugging Face model ``repo`` from the cache (or the hub)."""
+def _hub_tokenizer(repo: str, offline: bool) -> Path:
+    """``tokenizer.json`` of Hugging Face model ``repo`` from the cache (or the hub, unless ``offline``)."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
-        return Path(hf_hub_download(repo, "tokenizer.json"))
+        return Path(hf_hub_download(repo, "tokenizer.json", local_files_only=offline))
     except LocalEntryNotFoundError as exc:
         raise FileNotFoundError(f"tokenizer {repo!r}: not in the Hugging Face cache and the hub cannot be reached "
                                 f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '')!r}); give a tokenizer.json "
