@@ -37,6 +37,7 @@ LLAMACPP_PROFILE = ServerProfile(
     waiting=("llamacpp:requests_deferred",),
     kv_usage=("llamacpp:kv_cache_usage_ratio",),
     prefix_cache=PrefixCounters("llamacpp:prompt_tokens_cached_total", "llamacpp:prompt_tokens_total", misses=True),
+    tokenize=("/tokenize", "content"),
 )
 
 _FINISH = {"limit": "length", "eos": "stop", "word": "stop"}

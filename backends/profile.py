@@ -50,6 +50,9 @@ class ServerProfile:
     # cache, where the server has them
     prefix_cache: PrefixCounters | None = None
     reset_cache: str | None = None
+    # POST path of the server's tokenizer and the JSON field it reads the text from (its answer: ``count``, a
+    # ``tokens`` list, or a list of tokens)
+    tokenize: tuple[str, str] | None = None
 
     def spec_counters(self, names: set[str]) -> tuple[str, str] | None:
         """Of the counter base ``names`` a server exports, its drafted/accepted pair: the profile's own,
@@ -72,7 +75,7 @@ REFERENCE_PROFILE = ServerProfile(
     spec_drafted=REFERENCE_SPEC[0], spec_accepted=REFERENCE_SPEC[1],
     running=(M.REQUESTS_RUNNING,), waiting=(M.REQUESTS_WAITING,), kv_blocks=(M.KV_BLOCKS_USED, M.KV_BLOCKS_TOTAL),
     prefix_cache=PrefixCounters(M.total(M.PREFIX_CACHE_HITS), M.total(M.PREFIX_CACHE_QUERIES)),
-    reset_cache="/reset_prefix_cache",
+    reset_cache="/reset_prefix_cache", tokenize=("/tokenize", "prompt"),
 )  # fmt: skip
 
 

@@ -20,7 +20,8 @@ from backends.openai import OpenAIBackend
 from backends.profile import ServerProfile
 from workloads.contracts import GenRequest
 
-TGI_PROFILE = ServerProfile(iterations_path=None, running=("tgi_batch_current_size",), waiting=("tgi_queue_size",))
+TGI_PROFILE = ServerProfile(iterations_path=None, running=("tgi_batch_current_size",), waiting=("tgi_queue_size",),
+                            tokenize=("/tokenize", "inputs"))  # fmt: skip
 
 
 class TGINativeBackend(NativeBackend):

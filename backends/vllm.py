@@ -32,6 +32,7 @@ class VLLMBackend(OpenAIBackend):
         kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
         prefix_cache=PrefixCounters("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"),
         reset_cache="/reset_prefix_cache",  # served only with VLLM_SERVER_DEV_MODE=1 (serve/dev/cache/api_router.py)
+        tokenize=("/tokenize", "prompt"),
     )
 
     def __init__(

@@ -40,6 +40,7 @@ from loadgen.targets import (
     read_api_key,
     reset_cache_path,
     served_tokenizer,
+    server_counts,
 )
 
 # The RunOptions fields both commands take as they are, in --help order; concurrency, rate and workload are each
@@ -130,6 +131,8 @@ def execute(opts: RunOptions) -> ExitCode:
             name, how = opts.backend, f"forced; the server looks like {det.server}" if det.server else "forced"
         console.print(f"[dim]backend: {name} ({how}; {det.evidence})[/]")
         be = make_backend(name, target, opts.model, opts.api, api_key, opts.continuous_usage, opts.extra_body)
+        for warning in server_counts(be, wls, opts.seed):  # type: ignore[arg-type]
+            console.print(f"[yellow]warning[/]: {warning}")
         reset_path = reset_cache_path(be) if opts.reset_cache else None
         todo = plans if gp is None else [
             replace(p, point_id=f"{gp.label}/{p.point_id}", labels={**p.labels, **gp.params}) for p in plans

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -129,6 +129,50 @@ def make_backend(
         return cls(url, model=model or _first_model(url, api_key), api_key=api_key, **opts)  # type: ignore[call-arg]
     except (TypeError, ValueError) as exc:
         raise UsageError(f"backend {name!r}: {exc}") from None
+
+
+TOKENIZE_TIMEOUT_S = 10.0  # a tokenize endpoint's answer (it runs beside the server's load: there is none yet)
+
+
+def server_counts(backend: Backend, workloads: Sequence[Workload], seed: int) -> list[str]:
+    """Before any load: the first completions prompt of each workload counted by the server's own tokenizer
+    (its tokenize endpoint: the backend's, else the first known server's that answers) against the length the
+    workload meant; a warning for each past :data:`loadgen.metrics.PROMPT_MISMATCH` (every run compares all its
+    prompts with the server's usage afterwards; this says it before the run is spent). None without an endpoint."""
+    from loadgen.metrics import PROMPT_MISMATCH
+
+    firsts = []
+    for wl in workloads:
+        req = next(iter(wl.sessions(seed)), None)
+        first = req.first() if req is not None else None
+        if first is not None and isinstance(first.prompt, str) and first.prompt_tokens:
+            firsts.append((wl.name, first))
+    ways = dict.fromkeys(t for t in (profile_of(backend).tokenize, *(p.tokenize for p in server_profiles())) if t)
+    out: list[str] = []
+    with httpx.Client(base_url=backend.base_url, timeout=TOKENIZE_TIMEOUT_S, trust_env=False,
+                      headers=backend.auth_headers()) as c:  # fmt: skip
+        for path, key in ways:
+            counted = [_count(c, path, {key: first.prompt, "model": backend.model}) for _, first in firsts]
+            if firsts and None not in counted:
+                for (name, first), n in zip(firsts, counted, strict=True):
+                    if abs(n / first.prompt_tokens - 1) > PROMPT_MISMATCH:  # type: ignore[operator]
+                        out.append(f"the server counts {n} tokens in {name}'s first prompt, cut to {first.prompt_tokens}: "
+                                   "the prompts are not the lengths asked (pass the served model's --tokenizer)")  # fmt: skip
+                break
+    return out
+
+
+def _count(client: httpx.Client, path: str, body: dict[str, Any]) -> int | None:
+    """A tokenize endpoint's token count (``count``, a ``tokens`` list, or a list); None when it has none."""
+    try:
+        r = client.post(path, json=body)
+        data = r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    if isinstance(data, dict) and isinstance(data.get("count"), int):
+        return data["count"]
+    tokens = data.get("tokens") if isinstance(data, dict) else data
+    return len(tokens) if isinstance(tokens, list) else None
 
 
 def served_tokenizer(url: str, api_key: str | None) -> str | None:

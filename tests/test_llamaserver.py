@@ -195,18 +195,21 @@ def test_a_rerun_against_llama_server_is_seen_in_its_cache(server, tmp_path):
 def test_prompts_of_another_tokenizer_are_caught_by_the_servers_count(server, tmp_path):
     """Every run compares the prompt tokens the workload's tokenizer made with those the server counted
     (usage): with the served model's own (bundled) tokenizer they agree; with another's (a word-level
-    tokenizer.json) the summary, the table and the report say the prompts are not the lengths asked."""
+    tokenizer.json) the header (the server's /tokenize before the run), the summary, the table and the report say
+    the prompts are not the lengths asked."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     words = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()
     words.save(str(tmp_path / "words.json"))
     wl = fixed_workload(tmp_path / "long.toml", 600, 4)
-    own, _ = cli_point(server.base_url, wl, tmp_path, "own", 2, "--seed", "31")
+    own, own_out = cli_point(server.base_url, wl, tmp_path, "own", 2, "--seed", "31")
     other, out = cli_point(server.base_url, wl, tmp_path, "other", 2, "--seed", "31", "--tokenizer", str(tmp_path / "words.json"))
     assert own["prompt_lengths"]["intended"] == own["prompt_lengths"]["counted"] == 1200
     assert "warning" not in own["prompt_lengths"]
     assert other["prompt_lengths"]["intended"] == 1200 and other["prompt_lengths"]["ratio"] > 1.02
+    # said before the run too: the first prompt counted by llama-server's /tokenize
+    assert "the server counts" in out and "the server counts" not in own_out
     assert "the prompts are not the lengths asked" in out and "the prompts are not the lengths asked" in (
         tmp_path / "other" / "report.html").read_text()
 

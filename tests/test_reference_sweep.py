@@ -109,5 +109,25 @@ def test_without_tokenizer_flag_the_served_models_own_is_used(tmp_path):
     with ServerProcess(cmd, port, tmp_path / "server.log", health_timeout_s=180) as srv:
         point, out = cli_point(srv.base_url, wl, tmp_path, "auto", 3)
     assert f"tokenizer: the served model's ({folder})" in out
+    assert "the server counts" not in out  # its /tokenize, asked before the run, agrees
     assert json.loads((tmp_path / "auto" / "run.json").read_text())["config"]["tokenizer"] == str(folder)
     assert point["prompt_lengths"]["intended"] == point["prompt_lengths"]["counted"] == 900
+
+
+def test_the_servers_own_count_is_asked_before_the_run(reference_url, tmp_path):
+    """targets.server_counts: the reference server (driven by the plain OpenAI backend, whose profile has no
+    tokenize path) is found through the known servers' endpoints; prompts cut with another tokenizer are
+    named before any load, prompts cut with its own are not."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from loadgen.targets import make_backend, server_counts
+    from workloads.loader import load_workload
+
+    words = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.save(str(tmp_path / "words.json"))
+    wl = fixed_workload(tmp_path / "w.toml", 300, 4)
+    be = make_backend("openai", reference_url, None, None, None, False, None)
+    assert server_counts(be, [load_workload(str(wl))], 5) == []
+    (warning,) = server_counts(be, [load_workload(str(wl), tokenizer=str(tmp_path / "words.json"))], 5)
+    assert "cut to 300" in warning and "--tokenizer" in warning
