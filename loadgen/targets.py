@@ -131,7 +131,7 @@ def make_backend(
         raise UsageError(f"backend {name!r}: {exc}") from None
 
 
-TOKENIZE_TIMEOUT_S = 10.0  # a tokenize endpoint's answer (it runs beside the server's load: there is none yet)
+TOKENIZE_TIMEOUT_S = 10.0  # a tokenize endpoint's answer, asked before any load
 
 
 def server_counts(backend: Backend, workloads: Sequence[Workload], seed: int) -> list[str]:
