@@ -8,7 +8,7 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -163,8 +163,7 @@ class RunOptions:
     @classmethod
     def config_defaults(cls) -> dict[str, Any]:
         """Each ``run.json`` config key's default: what a result written before the key existed ran with."""
-        return {f.name: f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
-                for f in fields(cls) if f.metadata.get("config", True) and f.name != "command"}  # fmt: skip
+        return {f.name: _default(f) for f in fields(cls) if f.metadata.get("config", True) and f.name != "command"}
 
     @classmethod
     def incomparable(cls) -> frozenset[str]:
@@ -239,6 +238,11 @@ class RunOptions:
 
 
 
+def _default(f: Field[Any]) -> Any:
+    """A dataclass field's default value (its factory's, for a list)."""
+    return f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+
+
 def command(body: Callable[..., Any], names: Sequence[str], own: Mapping[str, inspect.Parameter] | None = None,
             defaults: Mapping[str, Any] | None = None) -> Callable[..., None]:  # fmt: skip
     """A typer command that calls ``body(**options)``: its options are the :class:`RunOptions` fields ``names``,
@@ -253,7 +257,7 @@ def command(body: Callable[..., Any], names: Sequence[str], own: Mapping[str, in
             params.append(own[name])
             continue
         f = by_name[name]
-        default = defaults.get(name, f.default if f.default is not MISSING else f.default_factory())  # type: ignore[misc]
+        default = defaults.get(name, _default(f))
         params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=f.metadata["cli"]))
 
     def cmd(**options: Any) -> None:
