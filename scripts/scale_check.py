@@ -34,9 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import csv
-import json
 import logging
 import os
 import platform
@@ -44,23 +41,18 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
-from collections.abc import Callable, Coroutine, Iterator
-from datetime import datetime
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from loadgen.calibrate import NullTarget, open_loop, scaling, servers_for
-from loadgen.engine import run_async
-from loadgen.sidecars.gpu import host_gpus
+from scale_check_nvml import DUTY, nvml_part
+from scale_check_report import OPEN_RATE, Budget, Report, log, table
 
-# Issue 38's acceptance: one home for its figures.
-TARGET_WORKERS, TARGET_REQ_PER_S = 16, 10_000.0  # >= 10,000 req/s of 200-event streams with 16 workers
-EFFICIENCY_WORKERS, EFFICIENCY_MIN = 8, 0.80  # scaling efficiency >= 80 % at 8 workers
-OPEN_RATE, RATE_TOLERANCE, LAG_P99_MAX_MS = 10_000.0, 0.02, 5.0  # open loop 10,000/s within 2 %, lag p99 < 5 ms
-NVML_TOLERANCE = 5.0  # NVML utilisation within 5 points of nvidia-smi's, every step
+from loadgen.calibrate import NullTarget, open_loop, scaling, servers_for
+from loadgen.sidecars.gpu import host_gpus
+from loadgen.signals import run_async
 
 SIZES = {  # --full: the 16-core GPU machine, ~3.5 min in all; rehearsal: small counts for any machine
     "full": {"workers": "1,2,4,8,16", "requests": None, "max_point_s": 6.0, "concurrency": 512, "events": 200,
@@ -68,190 +60,6 @@ SIZES = {  # --full: the 16-core GPU machine, ~3.5 min in all; rehearsal: small 
     "rehearsal": {"workers": "1,2", "requests": 2000, "max_point_s": 10.0, "concurrency": 64, "events": 200,
                   "rate": 200.0, "duration": 3.0, "open_workers": 2, "step_s": 2.0, "budget": 150.0},
 }  # fmt: skip
-DUTY = "0,0.25,0.5,0.75,1"  # duty-cycle steps of the GPU load
-SETTLE_S = 1.0  # the start of each step left out of its means: NVML's utilisation averages over a window
-SAMPLE_S = 0.1  # NVML sampler and nvidia-smi loop period
-DUTY_PERIOD_S = 0.1  # the GPU load is busy for duty x this, then idle for the rest, over and over
-MATMUL_N = 4096  # the load's square bf16 matmul (~0.2-0.3 ms on an H100: fine steps of busy time)
-SMI_QUERY = "timestamp,utilization.gpu"
-SMI_TIME = "%Y/%m/%d %H:%M:%S.%f"
-
-log = logging.getLogger("scale_check")
-
-
-class Budget:
-    """The run's time budget: ``left()`` seconds until its end."""
-
-    def __init__(self, seconds: float) -> None:
-        self.end = time.monotonic() + seconds
-
-    def left(self) -> float:
-        return self.end - time.monotonic()
-
-
-class Report:
-    """``scale_check.json``, rewritten as each part ends (verdicts included), so that a run stopped from
-    outside keeps the parts it finished; parts not yet run say ``pending``."""
-
-    def __init__(self, path: Path, machine: dict[str, Any], config: dict[str, Any]) -> None:
-        self.path, self.t0 = path, time.monotonic()
-        self.res: dict[str, Any] = {"machine": machine, "config": config,
-                                    "parts": {name: {"status": "pending"} for name in ("nvml", "open_loop", "scaling")}}  # fmt: skip
-        self.write()
-
-    def part(self, name: str, result: dict[str, Any]) -> None:
-        self.res["parts"][name] = result
-        self.write()
-
-    def write(self) -> None:
-        self.res["verdicts"] = verdicts(self.res["parts"])
-        self.res["accepted"] = all(v["pass"] is True for v in self.res["verdicts"].values())
-        self.res["seconds"] = time.monotonic() - self.t0
-        self.path.write_text(json.dumps(self.res, indent=1, default=str))
-
-
-# ---- the NVML part -------------------------------------------------------------------------------------
-
-
-def parse_smi(text: str) -> list[tuple[float, float]]:
-    """(Unix time, utilisation %) of each reading in ``nvidia-smi --query-gpu=timestamp,utilization.gpu
-    --format=csv,noheader,nounits`` output (the timestamp is the machine's local time). Lines that are not a
-    reading (a header, ``[N/A]``, a torn last line) are left out."""
-    out = []
-    for row in csv.reader(text.splitlines(), skipinitialspace=True):
-        try:
-            out.append((datetime.strptime(row[0], SMI_TIME).timestamp(), float(row[1])))
-        except (IndexError, ValueError):
-            continue
-    return out
-
-
-def compare_steps(
-    steps: list[tuple[float, float, float]], nvml: list[tuple[float, float]], smi: list[tuple[float, float]],
-    settle: float = SETTLE_S,
-) -> list[dict[str, Any]]:  # fmt: skip
-    """Per duty-cycle step ``(duty, start, end)`` (Unix times): the mean utilisation of the NVML samples and
-    of the nvidia-smi readings (``(time, %)``) in ``[start + settle, end]``, their difference (NVML minus
-    nvidia-smi, points) and whether it is within :data:`NVML_TOLERANCE` (False when a side has no reading)."""
-    rows = []
-    for duty, start, end in steps:
-        means = []
-        for samples in (nvml, smi):
-            got = [u for t, u in samples if start + settle <= t <= end]
-            means.append((sum(got) / len(got) if got else None, len(got)))
-        (a, na), (b, nb) = means
-        diff = a - b if a is not None and b is not None else None
-        rows.append({"duty": duty, "nvml_util": a, "smi_util": b, "diff": diff, "n_nvml": na, "n_smi": nb,
-                     "within": diff is not None and abs(diff) <= NVML_TOLERANCE})  # fmt: skip
-    return rows
-
-
-def gpu_missing() -> str | None:
-    """Why the NVML part cannot run here (no GPU through NVML, no nvidia-smi, no CUDA in torch), or None."""
-    probes, line = host_gpus()
-    if not probes:
-        return line
-    if shutil.which("nvidia-smi") is None:
-        return "nvidia-smi not found on PATH"
-    try:
-        import torch
-    except ImportError:
-        return "torch is not installed (the GPU load is a torch matmul loop)"
-    if not torch.cuda.is_available():
-        return f"torch {torch.__version__} sees no CUDA device"
-    return None
-
-
-@contextlib.contextmanager
-def _sampling(every: float, sample: Callable[[], float | None]) -> Iterator[list[tuple[float, float]]]:
-    """``(time.time(), sample())`` every ``every`` seconds on a thread while the block runs (None: no reading)."""
-    out: list[tuple[float, float]] = []
-    stop = threading.Event()
-
-    def loop() -> None:
-        while not stop.wait(every):
-            if (value := sample()) is not None:
-                out.append((time.time(), value))
-
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
-    try:
-        yield out
-    finally:
-        stop.set()
-        thread.join()
-
-
-def _busy(duty: float, seconds: float) -> None:
-    """GPU 0 busy for ``duty`` of every :data:`DUTY_PERIOD_S` (back-to-back matmuls), idle for the rest."""
-    import torch
-
-    a = torch.randn(MATMUL_N, MATMUL_N, device="cuda", dtype=torch.bfloat16)
-    c = torch.empty_like(a)
-    end = time.perf_counter() + seconds
-    while (t := time.perf_counter()) < end:
-        while time.perf_counter() < t + duty * DUTY_PERIOD_S:
-            torch.mm(a, a, out=c)
-            torch.cuda.synchronize()
-        time.sleep(max(0.0, t + DUTY_PERIOD_S - time.perf_counter()))
-
-
-@contextlib.contextmanager
-def tty_output(argv: list[str]) -> Iterator[list[bytes]]:
-    """Run ``argv`` with its output on a pseudo-terminal while the block runs, then stop it (SIGTERM); yields
-    the list its output is appended to. On a terminal, C stdio writes each line as it ends; into a pipe the
-    output would be block-buffered, and what is still buffered lost when the program is stopped."""
-    ctl, tty = os.openpty()
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=tty, stderr=tty)
-    os.close(tty)
-    chunks: list[bytes] = []
-
-    def read() -> None:
-        with contextlib.suppress(OSError):  # EIO once the program has gone
-            while chunk := os.read(ctl, 65536):
-                chunks.append(chunk)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        yield chunks
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        reader.join(5)
-        os.close(ctl)
-
-
-def nvml_part(duties: list[float], step_s: float, budget: Budget) -> dict[str, Any]:
-    """The duty-cycle steps, sampled by the project's NVML module and by ``nvidia-smi`` (see the module
-    docstring; ``nvidia-smi`` writes to a pseudo-terminal: :func:`tty_output`)."""
-    missing = gpu_missing()
-    if missing is not None:
-        return {"status": "not run", "reason": missing}
-    if (need := 1.0 + len(duties) * step_s) > budget.left():
-        return {"status": "not run", "reason": f"its {need:.0f} s do not fit the {budget.left():.0f} s of budget left"}
-    probe = host_gpus()[0][0]
-    steps = []
-    with tty_output(["nvidia-smi", "-i", str(probe.index), f"--query-gpu={SMI_QUERY}", "--format=csv,noheader,nounits",
-                     "-lms", str(int(SAMPLE_S * 1000))]) as chunks:  # fmt: skip
-        _busy(1.0, 1.0)  # CUDA context, kernels and clocks up before the first step
-        with _sampling(SAMPLE_S, lambda: probe.sample().get("util")) as nvml:
-            for duty in duties:
-                t0 = time.time()
-                _busy(duty, step_s)
-                steps.append((duty, t0, time.time()))
-                log.info("nvml: duty %.0f%% for %.1f s", duty * 100, step_s)
-    text = b"".join(chunks).decode(errors="replace")
-    smi_readings = parse_smi(text)
-    return {"status": "ok", "gpu": probe.name, "steps": compare_steps(steps, nvml, smi_readings),
-            "smi_readings": len(smi_readings), "smi_first_line": text.splitlines()[0] if text else None}  # fmt: skip
-
-
-# ---- the load parts --------------------------------------------------------------------------------------
 
 
 async def _part(name: str, budget: Budget, make: Callable[[], Coroutine[Any, Any, dict[str, Any]]]) -> dict[str, Any]:
@@ -329,80 +137,6 @@ def machine_speed(counts: list[int], seconds: float = 1.0) -> dict[int, float]:
         rates = [int(p.communicate()[0]) / seconds for p in procs]
         out[n] = sum(rates) / n
     return out
-
-
-# ---- verdicts, table, main --------------------------------------------------------------------------------
-
-
-def _row(parts: dict[str, Any], workers: int) -> dict[str, Any] | None:
-    rows = parts["scaling"].get("rows", [])
-    return next((r for r in rows if r["workers"] == workers), None)
-
-
-def verdicts(parts: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Issue 38's acceptance, each as ``{"target", "measured", "pass"}``; ``pass`` is None where its point
-    was not run at its scale here (fewer workers, a lower rate, no GPU)."""
-    out: dict[str, dict[str, Any]] = {}
-    top = _row(parts, TARGET_WORKERS)
-    got = top["req_per_s"] if top else None
-    out["req_per_s_16_workers"] = {"target": f">= {TARGET_REQ_PER_S:,.0f} req/s with {TARGET_WORKERS} workers",
-                                   "measured": got, "pass": None if got is None else got >= TARGET_REQ_PER_S}  # fmt: skip
-    mid = _row(parts, EFFICIENCY_WORKERS)
-    eff = mid["efficiency"] if mid else None
-    out["efficiency_8_workers"] = {"target": f">= {EFFICIENCY_MIN:.0%} scaling efficiency at {EFFICIENCY_WORKERS} workers",
-                                   "measured": eff, "pass": None if eff is None else eff >= EFFICIENCY_MIN}  # fmt: skip
-    op = parts["open_loop"].get("result")
-    at_scale = op is not None and op["requested_rate"] >= OPEN_RATE
-    rate_err = op["achieved_rate"] / op["requested_rate"] - 1 if op and op["achieved_rate"] else None
-    out["open_loop_rate"] = {"target": f"{OPEN_RATE:,.0f} req/s achieved within {RATE_TOLERANCE:.0%}",
-                             "measured": rate_err,
-                             "pass": (rate_err is not None and abs(rate_err) <= RATE_TOLERANCE) if at_scale else None}  # fmt: skip
-    lag = op["lag_p99_ms"] if op else None
-    out["open_loop_lag_p99"] = {"target": f"schedule lag p99 < {LAG_P99_MAX_MS:g} ms at {OPEN_RATE:,.0f} req/s",
-                                "measured": lag, "pass": (lag is not None and lag < LAG_P99_MAX_MS) if at_scale else None}  # fmt: skip
-    loads = [*parts["scaling"].get("rows", []), *([op] if op else [])]
-    errors = sum(r["errors"] for r in loads) if loads else None
-    out["errors"] = {"target": "0 errors", "measured": errors, "pass": None if errors is None else errors == 0}
-    busiest = max((r["server_cpu_max"] for r in loads), default=None)
-    out["servers_not_limit"] = {"target": "no null-server process above half a core in any point",
-                                "measured": busiest, "pass": None if busiest is None else not any(r["servers_limit"] for r in loads)}  # fmt: skip
-    nv = parts["nvml"]
-    steps = nv.get("steps")
-    worst = max((abs(s["diff"]) for s in steps if s["diff"] is not None), default=None) if steps else None
-    out["nvml_vs_smi"] = {"target": f"NVML utilisation within {NVML_TOLERANCE:g} points of nvidia-smi, every step",
-                          "measured": worst, "pass": all(s["within"] for s in steps) if steps else None}  # fmt: skip
-    return out
-
-
-def _fmt(v: Any, spec: str = ",.4g") -> str:
-    return "-" if v is None else format(v, spec)
-
-
-def table(res: dict[str, Any]) -> str:
-    """The short plain-text table printed last: each part's status and headline, then the verdicts."""
-    p = res["parts"]
-    lines = [f"scale check on {res['machine']['cores']} cores, {res['seconds']:.0f} s ({res['machine']['gpu']})"]
-    for r in p["scaling"].get("rows", []):
-        lines.append(f"  scaling  {r['workers']:>2} workers  {r['req_per_s']:>9,.0f} req/s  efficiency "
-                     f"{_fmt(r['efficiency'], '.0%')} (machine's own {_fmt(r.get('machine_speed'), '.0%')})  "
-                     f"CPU/request {r['cpu_ms_per_request']:.3f} ms  errors {r['errors']}  busiest server {r['server_cpu_max']:.0%}  "
-                     f"cores busy {r['cores_busy']:.1f}  point {r['point_s']:.1f} s (load {r['load_s']:.1f} s)")  # fmt: skip
-    if skipped := p["scaling"].get("skipped"):
-        lines.append(f"  scaling  not run (time budget): {', '.join(map(str, skipped))} workers")
-    if (op := p["open_loop"].get("result")) is not None:
-        lines.append(f"  open     {op['workers']:>2} workers  {_fmt(op['achieved_rate'], ',.0f')} of "
-                     f"{op['requested_rate']:,.0f} req/s  lag p99 {_fmt(op['lag_p99_ms'], '.2f')} ms  errors {op['errors']}  "
-                     f"busiest server {op['server_cpu_max']:.0%}  point {op['point_s']:.1f} s (load {op['load_s']:.1f} s)")  # fmt: skip
-    for s in p["nvml"].get("steps", []):
-        lines.append(f"  nvml     duty {s['duty']:>4.0%}  NVML {_fmt(s['nvml_util'], '.1f')} %  nvidia-smi "
-                     f"{_fmt(s['smi_util'], '.1f')} %  diff {_fmt(s['diff'], '+.1f')} points")  # fmt: skip
-    for name, part in p.items():
-        if part["status"] != "ok":
-            lines.append(f"  {name}: {part['status']}: {part.get('error') or part.get('reason')}")
-    for name, v in res["verdicts"].items():
-        mark = {True: "PASS", False: "FAIL", None: "n/a "}[v["pass"]]
-        lines.append(f"  {mark} {name}: {_fmt(v['measured'])} ({v['target']})")
-    return "\n".join(lines)
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:

@@ -1,7 +1,6 @@
 """`make scale-check` (scripts/scale_check.py): the rehearsal on this machine with small counts, and its pure
 parts (nvidia-smi's CSV, the duty-cycle comparison, the verdicts, the pseudo-terminal reader)."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,9 +11,10 @@ from pathlib import Path
 from loadgen.sidecars.gpu import NO_GPU_LINE, host_gpus
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("scale_check", ROOT / "scripts" / "scale_check.py")
-scale_check = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(scale_check)
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import scale_check_nvml  # noqa: E402
+import scale_check_report  # noqa: E402
 
 
 def test_rehearsal_runs_every_part_and_records_it(tmp_path):
@@ -74,7 +74,7 @@ def test_a_failing_part_is_recorded_and_the_others_still_run(tmp_path):
 
 def test_report_is_written_as_parts_end(tmp_path):
     path = tmp_path / "scale_check.json"
-    report = scale_check.Report(path, {"cores": 2}, {"full": False})
+    report = scale_check_report.Report(path, {"cores": 2}, {"full": False})
     first = json.loads(path.read_text())
     assert {p["status"] for p in first["parts"].values()} == {"pending"} and first["accepted"] is False
     assert all(v["pass"] is None for v in first["verdicts"].values())
@@ -100,25 +100,25 @@ def _t(clock: str) -> float:
 
 
 def test_parse_smi_reads_each_reading_and_skips_the_rest():
-    got = scale_check.parse_smi(SMI)
+    got = scale_check_nvml.parse_smi(SMI)
     t0 = _t("10:00:00")
     assert [(round(t - t0, 3), u) for t, u in got] == [(0.05, 0.0), (0.15, 0.0), (1.05, 48.0), (1.15, 52.0), (2.05, 100.0)]
 
 
 def test_compare_steps_means_each_side_after_the_settle_time():
     t0 = _t("10:00:00")
-    smi = scale_check.parse_smi(SMI)
+    smi = scale_check_nvml.parse_smi(SMI)
     nvml = [(t0 + 1.1, 47.0), (t0 + 1.2, 49.0), (t0 + 1.9, 90.0), (t0 + 2.1, 100.0), (t0 + 0.1, 3.0)]
     steps = [(0.0, t0 - 1, t0 + 0.5), (0.5, t0 + 0.5, t0 + 1.5), (1.0, t0 + 1.5, t0 + 2.5)]
-    rows = scale_check.compare_steps(steps, nvml, smi, settle=0.5)
+    rows = scale_check_nvml.compare_steps(steps, nvml, smi, settle=0.5)
     assert [r["duty"] for r in rows] == [0.0, 0.5, 1.0]
     assert rows[0]["nvml_util"] == 3.0 and rows[0]["smi_util"] == 0.0 and rows[0]["within"]  # 0 s..0.5 s
     assert rows[1] == {"duty": 0.5, "nvml_util": 48.0, "smi_util": 50.0, "diff": -2.0, "n_nvml": 2, "n_smi": 2,
                        "within": True}  # fmt: skip
     assert rows[2]["smi_util"] == 100.0 and rows[2]["nvml_util"] == 100.0 and rows[2]["n_nvml"] == 1  # 90 settles
-    far = scale_check.compare_steps(steps[1:2], [(t0 + 1.1, 60.0)], smi, settle=0.5)[0]
+    far = scale_check_nvml.compare_steps(steps[1:2], [(t0 + 1.1, 60.0)], smi, settle=0.5)[0]
     assert far["diff"] == 10.0 and far["within"] is False
-    empty = scale_check.compare_steps(steps[1:2], [], smi, settle=0.5)[0]
+    empty = scale_check_nvml.compare_steps(steps[1:2], [], smi, settle=0.5)[0]
     assert empty["nvml_util"] is None and empty["diff"] is None and empty["within"] is False
 
 
@@ -137,7 +137,7 @@ def _parts(top: float = 12_000, eff8: float = 0.8, rate: float = 10_000, achieve
 
 
 def test_verdicts_hold_issue_38s_figures_at_their_edges():
-    v = scale_check.verdicts(_parts())
+    v = scale_check_report.verdicts(_parts())
     assert all(x["pass"] is True for x in v.values()), v
     assert v["open_loop_rate"]["measured"] == 9_810 / 10_000 - 1 and v["nvml_vs_smi"]["measured"] == 5.0
     fails = {
@@ -146,11 +146,11 @@ def test_verdicts_hold_issue_38s_figures_at_their_edges():
         "nvml_vs_smi": _parts(diffs=(0.0, 5.5)),
     }  # fmt: skip
     for name, parts in fails.items():
-        v = scale_check.verdicts(parts)
+        v = scale_check_report.verdicts(parts)
         assert [k for k, x in v.items() if x["pass"] is False] == [name], (name, v)
     noisy = _parts()
     noisy["scaling"]["rows"][1].update(errors=2, server_cpu_max=0.7, servers_limit=True)
-    v = scale_check.verdicts(noisy)
+    v = scale_check_report.verdicts(noisy)
     assert v["errors"] == {"target": "0 errors", "measured": 2, "pass": False} and v["servers_not_limit"]["pass"] is False
 
 
@@ -159,11 +159,11 @@ def test_verdicts_not_at_scale_are_not_judged():
     parts = _parts(rate=200, achieved=200)
     parts["scaling"]["rows"] = parts["scaling"]["rows"][:1]
     parts["nvml"] = {"status": "not run", "reason": NO_GPU_LINE}
-    v = scale_check.verdicts(parts)
+    v = scale_check_report.verdicts(parts)
     assert {k for k, x in v.items() if x["pass"] is None} == {
         "req_per_s_16_workers", "efficiency_8_workers", "open_loop_rate", "open_loop_lag_p99", "nvml_vs_smi"}
     failed = {"nvml": parts["nvml"], "open_loop": {"status": "error", "error": "x"}, "scaling": {"status": "error"}}
-    assert all(x["pass"] is None for x in scale_check.verdicts(failed).values())
+    assert all(x["pass"] is None for x in scale_check_report.verdicts(failed).values())
 
 
 def test_tty_output_gets_every_line_of_a_program_stopped_mid_run(monkeypatch):
@@ -173,11 +173,11 @@ def test_tty_output_gets_every_line_of_a_program_stopped_mid_run(monkeypatch):
     monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)  # the stand-in buffers as C stdio does
     code = ("import time\nfor i in range(10**6):\n    print(time.strftime('%Y/%m/%d %H:%M:%S.000') + f', {i % 101}')\n"
             "    time.sleep(0.02)\n")  # fmt: skip
-    with scale_check.tty_output([sys.executable, "-c", code]) as chunks:
+    with scale_check_nvml.tty_output([sys.executable, "-c", code]) as chunks:
         deadline = time.monotonic() + 10
         while b"".join(chunks).count(b"\n") < 10:
             assert time.monotonic() < deadline, b"".join(chunks)
             time.sleep(0.02)
-    readings = scale_check.parse_smi(b"".join(chunks).decode())
+    readings = scale_check_nvml.parse_smi(b"".join(chunks).decode())
     assert len(readings) >= 10 and [u for _, u in readings] == [float(i % 101) for i in range(len(readings))]
     assert abs(readings[-1][0] - time.time()) < 5
