@@ -4,7 +4,7 @@
         [--rounds 4] [--design paired|interleaved] [--out results/peers-<time>] [--lock FILE]
 
 For each server (the bundled reference server and llama-server, started here on a free loopback port
-with 2 threads; ``null``, loadgen.nullserver pacing a known stream, checks the definitions alone) and
+with 2 threads; ``null``, loadgen.testservers.null pacing a known stream, checks the definitions alone) and
 concurrency c it runs, per round, vLLM's `bench serve` (``vllm.benchmarks.serve.main`` in the venv of
 scripts/setup_vllm.sh) and `bench run`, both closed loop on ``/v1/completions`` with the same traffic:
 32-token prompts drawn from a fresh seed per run (vLLM reads `bench run`'s prompts as its custom dataset),
@@ -45,32 +45,28 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import itertools
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from backends.launcher import ServerProcess, bundled_model, free_port, llama_server_binary  # noqa: E402
-from workloads.loader import load_workload  # noqa: E402
+# first: compare_peers_clients puts ROOT on sys.path for the project's imports below
+from compare_peers_clients import ROOT, WORKLOAD, Tool, bench_tool, stop_children, vllm_tool
+from compare_peers_report import report
 
-PROMPT, OUTPUT = 32, 128
+from backends.launcher import ServerProcess, bundled_model, free_port, llama_server_binary
+
 # Requests per tool and concurrency: 12-24 waves, so that one wave's TTFT does not set the median (at c = 1 each
 # request is one tool's alone: its TTFT varies most).
 REQUESTS = {1: 24, 4: 32, 16: 96}
-FIGURES = ("ttft_ms", "tpot_ms", "itl_ms", "output_tok_s")
 NULL_PACE = {"ttft": 0.05, "itl": 0.01}  # the null server's stream: TTFT 50 ms, then a token every 10 ms
 # Paired: the first wave released in pairs this far apart, so that each engine step's group holds as many
 # requests of one tool as of the other (a closed loop of equal requests keeps its first wave's groups: docs/metrics.md).
@@ -79,105 +75,6 @@ PRIMER = "The server is busy with this request while the first pair of requests 
 # Taking turns (c = 1): a request starts this long after the other tool's ended, once that tool's own work after
 # its request (records, its next task) is done and cannot slow the next prefill on the shared cores.
 SETTLE_S = 0.05
-CHILDREN: list[subprocess.Popen[str]] = []  # every client started, so that none outlives the script
-WORKLOAD = f"""description = "Peer agreement: {PROMPT}-token prompts, exactly {OUTPUT} output tokens."
-api = "completions"
-[[classes]]
-name = "peer"
-prompt = {PROMPT}
-output = {OUTPUT}
-ignore_eos = true
-temperature = 0.0
-"""
-# Shared by both drivers: the start barrier, then the gate each request of the first wave (or, at c = 1, every
-# request: the turn) passes before its start time is taken. FIFOs under PEERS_GATE (unset: neither): a tool waits
-# for a byte without using the CPU (with a file polled every 0.5 ms, vLLM's requests ran 3x slower).
-GATE = """
-import asyncio
-import os
-gate, me, other = os.environ.get("PEERS_GATE", ""), os.environ.get("PEERS_ME", ""), os.environ.get("PEERS_OTHER", "")
-turns, wave = os.environ.get("PEERS_TURNS") == "1", int(os.environ.get("PEERS_WAVE", "0"))
-settle = float(os.environ.get("PEERS_SETTLE_S", "0"))
-# this tool's own FIFOs stay open from the start, so a byte given before it waits is kept
-mine = {name: os.open(gate + "." + name + "-" + me, os.O_RDWR) for name in ("go", "turn", "wave")} if gate else {}
-calls, in_line = [0], asyncio.Lock()  # one reader per FIFO at a time: waiters take their bytes in order
-async def take(name):
-    async with in_line:
-        loop = asyncio.get_running_loop()
-        ready = loop.create_future()
-        loop.add_reader(mine[name], ready.set_result, None)
-        try:
-            await ready
-        finally:
-            loop.remove_reader(mine[name])
-        os.read(mine[name], 1)
-def give(name):
-    fd = os.open(gate + "." + name, os.O_RDWR)
-    os.write(fd, b"x")
-    os.close(fd)
-async def at_barrier():
-    open(gate + "." + me, "w").close()  # after its FIFOs are open
-    await take("go")
-def gated(send, timed=lambda args: args):
-    # turns: every request waits for its turn, then settles (the other client's work after its request ends);
-    # otherwise the first wave's requests wait for their pair's release. `timed` restarts the request's clock.
-    async def run(*args, **kwargs):
-        k, calls[0] = calls[0], calls[0] + 1
-        if turns or k < wave:
-            if k == wave - 1 and not turns:  # the first wave's earlier requests are at the gate already
-                open(gate + ".waiting-" + me, "w").close()
-            await take("turn" if turns else "wave")
-            if turns:
-                await asyncio.sleep(settle)
-            args = timed(args)
-        try:
-            return await send(*args, **kwargs)
-        finally:
-            if turns:
-                give("turn-" + other)
-    return run
-"""
-VLLM_DRIVER = GATE + """
-import sys
-import aiohttp
-from vllm.benchmarks import serve
-if os.environ.get("PEERS_FORCE_CLOSE") == "1":
-    class Closing(aiohttp.TCPConnector):  # a new connection per request (serve.py builds its connector by name)
-        def __init__(self, *args, **kwargs):
-            kwargs.pop("keepalive_timeout", None)  # aiohttp refuses it together with force_close
-            super().__init__(*args, **{**kwargs, "force_close": True})
-    aiohttp.TCPConnector = Closing
-if gate:  # serve.benchmark reads the server's metrics once just before its clock starts: wait there
-    fetch, waited = serve.fetch_diffusion_metrics, []
-    async def fetch_then_wait(*args, **kwargs):
-        got = await fetch(*args, **kwargs)
-        if not waited:
-            waited.append(True)
-            await at_barrier()
-        return got
-    serve.fetch_diffusion_metrics = fetch_then_wait
-if gate:  # the gate is passed before the request function takes its start time
-    serve.ASYNC_REQUEST_FUNCS["openai"] = gated(serve.ASYNC_REQUEST_FUNCS["openai"])
-from vllm.utils.argparse_utils import FlexibleArgumentParser
-p = FlexibleArgumentParser()
-serve.add_cli_args(p)
-serve.main(p.parse_args(sys.argv[1:]))
-"""
-BENCH_DRIVER = GATE + """
-import sys
-from loadgen import cli, engine
-if gate:  # the closed loop's slots start here, the point set up (its rates count from the first send)
-    closed = engine._Dispatch.closed
-    async def wait_then_run(self):
-        await at_barrier()
-        return await closed(self)
-    engine._Dispatch.closed = wait_then_run
-if gate:  # the gate is passed before the session's intended time (the wait for it is not the server's)
-    # session(self, sess, warmup, index, intended, first request): the closed loop's intended time is a[4]
-    engine._Dispatch.session = gated(engine._Dispatch.session, lambda a: (*a[:4], a[0].clock.now(), a[5]))
-sys.argv[0] = "bench"
-cli.main()
-"""
 
 
 def server_argv(name: str, port: int) -> list[str]:
@@ -186,8 +83,8 @@ def server_argv(name: str, port: int) -> list[str]:
     if name == "llama-server":
         return [llama_server_binary(), "-m", str(bundled_model()), "--host", "127.0.0.1", "--port", str(port),
                 "-np", "16", "-c", "32768", "--metrics", "-t", "2"]  # fmt: skip
-    if name == "null":  # loadgen.nullserver pacing a known stream: a check of the definitions alone
-        return [str(ROOT / ".venv/bin/python"), "-m", "loadgen.nullserver", "--port", str(port),
+    if name == "null":  # loadgen.testservers.null pacing a known stream: a check of the definitions alone
+        return [str(ROOT / ".venv/bin/python"), "-m", "loadgen.testservers.null", "--port", str(port),
                 "--behaviour", json.dumps(NULL_PACE)]  # fmt: skip
     raise SystemExit(f"unknown server {name!r}: reference, llama-server or null")
 
@@ -199,76 +96,6 @@ def vllm_setup() -> tuple[str, str]:
     python, hf_dir = out.stdout.strip().splitlines()[-2:]
     return python, hf_dir
 
-
-@dataclass
-class Tool:
-    """One client's run: how to start it, where it writes, how to read its figures."""
-
-    name: str
-    argv: list[str]
-    out: Path
-    env: dict[str, str]
-
-    def start(self) -> subprocess.Popen[str]:
-        log = self.out.with_name(self.out.name + ".log").open("w")
-        proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, text=True, env=self.env)
-        CHILDREN.append(proc)
-        return proc
-
-    def result(self, proc: subprocess.Popen[str]) -> dict[str, float]:
-        if proc.wait(timeout=900) != 0:
-            log = self.out.with_name(self.out.name + ".log").read_text()
-            raise SystemExit(f"{self.name} failed (exit {proc.returncode}):\n{log[-4000:]}")
-        return read_vllm(self.out) if self.name == "vllm" else read_bench(self.out)
-
-
-def vllm_tool(python: str, hf_dir: str, url: str, model: str, c: int, n: int, seed: int, workload: Path, out: Path,
-              force_close: bool) -> Tool:
-    prompts = out.with_name(out.stem + "-prompts.jsonl")
-    write_prompts(workload, seed, n, prompts)
-    argv = [python, "-c", VLLM_DRIVER, "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
-            "--model", hf_dir, "--served-model-name", model, "--tokenizer", hf_dir, "--dataset-name", "custom",
-            "--dataset-path", str(prompts), "--custom-output-len", str(OUTPUT), "--skip-chat-template",
-            "--ignore-eos", "--max-concurrency", str(c), "--num-prompts", str(n), "--request-rate", "inf",
-            "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el", "--save-result",
-            "--save-detailed", "--result-dir", str(out.parent), "--result-filename", out.name,
-            "--disable-tqdm"]  # fmt: skip
-    # llama-server closes a kept-alive connection after a stream while aiohttp may already reuse it: vLLM's
-    # client then loses the request (no retry), so against it vLLM opens a connection per request.
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "PEERS_FORCE_CLOSE": "1" if force_close else "0"}
-    return Tool("vllm", argv, out, env)
-
-
-def write_prompts(workload: Path, seed: int, n: int, path: Path) -> None:
-    """The prompts `bench run` would send with ``seed``, as vLLM's custom dataset: both tools send the same
-    prompts (same token counts, same kind of text, a fresh seed per run)."""
-    sessions = load_workload(workload).sessions(seed)
-    with path.open("w") as f:
-        for sess in itertools.islice(sessions, n):
-            f.write(json.dumps({"prompt": sess.first().prompt}) + "\n")
-
-
-def read_vllm(out: Path) -> dict[str, float]:
-    r = json.loads(out.read_text())
-    return {"ttft_ms": r["median_ttft_ms"], "tpot_ms": r["median_tpot_ms"], "itl_ms": r["median_itl_ms"],
-            "output_tok_s": r["output_throughput"], "errors": r["num_prompts"] - r["completed"]}  # fmt: skip
-
-
-def bench_tool(url: str, c: int, n: int, seed: int, workload: Path, out: Path) -> Tool:
-    argv = [str(ROOT / ".venv/bin/python"), "-c", BENCH_DRIVER, "run", "--url", url, "--workload", str(workload),
-            "--concurrency", str(c), "--num-requests", str(n), "--seed", str(seed), "--output-dir", str(out.parent),
-            "--run-id", out.name, "--poll-hz", "0"]  # fmt: skip
-    return Tool("bench", argv, out, dict(os.environ))
-
-
-def read_bench(out: Path) -> dict[str, float]:
-    s = json.loads(next(out.glob("points/*/summary.json")).read_text())
-    lat = s["latency"]
-    return {"ttft_ms": lat["ttft"]["p50"] * 1e3, "tpot_ms": lat["tpot"]["p50"] * 1e3,
-            "itl_ms": lat["chunk_gap"]["p50"] * 1e3, "itl_token_ms": lat["itl"]["p50"] * 1e3,
-            "output_tok_s": s["throughput"]["whole"]["output_tok_per_s"],
-            "errors": s["counts"]["errors"] + s["counts"]["incomplete"]}  # fmt: skip
 
 
 def wait_for(what: str, ready: Callable[[], bool], procs: list[subprocess.Popen[str]], timeout_s: float) -> None:
@@ -354,11 +181,6 @@ def seed(rnd: int, c: int, tool: str) -> int:
     return 1 + 100_000 * (rnd + 1) + 100 * c + ("vllm", "bench").index(tool)
 
 
-def stop_children() -> None:
-    for proc in CHILDREN:
-        if proc.poll() is None:
-            proc.kill()
-
 
 def model_id(url: str) -> str:
     return str(httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"])
@@ -419,42 +241,6 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"{tag} {tool}: " + ", ".join(f"{k} {v:.2f}" for k, v in figs.items()), flush=True)
     return report(rows_path, args.out, args.tolerance)
 
-
-def report(rows_path: Path, out: Path, tol: float) -> int:
-    rows: dict[str, dict[str, dict[str, list[dict[str, float]]]]] = {}
-    for line in rows_path.read_text().splitlines():
-        r = json.loads(line)
-        rows.setdefault(r["server"], {}).setdefault(str(r["c"]), {}).setdefault(r["tool"], []).append(r)
-    rounds = max(len(t) for per_c in rows.values() for tools in per_c.values() for t in tools.values())
-    lines = ["| server | c | design | figure | vLLM bench serve | bench run | diff |", "|---|---|---|---|---|---|---|"]
-    failed = False
-    summary: dict = {}
-    for server, per_c in rows.items():
-        for c, tools in per_c.items():
-            design = "/".join(sorted({r.get("design", "interleaved") for t in tools.values() for r in t}))
-            pairs = {r["round"]: r for r in tools["vllm"]}
-            for fig in FIGURES:
-                v = statistics.median(r[fig] for r in tools["vllm"])
-                b = statistics.median(r[fig] for r in tools["bench"])
-                if design == "paired":  # the rounds' own differences: each round holds both tools' conditions
-                    diff = statistics.median(r[fig] / pairs[r["round"]][fig] - 1 for r in tools["bench"])
-                else:
-                    diff = b / v - 1 if v else float("nan")
-                failed |= not abs(diff) <= tol
-                summary.setdefault(server, {}).setdefault(c, {"design": design})[fig] = {"vllm": v, "bench": b,
-                                                                                          "diff": diff}
-                lines.append(f"| {server} | {c} | {design} | {fig} | {v:.2f} | {b:.2f} | {diff:+.1%} |")
-            tok = statistics.median(r["itl_token_ms"] for r in tools["bench"])
-            summary[server][c]["itl_token_ms"] = tok
-            errors = sum(r["errors"] for t in tools.values() for r in t)
-            summary[server][c]["errors"] = errors
-            failed |= errors > 0
-    text = "\n".join(lines) + (f"\n\nmedians over {rounds} rounds (diff, paired: the median of the rounds' own differences); "
-                               f"load average at the end {os.getloadavg()[0]:.2f}\n")  # fmt: skip
-    (out / "peers.md").write_text(text)
-    (out / "peers.json").write_text(json.dumps(summary, indent=1))
-    print(text)
-    return 1 if failed else 0
 
 
 if __name__ == "__main__":
