@@ -9,8 +9,8 @@ from typer.testing import CliRunner
 from loadgen.cli import app
 from workloads.datasets import DEFAULT_OUTPUT, DatasetWorkload
 from workloads.loader import load_workload
-from workloads.spec import WorkloadError
 from workloads.text import builder_for
+from workloads.validation import WorkloadError
 
 SHAREGPT = [
     {"id": "a", "conversations": [{"from": "human", "value": "Name three rivers."},

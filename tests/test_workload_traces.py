@@ -10,9 +10,9 @@ from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, run_point
 from workloads.contracts import read_jsonl
 from workloads.loader import load_workload
-from workloads.spec import WorkloadError
 from workloads.text import DATA, load_tokenizer
 from workloads.traces import BLOCK_TOKENS, read_azure, read_mooncake
+from workloads.validation import WorkloadError
 
 MOONCAKE = DATA / "sample_mooncake.jsonl"
 AZURE = DATA / "sample_azure.csv"

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from workloads.cli import app
 from workloads.loader import builtin_names, load_workload
-from workloads.spec import WorkloadError
 from workloads.text import CHATML_USER, builder_for, load_tokenizer
+from workloads.validation import WorkloadError
 
 
 @pytest.fixture(scope="module")
@@ -371,7 +371,7 @@ def test_describe_is_checkout_independent_and_changes_with_the_traffic():
 def test_length_distributions_follow_their_parameters():
     from statistics import mean, median
 
-    from workloads.spec import parse_dist
+    from workloads.dist import parse_dist
 
     rng = random.Random(0)
 

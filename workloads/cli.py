@@ -11,8 +11,9 @@ from rich.console import Console
 from rich.table import Table
 
 from workloads.loader import builtin_names, load_spec_for, load_workload
-from workloads.spec import BUILTIN_DIR, WorkloadError, WorkloadSpec
+from workloads.spec import BUILTIN_DIR, WorkloadSpec
 from workloads.synthetic import spec_dict
+from workloads.validation import WorkloadError
 
 app = typer.Typer(
     help="Workload files: list the built-ins, show one, validate your own.", no_args_is_help=True

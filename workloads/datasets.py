@@ -30,8 +30,9 @@ from typing import Any
 
 from workloads.base import Session, Workload
 from workloads.contracts import GenRequest
-from workloads.spec import DATASET_FORMATS, WorkloadError, WorkloadSpec
+from workloads.spec import DATASET_FORMATS, WorkloadSpec
 from workloads.text import builder_for
+from workloads.validation import WorkloadError
 
 DEFAULT_OUTPUT = 128  # tokens, for a request whose data says none (vLLM's default output length)
 SET_BY_BACKEND = ("model", "messages", "prompt", "max_tokens", "max_completion_tokens", "stream", "stream_options",

@@ -21,16 +21,9 @@ from typing import Any
 
 from workloads.base import ArrivalSpec, Workload
 from workloads.contracts import APIS, ARRIVAL_PROCESSES
-from workloads.spec import (
-    BUILTIN_DIR,
-    DATASET_FORMATS,
-    Dist,
-    TraceSpec,
-    WorkloadError,
-    WorkloadSpec,
-    load_spec,
-    trace_format,
-)
+from workloads.dist import Dist
+from workloads.spec import BUILTIN_DIR, DATASET_FORMATS, TraceSpec, WorkloadSpec, load_spec, trace_format
+from workloads.validation import WorkloadError
 
 OVERRIDES = ("tokenizer", "api", "process", "rate", "concurrency", "burstiness", "limit", "name", "output", "field")
 

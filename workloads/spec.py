@@ -1,18 +1,12 @@
 """Workload files: TOML in, validated dataclasses out.
 
-Every problem is reported as a :class:`WorkloadError` naming the file, the key (dotted path, e.g.
-``classes[1].prompt.mean``) and what was expected, so a user can fix the file without reading code.
-The format is documented in ``docs/workloads.md``.
-
-Size: the whole TOML schema with its one error type and one field checker; it is read as one, as
-docs/workloads.md documents it.
+Every problem is reported as a :class:`~workloads.validation.WorkloadError` naming the file, the key and
+what was expected. The format is documented in ``docs/workloads.md``.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import random
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -20,6 +14,8 @@ from typing import Any
 
 from workloads.base import ArrivalSpec
 from workloads.contracts import APIS, ARRIVAL_PROCESSES
+from workloads.dist import Dist, parse_dist
+from workloads.validation import Table, WorkloadError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -32,7 +28,6 @@ CONTENTS = ("corpus", "code-edit", "creative")
 TEMPLATES = ("none", "chatml")
 DATASET_FORMATS = ("sharegpt", "openai", "text")  # recorded requests (workloads/datasets.py)
 TRACE_FORMATS = ("mooncake", "azure", *DATASET_FORMATS)  # lengths and times only (workloads/traces.py), or datasets
-DISTS = ("fixed", "uniform", "normal", "lognormal", "empirical")
 
 
 def trace_format(path: Path, field: str | None = None) -> str:
@@ -60,210 +55,6 @@ def trace_format(path: Path, field: str | None = None) -> str:
     raise WorkloadError(str(path), "line 1", "neither a Mooncake trace (input_length) nor request bodies (messages "
                         f"or prompt): name the prompt's key with --dataset-field (its keys: {keys})")  # fmt: skip
 
-
-class WorkloadError(ValueError):
-    """A workload file (or override) is invalid."""
-
-    def __init__(self, source: str, key: str, message: str) -> None:
-        self.source, self.key = source, key
-        super().__init__(f"{source}: key '{key}': {message}" if key else f"{source}: {message}")
-
-
-def _type_name(value: object) -> str:
-    return {
-        bool: "boolean",
-        int: "integer",
-        float: "number",
-        str: "string",
-        list: "array",
-        dict: "table",
-    }.get(type(value), type(value).__name__)
-
-
-class _Table:
-    """One TOML table being read: typed getters that report unknown and mistyped keys."""
-
-    def __init__(self, data: object, source: str, path: str) -> None:
-        if not isinstance(data, dict):
-            raise WorkloadError(source, path, f"expected a table, got {_type_name(data)} {data!r}")
-        self.data, self.source, self.path = data, source, path
-        self.used: set[str] = set()
-
-    def key(self, name: str) -> str:
-        return f"{self.path}.{name}" if self.path else name
-
-    def error(self, name: str, message: str) -> WorkloadError:
-        return WorkloadError(self.source, self.key(name), message)
-
-    def raw(self, name: str) -> Any:
-        self.used.add(name)
-        return self.data.get(name)
-
-    def get(
-        self, name: str, kind: type | tuple[type, ...], default: Any = None, *, required: bool = False
-    ) -> Any:
-        value = self.raw(name)
-        if value is None:
-            if required:
-                raise self.error(name, f"is required ({_expected(kind)})")
-            return default
-        if isinstance(value, bool) and bool not in _as_tuple(kind) or not isinstance(value, kind):
-            raise self.error(name, f"expected {_expected(kind)}, got {_type_name(value)} {value!r}")
-        return float(value) if kind in (float, (int, float)) and not isinstance(value, bool) else value
-
-    def number(self, name: str, default: float | None = None, *, required: bool = False, minimum: float | None = None,
-               positive: bool = False) -> float | None:  # fmt: skip
-        value = self.get(name, (int, float), default, required=required)
-        if value is None:
-            return None
-        if not math.isfinite(value):
-            raise self.error(name, f"expected a finite number, got {value!r}")
-        if positive and value <= 0:
-            raise self.error(name, f"expected a number > 0, got {value!r}")
-        if minimum is not None and value < minimum:
-            raise self.error(name, f"expected a number >= {minimum:g}, got {value!r}")
-        return float(value)
-
-    def integer(
-        self, name: str, default: int | None = None, *, required: bool = False, minimum: int = 0
-    ) -> int | None:
-        value = self.get(name, int, default, required=required)
-        if value is not None and value < minimum:
-            raise self.error(name, f"expected an integer >= {minimum}, got {value!r}")
-        return value
-
-    def choice(self, name: str, choices: tuple[str, ...], default: str | None = None) -> str | None:
-        value = self.get(name, str, default)
-        if value is not None and value not in choices:
-            raise self.error(name, f"expected one of {', '.join(repr(c) for c in choices)}, got {value!r}")
-        return value
-
-    def table(self, name: str) -> _Table | None:
-        value = self.raw(name)
-        return None if value is None else _Table(value, self.source, self.key(name))
-
-    def done(self) -> None:
-        unknown = sorted(set(self.data) - self.used)
-        if unknown:
-            known = ", ".join(sorted(self.used))
-            raise self.error(unknown[0], f"unknown key (known keys here: {known})")
-
-
-def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
-    return kind if isinstance(kind, tuple) else (kind,)
-
-
-def _expected(kind: type | tuple[type, ...]) -> str:
-    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
-             dict: "a table"}  # fmt: skip
-    kinds = _as_tuple(kind)
-    if set(kinds) == {int, float}:
-        return "a number"
-    return " or ".join(names.get(k, k.__name__) for k in kinds)
-
-
-@dataclass(frozen=True)
-class Dist:
-    """A distribution of positive numbers (token counts, turns, seconds)."""
-
-    kind: str = "fixed"
-    value: float = 0.0  # fixed
-    low: float = 0.0  # uniform
-    high: float = 0.0
-    mean: float = 0.0  # normal
-    std: float = 0.0
-    median: float = 0.0  # lognormal: exp(mu)
-    sigma: float = 0.0  # lognormal shape
-    values: tuple[float, ...] = ()  # empirical
-    weights: tuple[float, ...] = ()
-    clip_min: float | None = None
-    clip_max: float | None = None
-
-    def sample(self, rng: random.Random) -> float:
-        if self.kind == "fixed":
-            x = self.value
-        elif self.kind == "uniform":
-            x = rng.uniform(self.low, self.high)
-        elif self.kind == "normal":
-            x = rng.gauss(self.mean, self.std)
-        elif self.kind == "lognormal":
-            x = rng.lognormvariate(math.log(self.median), self.sigma)
-        else:
-            x = rng.choices(self.values, weights=self.weights or None)[0]
-        if self.clip_min is not None:
-            x = max(x, self.clip_min)
-        if self.clip_max is not None:
-            x = min(x, self.clip_max)
-        return x
-
-    def sample_int(self, rng: random.Random, minimum: int = 1) -> int:
-        return max(minimum, round(self.sample(rng)))
-
-    def describe(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"dist": self.kind}
-        fields_by_kind = {"fixed": ("value",), "uniform": ("low", "high"), "normal": ("mean", "std"),
-                          "lognormal": ("median", "sigma"), "empirical": ("values", "weights")}  # fmt: skip
-        for name in fields_by_kind[self.kind]:
-            out[name] = list(v) if isinstance(v := getattr(self, name), tuple) else v
-        if self.clip_min is not None:
-            out["min"] = self.clip_min
-        if self.clip_max is not None:
-            out["max"] = self.clip_max
-        return out
-
-
-def parse_dist(value: object, source: str, key: str, *, integer: bool = True) -> Dist:
-    """A number (fixed) or a table ``{dist = "...", ...}``; see docs/workloads.md."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if value < (1 if integer else 0):
-            raise WorkloadError(source, key, f"expected a number >= {1 if integer else 0}, got {value!r}")
-        return Dist("fixed", value=float(value))
-    if not isinstance(value, dict):
-        raise WorkloadError(
-            source, key, f"expected a number or a distribution table, got {_type_name(value)} {value!r}"
-        )
-    t = _Table(value, source, key)
-    kind = t.choice("dist", DISTS, "fixed")
-    lo = t.number("min", minimum=0)
-    hi = t.number("max", minimum=0)
-    if lo is not None and hi is not None and hi < lo:
-        raise t.error("max", f"expected a number >= min ({lo:g}), got {hi:g}")
-    if kind == "fixed":
-        d = Dist("fixed", value=t.number("value", required=True, minimum=0) or 0.0)
-    elif kind == "uniform":
-        low, high = t.number("low", required=True, minimum=0), t.number("high", required=True, minimum=0)
-        if high < low:  # type: ignore[operator]
-            raise t.error("high", f"expected a number >= low ({low:g}), got {high:g}")
-        d = Dist("uniform", low=low or 0.0, high=high or 0.0)
-    elif kind == "normal":
-        d = Dist(
-            "normal",
-            mean=t.number("mean", required=True) or 0.0,
-            std=t.number("std", required=True, minimum=0) or 0.0,
-        )
-    elif kind == "lognormal":
-        d = Dist("lognormal", median=t.number("median", required=True, positive=True) or 1.0,
-                 sigma=t.number("sigma", required=True, minimum=0) or 0.0)  # fmt: skip
-    else:
-        values = t.get("values", list, required=True)
-        weights = t.get("weights", list, [])
-        for i, v in enumerate(values):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                raise WorkloadError(source, f"{key}.values[{i}]", f"expected a number >= 0, got {v!r}")
-        if not values:
-            raise t.error("values", "expected a non-empty array of numbers")
-        for i, w in enumerate(weights):
-            if isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0:
-                raise WorkloadError(source, f"{key}.weights[{i}]", f"expected a number >= 0, got {w!r}")
-        if weights and (len(weights) != len(values) or sum(weights) <= 0):
-            raise t.error(
-                "weights", f"expected {len(values)} numbers >= 0 (one per value) with a positive sum"
-            )
-        d = Dist(
-            "empirical", values=tuple(float(v) for v in values), weights=tuple(float(w) for w in weights)
-        )
-    t.done()
-    return Dist(**{**d.__dict__, "clip_min": lo, "clip_max": hi})
 
 
 @dataclass(frozen=True)
@@ -316,7 +107,7 @@ class WorkloadSpec:
     trace: TraceSpec | None = None
 
 
-def _parse_arrival(t: _Table | None) -> ArrivalSpec:
+def _parse_arrival(t: Table | None) -> ArrivalSpec:
     if t is None:
         return ArrivalSpec()
     spec = ArrivalSpec(
@@ -330,7 +121,7 @@ def _parse_arrival(t: _Table | None) -> ArrivalSpec:
 
 
 def _parse_class(value: object, source: str, key: str, index: int) -> ClassSpec:
-    t = _Table(value, source, key)
+    t = Table(value, source, key)
     name = t.get("name", str, f"class{index}")
     content = t.choice("content", CONTENTS, "corpus") or "corpus"
     prompt_raw = t.raw("prompt")
@@ -393,7 +184,7 @@ def _parse_class(value: object, source: str, key: str, index: int) -> ClassSpec:
 
 def parse_spec(data: dict[str, Any], source: str, base_dir: Path | None = None) -> WorkloadSpec:
     """Validate a parsed TOML document; relative paths resolve against ``base_dir``."""
-    t = _Table(data, source, "")
+    t = Table(data, source, "")
     name = t.get("name", str, Path(source).stem)
     tokenizer = t.get("tokenizer", str, "bundled")
     if tokenizer != "bundled" and base_dir is not None and not Path(tokenizer).is_absolute():

@@ -28,7 +28,8 @@ from typing import Any
 
 from workloads.base import Session, SingleShot, Workload
 from workloads.contracts import GenRequest
-from workloads.spec import BUILTIN_DIR, EXPERIMENTS_DIR, ClassSpec, Dist, WorkloadSpec
+from workloads.dist import Dist
+from workloads.spec import BUILTIN_DIR, EXPERIMENTS_DIR, ClassSpec, WorkloadSpec
 from workloads.text import CHATML_SYSTEM, CHATML_USER, DATA, PromptBuilder, builder_for
 
 CODE_DIR = DATA / "code"

@@ -31,8 +31,9 @@ from pathlib import Path
 
 from workloads.base import Session, SingleShot, Workload
 from workloads.contracts import GenRequest
-from workloads.spec import WorkloadError, WorkloadSpec
+from workloads.spec import WorkloadSpec
 from workloads.text import PromptBuilder, builder_for
+from workloads.validation import WorkloadError
 
 BLOCK_TOKENS = 512
 
