@@ -1,5 +1,6 @@
 """Shared fixtures (keep small): a null/fault-injection SSE server on loopback, in its own process; the
-reference server's app around a given engine, served in-process on a free loopback port."""
+reference server's app around a given engine, served in-process on a free loopback port; the report tests' synthetic
+run."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -63,3 +65,11 @@ def null_server() -> Iterator[str]:
     """Base URL of a null OpenAI-compatible server; per-request behaviour via extra_body["nullserver"]."""
     with NullServerProcess() as url:
         yield url
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """A synthetic three-point sweep's results, written once per module that asks (the report's tests)."""
+    from support.synthetic import SimConfig, write_synthetic_results
+
+    return write_synthetic_results(tmp_path_factory.mktemp("res"), "full", SimConfig(seed=1))
