@@ -19,10 +19,13 @@ import numpy as np
 
 from backends.openai import OpenAIBackend
 from loadgen.calibrate import FixedWorkload
-from loadgen.capacity import LiveProber, SearchConfig, Sequential, linear_sweep, search
-from loadgen.engine import run_async
-from loadgen.servicemodel import ServiceModel, ServiceModelProcess, SimProber, true_capacity
+from loadgen.capacity.config import SearchConfig
+from loadgen.capacity.live import LiveProber
+from loadgen.capacity.search import linear_sweep, search
+from loadgen.capacity.sequential import Sequential
+from loadgen.signals import run_async
 from loadgen.slo import parse_slos
+from loadgen.testservers.servicemodel import ServiceModel, ServiceModelProcess, SimProber, true_capacity
 
 CASES = [("concurrency", "closed", "tpot_p90=9.5ms"), ("concurrency", "closed", "ttft_p99=40ms"),
          ("concurrency", "closed", "e2e_p90=150ms,error_rate=1%"), ("rate", "constant", "tpot_p90=9.5ms"),
@@ -110,7 +113,7 @@ def main() -> None:
                          "ratio": statistics.median(s_cost) / statistics.median(l_cost), "where": "live"})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
     live_model = ServiceModel(slots=8, prefill_base=0.003, prefill_per_token=0.000075, decode_base=0.003,
-                              decode_per_seq=0.006)  # tests/test_capacity.py LIVE  # fmt: skip
+                              decode_per_seq=0.006)  # tests/support/service_models.py LIVE  # fmt: skip
     for m, job, slo in POISSON_CASES if args.poisson else []:  # Poisson: the soft boundary
         model_p = live_model if m == "live" else model
         slos = parse_slos(slo, percentiles=True)

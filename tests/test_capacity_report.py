@@ -9,11 +9,12 @@ from dataclasses import asdict
 import pytest
 from support.browser import find_chromium, inspect_report_sync
 
-from loadgen.capacity import SearchConfig, search
-from loadgen.engine import run_async
+from loadgen.capacity.config import SearchConfig
+from loadgen.capacity.search import search
 from loadgen.report.capacity import write_report
-from loadgen.servicemodel import ServiceModel, SimProber
+from loadgen.signals import run_async
 from loadgen.slo import parse_slos
+from loadgen.testservers.servicemodel import ServiceModel, SimProber
 
 pytestmark = pytest.mark.browser
 

@@ -1,4 +1,4 @@
-"""``bench capacity``: the highest load at which every SLO holds, with its interval (see loadgen/capacity.py).
+"""``bench capacity``: the highest load at which every SLO holds, with its interval (see search.py).
 
 Writes ``<output-dir>/<run-id>/capacity.json`` (one entry per server configuration with ``--server``/``--grid``),
 each probe's records under ``probes/``, and ``capacity.html`` (the report section). Exit codes: 0 found
@@ -21,9 +21,11 @@ from rich.console import Console
 from rich.table import Table
 
 from backends.launcher import GridPoint, LaunchError, server_grid, sweep_servers
-from loadgen.capacity import MODES, CapacityResult, LiveProber, SearchConfig, search
+from loadgen.capacity.config import MODES, SearchConfig
+from loadgen.capacity.live import LiveProber
+from loadgen.capacity.result import CapacityResult
+from loadgen.capacity.search import search
 from loadgen.clock import RunClock
-from loadgen.engine import run_async
 from loadgen.exitcodes import ExitCode, UsageError, console, exits
 from loadgen.fleet import Fleet
 from loadgen.options import (
@@ -33,6 +35,7 @@ from loadgen.options import (
 )
 from loadgen.records import write_json
 from loadgen.results import new_run_id
+from loadgen.signals import run_async
 from loadgen.slo import SloError, parse_slos
 from loadgen.targets import embedded_server, load_workload, make_backend, read_api_key
 

@@ -1,0 +1,287 @@
+"""SLO capacity search: the highest load (open-loop rate or closed-loop concurrency) at which every SLO holds.
+
+The search (:func:`search`) runs in two phases, all probes through one
+:class:`loadgen.capacity.probe.Prober`:
+
+1. **Pilot** (cheap first estimate): closed-loop probes at concurrency 1, 2, 4, ... of a couple of waves
+   each, judged on point estimates, until one misses an SLO. Concurrency mode starts from the last one
+   that met them; rate mode from its throughput (Little's law: rate = concurrency / latency).
+2. **Bracket, then bisect**, with statistical probes: each probe runs until a sequential test decides
+   (:class:`loadgen.capacity.sequential.Sequential`): for every SLO ``metric_pQ <= limit`` the share of
+   requests above the limit (a failed request counts as above) has a Wilson interval; the SLO holds when
+   the interval lies below ``1 - Q``, is violated when it lies above (equivalently: an order-statistic
+   interval of the quantile lies below / above the limit). The test looks at geometrically spaced sample
+   counts with a Bonferroni correction, so each verdict has the stated confidence. An open-loop probe
+   whose backlog (requests sent but not answered) keeps growing is overloaded and fails at once; a probe
+   still undecided at its sample/time cap is judged on its point estimate and marked not confident.
+
+The answer: ``[lo, hi]`` = the highest load that passed and the lowest that failed; the search stops when
+the interval is within ``±resolution`` (or for concurrency adjacent integers), when the time budget runs
+out (it says so and reports the bracket it holds), when the SLOs fail at the lowest load (unreachable)
+or hold at the highest (not saturated).
+
+Probers: :class:`loadgen.capacity.live.LiveProber` runs :func:`loadgen.engine.run_point` against a
+server; :class:`loadgen.testservers.servicemodel.SimProber` runs the known-answer service model in virtual
+time (tests and the cost comparison with a linear sweep, :func:`linear_sweep`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from loadgen.capacity.config import SearchConfig
+from loadgen.capacity.fit import Fit, pooled_fit
+from loadgen.capacity.probe import Probe, Prober, SearchStopped, pilot_requests
+from loadgen.capacity.result import CapacityResult, converged, make_result
+from loadgen.capacity.sequential import Sequential
+from loadgen.capacity.stats import over_slo, units_to_see
+from loadgen.slo import SLO
+
+
+async def search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig) -> CapacityResult:
+    """Pilot, bracket, bisect; see the module docstring."""
+    probes: list[Probe] = []
+
+    try:
+        return await _search(prober, slos, cfg, probes)
+    except SearchStopped as stop:
+        res = make_result("budget", cfg, slos, None, None, 0.0, sum(p.seconds for p in probes), probes)
+        res.status, res.message = stop.status, f"{stop}; {len(probes)} probe(s) finished before (capacity.json)"
+        return res
+
+
+async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes: list[Probe]) -> CapacityResult:
+    spent = 0.0
+    unspent: tuple[float, float] | None = None  # (load, seconds it needs) of the probe the budget left out
+
+    async def run(mode: str, load: float, phase: str, pooled: bool = False) -> Probe | None:
+        """The probe, or None when what is left of the budget would end it before it judged anything."""
+        nonlocal spent, unspent
+        need = judge_s(cfg, probes, mode, load) if phase == "search" else 0.0
+        if cfg.budget_s - spent < need:
+            unspent = (load, need)
+            return None
+        seq = Sequential(slos, cfg.confidence, cfg.first_look, cfg.max_samples, cfg.resolution, pooled) if phase == "search" else None
+        last = next((q for q in reversed(probes) if q.phase == "search"), None)
+        cap = cfg.probe_cap(slos, load, pooled, last) if phase == "search" else cfg.fixed_probe_s
+        p = await prober.probe(mode, load, seq, min(cap, max(1.0, cfg.budget_s - spent)), len(probes), phase)
+        probes.append(p)
+        spent += p.seconds
+        return p
+
+    # 1. pilot: closed loop, doubling
+    c, last_ok, first_bad = 1, None, None
+    while spent < cfg.budget_s:
+        p = await run("concurrency", c, "pilot")
+        assert p is not None  # a pilot probe always runs
+        if p.verdict == "fail":
+            first_bad = p
+            break
+        last_ok = p
+        if c >= cfg.max_concurrency:
+            break
+        c = min(cfg.max_concurrency, c * 2)
+    hi: float | None = None
+    # a pilot that finished its waves and violates an SLO is clear enough already (Wilson at 97.5 %, one look);
+    # one cut short by the probe time is not: one slow request of one is no evidence of a p90
+    if (first_bad is not None and first_bad.requests >= pilot_requests(int(first_bad.load))
+            and any(c.state == "violated" for c in first_bad.checks)):  # fmt: skip
+        first_bad.confident = True
+    if cfg.mode == "concurrency":
+        x = last_ok.load if last_ok else 1.0
+        lo_bound, hi_bound = 1.0, float(cfg.max_concurrency)
+        hint = first_bad.load if first_bad else None
+        if first_bad is not None and first_bad.confident:  # the same closed loop: the pilot's verdict stands
+            hi, hint = first_bad.load, None
+    else:
+        ref = last_ok or first_bad
+        thr = (ref.throughput or (ref.load / ref.mean_e2e if ref and ref.mean_e2e else None)) if ref else None
+        x = (thr if last_ok else 0.5 * thr) if thr else 1.0
+        lo_bound = cfg.min_rate or x / 10
+        hi_bound = cfg.max_rate
+        hint = None
+        x = min(max(x, lo_bound), hi_bound)
+    # the pilot's last pass (a point estimate) is a soft low end: below a failing load the search bisects
+    # towards it before it steps down by the growth factor (each passing probe costs the same ~30 waves),
+    # and no higher than the sessions whose waves a probe can count within its time at that throughput
+    soft = None
+    if cfg.mode == "concurrency" and last_ok is not None:
+        soft = min(last_ok.load, _reach(cfg, slos, last_ok))
+    estimate = x
+    if last_ok is None and first_bad is not None:  # fails already one at a time: confirm at the lowest load
+        x = lo_bound
+    elif soft is not None and hi is not None:
+        x = _toward(soft, min(hi, _reach(cfg, slos, last_ok) + 1))
+
+    # 2. bracket, then bisect; only confident verdicts move the bracket, an undecided probe (the SLO
+    # boundary is within its noise) is flanked by probes one resolution step either side
+    lo: float | None = None
+    fit: Fit | None = None
+    pooled = False
+    status = "unreachable" if hi is not None and hi <= lo_bound else "budget"
+    while spent < cfg.budget_s and status == "budget":
+        q = await run(cfg.mode, x, "search", pooled)
+        if q is None:
+            break
+        p, pooled = q, False
+        if p.confident and p.verdict == "pass":
+            lo = x if lo is None else max(lo, x)
+        elif p.confident:
+            hi = x if hi is None else min(hi, x)
+        if lo is not None and hi is not None and lo >= hi:  # contradicting verdicts: re-test both ends
+            lo, hi = None, None
+        fit = pooled_fit(slos, probes, cfg.confidence) if cfg.mode == "rate" else None
+        if fit is not None and fit.lo is not None and fit.hi is not None and converged(cfg.mode, fit.lo, fit.hi, cfg.resolution):
+            lo, hi, status = fit.lo, fit.hi, "ok"
+            break
+        if p.bursty and lo is not None and hi is not None:
+            # random arrivals: a probe alone cannot place the crossing within the resolution (the miss share
+            # rises slowly through it, and a probe that saw no burst looks confident), the pooled fit does
+            near = fit.estimate if fit is not None else _undecided(probes, lo, hi) or math.sqrt(lo * hi)
+            x, pooled = min(max(_beside(near, probes, cfg.resolution), lo_bound), hi_bound), True
+        elif hi is None and (p.verdict == "pass" or lo is not None):
+            if x >= hi_bound:
+                if p.confident and p.verdict == "pass":
+                    status = "not_saturated"
+                    break
+                if p.requests == 0:
+                    break
+                continue  # undecided at the highest load: probe it again while the budget lasts
+            # no failing end yet: an undecided closed-loop probe moves no end of the bracket, and a clearly
+            # failing one decides within a few waves, so it looks for the failing end at the growth step too
+            up = cfg.growth if p.confident or cfg.mode == "concurrency" else 1 + cfg.resolution
+            x = min(hi_bound, hint if hint is not None and hint > x else x * up)
+        elif lo is None:
+            if x <= lo_bound:
+                if p.confident:
+                    status = "unreachable"
+                    break
+                if p.requests == 0:  # nothing finished in time: no verdict at all, and no lower load to try
+                    break
+                continue  # undecided at the lowest load: probe it again while the budget lasts
+            if soft is not None and soft < x:
+                x, soft = _toward(soft, x), (soft if _toward(soft, x) > soft else None)
+            else:
+                x = max(lo_bound, x / (cfg.growth if p.confident else 1 + cfg.resolution))
+            if not p.confident:  # undecided at its time cap: go where a probe can count enough waves
+                x = max(lo_bound, min(x, _reach(cfg, slos, p)))
+        elif converged(cfg.mode, lo, hi, cfg.resolution):
+            status = "ok"
+            break
+        else:
+            nxt = _next_inside(cfg, probes, lo, hi)
+            if nxt is None:
+                status = "unresolved"
+                break
+            x = nxt
+        if cfg.mode == "concurrency":
+            x = float(max(1, round(x) if round(x) != round(p.load) else round(p.load) + (1 if x > p.load else -1)))
+    if status == "budget" and p.bursty and fit is not None and fit.lo is not None and fit.hi is not None:
+        lo, hi = fit.lo, fit.hi  # under random arrivals the pooled evidence, not the last probes' verdicts
+    if fit is not None:
+        estimate = fit.estimate
+    elif (crossing := point_crossing([p for p in probes if p.mode == cfg.mode], slos, lo, hi)) is not None:
+        estimate = crossing
+    return make_result(status, cfg, slos, lo, hi, estimate, spent, probes, fit, unspent)
+
+
+def _reach(cfg: SearchConfig, slos: Sequence[SLO], probe: Probe | None) -> float:
+    """Concurrency mode: the most sessions whose probe can count the independent requests a latency SLO needs
+    to hold (:func:`units_to_see`) within ``max_probe_s`` at ``probe``'s throughput, after the first wave (on
+    the idle server, not judged: :meth:`Samples.steady`). A wave of ``c`` sessions counts as ``c / (1 + (c -
+    1)·icc)`` independent requests, ``icc`` read off the correlation time ``probe``'s verdict counted
+    (:func:`design_effect`; 1, a wave counts once, from one session or a pilot's two waves); unbounded
+    without a throughput."""
+    if cfg.mode != "concurrency" or probe is None or not probe.throughput:
+        return math.inf
+    budget, reach = probe.throughput * cfg.fixed_probe_s, math.inf
+    for s in slos:
+        c = next((c for c in probe.checks if c.key == s.key), None)
+        if s.metric == "error_rate" or c is None:
+            continue
+        icc = min(1.0, max(0.0, (c.tau - 1) / (probe.load - 1))) if probe.load > 1 else 1.0
+        need = units_to_see(s, cfg.confidence)  # (need·(1 + (x - 1)·icc) + x) requests <= budget, solved for x
+        reach = min(reach, (budget - need * (1 - icc)) / (need * icc + 1))
+    return reach if math.isinf(reach) else float(max(1, math.floor(reach)))
+
+
+def _toward(soft: float, hi: float) -> float:
+    """The integer load halfway from the pilot's soft low end up to a failing load (the soft end itself when
+    none lies between)."""
+    mid = math.floor((soft + hi) / 2)
+    return float(mid if soft < mid < hi else soft)
+
+
+def _next_inside(cfg: SearchConfig, probes: Sequence[Probe], lo: float, hi: float) -> float | None:
+    """The next load inside (lo, hi): one resolution step beside an undecided probe, else the middle;
+    None when every such load was probed already."""
+    tried = [p.load for p in probes if p.phase == "search"]
+    undecided = [p.load for p in probes if p.phase == "search" and not p.confident and lo < p.load < hi]
+    step = cfg.resolution
+    cands = [max(undecided) * (1 + step), min(undecided) * (1 - step)] if undecided else []
+    cands.append((lo + hi) / 2)
+    for x in cands:
+        if cfg.mode == "concurrency":
+            x = float(round(x)) if round(x) not in (lo, hi) else float(math.floor(x) if x > (lo + hi) / 2 else math.ceil(x))
+        if lo < x < hi and all(abs(x - t) > 1e-6 * max(1.0, t) for t in tried):
+            return x
+    return None
+
+
+def point_crossing(probes: Sequence[Probe], slos: Sequence[SLO], lo: float | None, hi: float | None) -> float | None:
+    """Where the probes' (of one mode) point estimates put the capacity: the highest load that met every SLO on its point
+    estimate below the lowest that missed one, within the confirmed bracket [lo, hi) (None: no such load).
+    Loads that passed this way but not yet at the stated confidence are what the confirmed answer leaves out."""
+    by_key = {s.key: s for s in slos}
+
+    def over(p: Probe) -> bool:
+        return any(over_slo(c, by_key[c.key]) for c in p.checks if c.key in by_key)
+
+    judged = [p for p in probes if p.requests and (hi is None or p.load < hi)]
+    fail = min((p.load for p in judged if over(p)), default=math.inf)
+    passed = [p.load for p in judged if not over(p) and p.load < fail and (lo is None or p.load >= lo)]
+    return max(passed, default=None)
+
+
+def judge_s(cfg: SearchConfig, probes: Sequence[Probe], mode: str, load: float) -> float:
+    """About how long a search probe at ``load`` runs before it can judge (its first look: ``first_look``
+    requests finished), from the probe nearest in load that finished any: a closed loop's waves of that probe's
+    mean E2E (longer in proportion above its load: a longer queue), an open loop's arrivals plus one E2E. A
+    probe given less would end with nothing judged, its seconds lost; 0 before any probe finished a request."""
+    done = [p for p in probes if p.mean_e2e] or [None]
+    same = [p for p in done if p is not None and p.mode == mode]
+    near = min(same, key=lambda p: abs(math.log(p.load / load))) if same else done[-1]
+    if near is None or near.mean_e2e is None:
+        return 0.0
+    e2e = near.mean_e2e * (max(1.0, load / near.load) if near.mode == mode else 1.0)
+    if mode == "concurrency":
+        return e2e * math.ceil(cfg.first_look / max(load, 1.0))
+    return cfg.first_look / load + e2e
+
+
+def _undecided(probes: Sequence[Probe], lo: float, hi: float) -> float | None:
+    """The load of the latest search probe inside (lo, hi) undecided at its cap."""
+    return next((p.load for p in reversed(probes) if p.phase == "search" and not p.confident and lo < p.load < hi), None)
+
+
+def _beside(estimate: float, probes: Sequence[Probe], step: float) -> float:
+    """The next pooled probe: one resolution step below or above the estimate of the crossing, on the side with
+    fewer pooled probes (its interval narrows with evidence on both sides)."""
+    near = [p.load for p in probes if p.pooled]
+    return estimate / (1 + step) if 2 * sum(x < estimate for x in near) <= len(near) else estimate * (1 + step)
+
+
+async def linear_sweep(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, step: float) -> tuple[float, list[Probe]]:
+    """The baseline: loads step, 2·step, ... with the same statistical probes until one fails; returns the
+    probe-seconds and the probes."""
+    probes: list[Probe] = []
+    x = step
+    while True:
+        seq = Sequential(slos, cfg.confidence, cfg.first_look, cfg.max_samples, cfg.resolution)
+        p = await prober.probe(cfg.mode, x, seq, cfg.probe_cap(slos, x, False, probes[-1] if probes else None), len(probes),
+                               "sweep")  # fmt: skip
+        probes.append(p)
+        if p.verdict == "fail" or x >= (cfg.max_concurrency if cfg.mode == "concurrency" else cfg.max_rate):
+            return sum(q.seconds for q in probes), probes
+        x += step
