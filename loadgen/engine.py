@@ -7,7 +7,7 @@ Library API (used by ``bench``, the sweep driver and other areas)::
 
 ``run_point`` writes ``out_dir/requests.jsonl`` (one line per request, flushed as it ends) and
 ``out_dir/summary.json`` and returns the PointSummary dict: ``point_id``, ``load``, ``workload``,
-``labels``, the metrics of :func:`loadgen.metrics.summarize` (``latency``, ``throughput``, ``errors``,
+``labels``, the metrics of :func:`loadgen.pointsummary.summarize` (``latency``, ``throughput``, ``errors``,
 ``goodput``, ``client``, ``per_class``...) and one key per sidecar with what its ``stop()`` returned.
 
 Load: ``closed`` keeps ``concurrency`` sessions in flight (a slot's next session starts when the last
@@ -70,7 +70,7 @@ import orjson
 
 from backends.base import Backend
 from loadgen import fleet as fleet_mod
-from loadgen import metrics
+from loadgen import metrics, pointsummary
 from loadgen.alarm import Alarm
 from loadgen.arrivals import arrival_times
 from loadgen.client import HttpClient, execute, make_client, probe
@@ -470,7 +470,7 @@ async def run_point(
     ran = [r for r in results if r is not None and "wall_s" in r]
     cpu = max((r["cpu_s"] / r["wall_s"] for r in ran), default=None)
     waits = [r["wait_s"] / r["wall_s"] for r in ran if r["wait_s"] is not None]
-    summary.update(metrics.summarize(records, load.describe(), slo, client_cpu=cpu, client_wait=max(waits, default=None),
+    summary.update(pointsummary.summarize(records, load.describe(), slo, client_cpu=cpu, client_wait=max(waits, default=None),
                                      slo_from=slo_from))  # fmt: skip
     summary["workers"] = coord.describe(results, fleet)
     early = next((r["early"] for key in ("interrupted", "aborted") for r in ran if key in (r["early"] or {})), None)
@@ -486,8 +486,8 @@ async def run_point(
             summary[sc.name] = sc.stop(window)
         except Exception as exc:  # a broken sidecar must not lose the point's results
             summary[sc.name] = {"error": f"{type(exc).__name__}: {exc}"}
-    metrics.add_energy_per_token(summary)
-    metrics.add_prefix_cache(summary, workload.shares_prefix())
+    pointsummary.add_energy_per_token(summary)
+    pointsummary.add_prefix_cache(summary, workload.shares_prefix())
     write_json(out_dir / SUMMARY_FILE, summary)
     return summary
 

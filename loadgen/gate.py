@@ -35,8 +35,9 @@ from typing import Any
 import numpy as np
 
 from loadgen.defaults import RUN_FILE, SUMMARY_FILE
-from loadgen.metrics import LATENCIES, STAT_KEYS
+from loadgen.metrics import LATENCIES
 from loadgen.options import RunOptions
+from loadgen.percentiles import STAT_KEYS
 from loadgen.records import write_json
 from loadgen.results import leaves, lookup, read_summary
 

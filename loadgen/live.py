@@ -20,7 +20,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from loadgen import metrics
+from loadgen import percentiles
 from loadgen.clock import RunClock
 from loadgen.engine import Progress
 from loadgen.sweep import PointPlan
@@ -66,7 +66,7 @@ def _errors(kinds: dict[str, int]) -> str:
 
 
 def _p50_p99(values: Sequence[float]) -> tuple[float, float] | None:
-    s = metrics.stats(values)
+    s = percentiles.stats(values)
     return None if s["p50"] is None else (float(s["p50"]) * 1e3, float(s["p99"] or 0) * 1e3)
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import pandas as pd
 
-from loadgen import metrics
+from loadgen import pointsummary
 from loadgen.defaults import POINT_FILE, REQUESTS_FILE, RUN_FILE, SUMMARY_FILE
 from loadgen.records import write_json
 from workloads.contracts import read_jsonl
@@ -199,5 +199,5 @@ def _point_summary(point_dir: Path, point_id: str) -> dict[str, Any]:
         "interrupted": {"signal": None, "finished": len(records) - cancelled, "cancelled": cancelled,
                         "t_rel": None, "note": "recomputed from requests.jsonl: the run ended without a summary"},
     }  # fmt: skip
-    summary.update(metrics.summarize(records, plan.get("load")))
+    summary.update(pointsummary.summarize(records, plan.get("load")))
     return summary

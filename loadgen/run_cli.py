@@ -17,7 +17,7 @@ from rich.table import Table
 
 from backends.launcher import GridPoint, sweep_servers
 from backends.profile import profile_of
-from loadgen import metrics
+from loadgen import metrics, pointsummary
 from loadgen.clock import RunClock, Sidecar
 from loadgen.defaults import RUN_FILE
 from loadgen.engine import LoadSpec, run_async
@@ -252,7 +252,7 @@ def notes(s: dict[str, Any]) -> list[str]:
     out += [thr["note"]] if thr.get("note") else []
     out += [pc["warning"]] if (pc := s.get("prefix_cache") or {}).get("warning") else []
     out += [pl["warning"]] if (pl := s.get("prompt_lengths") or {}).get("warning") else []
-    out += [r] if (r := metrics.reasoning_note(s)) else []
+    out += [r] if (r := pointsummary.reasoning_note(s)) else []
     if (wide := _wide_median(s["latency"]["ttft"])) is not None:
         out.append(wide)
     if (reset := s.get("cache_reset")) and not reset["ok"]:

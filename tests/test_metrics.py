@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from loadgen import metrics
+from loadgen import metrics, percentiles, pointsummary
 
 
 def rec(sent, events, end, out=None, intended=None, cls="a", warmup=False, error=None, prompt=10):
@@ -18,7 +18,7 @@ def test_ttft_tpot_e2e_and_from_intended():
     assert metrics.ttft(r) == pytest.approx(0.5)
     assert metrics.e2e(r) == pytest.approx(1.0)
     assert metrics.tpot(r) == pytest.approx((1.0 - 0.5) / 3)
-    s = metrics.summarize([r])
+    s = pointsummary.summarize([r])
     assert s["latency"]["ttft_from_intended"]["mean"] == pytest.approx(1.0)
     assert s["latency"]["e2e_from_intended"]["mean"] == pytest.approx(1.5)
 
@@ -32,7 +32,7 @@ def test_itl_is_token_weighted_and_chunk_gaps_are_raw():
     r = rec(0.0, [(0.1, 1), (0.4, 3), (0.5, 1)], 0.5)
     assert metrics.itl(r) == pytest.approx([0.1, 0.1, 0.1, 0.1])
     assert metrics.chunk_gaps(r) == pytest.approx([0.3, 0.1])
-    s = metrics.summarize([r])
+    s = pointsummary.summarize([r])
     assert s["latency"]["itl"]["count"] == 4
     assert s["latency"]["chunk_gap"]["mean"] == pytest.approx(0.2)
     assert s["latency"]["tpot"]["mean"] == pytest.approx(0.4 / 4)
@@ -41,24 +41,24 @@ def test_itl_is_token_weighted_and_chunk_gaps_are_raw():
 def test_unresolved_none_token_deltas_count_one_token_each():
     r = rec(0.0, [(0.1, 1), (0.3, None), (0.4, 2), (0.6, None)], 0.6, out=5)
     assert metrics.itl(r) == pytest.approx([0.2, 0.05, 0.05, 0.2])
-    s = metrics.summarize([r])
+    s = pointsummary.summarize([r])
     assert s["latency"]["itl"]["count"] == 4
     assert s["throughput"]["steady"]["output_tok_per_s"] == pytest.approx(5 / 0.6)
 
 
 def test_percentiles_match_numpy_linear():
     vals = [0.1, 0.5, 0.2, 0.9, 0.3, 0.7, 1.5]
-    st = metrics.stats(vals)
+    st = percentiles.stats(vals)
     for p in (50, 90, 95, 99):
         assert st[f"p{p}"] == pytest.approx(np.percentile(vals, p))
     assert st["max"] == 1.5 and st["count"] == 7 and st["mean"] == pytest.approx(np.mean(vals))
-    assert metrics.stats([])["p50"] is None
+    assert percentiles.stats([])["p50"] is None
 
 
 def test_steady_window_throughput_and_whole_run():
     # closed loop of 1: requests back to back, 1 s each, 10 tokens each (one per 0.1 s)
     recs = [rec(float(i), [(i + 0.1 * (j + 1), 1) for j in range(10)], i + 1.0) for i in range(5)]
-    s = metrics.summarize(recs, {"process": "closed", "concurrency": 1})
+    s = pointsummary.summarize(recs, {"process": "closed", "concurrency": 1})
     assert s["window"] == [1.0, 4.0]  # first send + one request length .. last send
     steady, whole = s["throughput"]["steady"], s["throughput"]["whole"]
     assert steady["valid"] and steady["reason"] is None and steady["note"] is None
@@ -77,11 +77,11 @@ def test_steady_window_starts_after_the_last_warmup_request():
     # window starts no earlier than the warm-up's end
     warm = {**rec(0.0, [(0.1 * (j + 1), 1) for j in range(30)], 3.0), "warmup": True}
     recs = [warm] + [rec(float(i), [(i + 0.1 * (j + 1), 1) for j in range(10)], i + 1.0) for i in range(8)]
-    s = metrics.summarize(recs, {"process": "closed", "concurrency": 2})
+    s = pointsummary.summarize(recs, {"process": "closed", "concurrency": 2})
     assert s["window"] == [3.0, 7.0]
     assert s["throughput"]["steady"]["output_tok_per_s"] == pytest.approx(10.0)
     # a warm-up that outlasts the dispatch leaves no steady state: whole run, valid = False
-    s = metrics.summarize([{**warm, "end": 9.0}] + recs[1:])
+    s = pointsummary.summarize([{**warm, "end": 9.0}] + recs[1:])
     assert s["window"] == [0.0, 8.0] and not s["throughput"]["steady"]["valid"]
     assert s["throughput"]["steady"] == {**s["throughput"]["whole"], **{k: s["throughput"]["steady"][k] for k in (
         "valid", "reason", "note", "req_per_s_little", "req_per_s_completed", "output_tok_per_s_events")}}
@@ -95,7 +95,7 @@ def test_warmup_excluded_and_errors_by_kind():
         rec(0.3, [], 0.35, error={"kind": "http_5xx", "message": "x"}),
         rec(0.4, [(0.5, 1)], 0.6, error={"kind": "disconnect", "message": "x"}),
     ]
-    s = metrics.summarize(recs)
+    s = pointsummary.summarize(recs)
     assert s["counts"] == {"requests": 4, "ok": 1, "errors": 3, "incomplete": 0, "warmup": 1, "output_tokens": 2,
                            "prompt_tokens": 10, "output_tokens_sources": {"usage": 1}, "reasoning_tokens": 0}
     assert s["errors"]["rate"] == pytest.approx(0.75)
@@ -107,7 +107,7 @@ def test_goodput_counts_requests_meeting_every_slo():
     fast = rec(0.0, [(0.1, 1), (0.2, 1)], 0.2)
     slow_ttft = rec(1.0, [(1.9, 1), (2.0, 1)], 2.0)
     slow_tpot = rec(2.0, [(2.1, 1), (3.0, 1)], 3.0)
-    s = metrics.summarize([fast, slow_ttft, slow_tpot], slo={"ttft": 0.5, "tpot": 0.5})
+    s = pointsummary.summarize([fast, slow_ttft, slow_tpot], slo={"ttft": 0.5, "tpot": 0.5})
     assert s["goodput"]["good"] == 1
     assert s["goodput"]["fraction"] == pytest.approx(1 / 3)
     assert metrics.meets_slo(slow_tpot, {"ttft": 0.5}) is True
@@ -115,7 +115,7 @@ def test_goodput_counts_requests_meeting_every_slo():
 
 def test_per_class_has_the_same_metrics():
     recs = [rec(0.0, [(0.1, 1), (0.3, 1)], 0.3, cls="short"), rec(0.0, [(0.5, 4)], 0.5, cls="long")]
-    s = metrics.summarize(recs)
+    s = pointsummary.summarize(recs)
     assert set(s["per_class"]) == {"short", "long"}
     assert s["per_class"]["short"]["latency"]["ttft"]["mean"] == pytest.approx(0.1)
     assert s["per_class"]["long"]["counts"]["output_tokens"] == 4
@@ -126,7 +126,7 @@ def test_client_health_flags_schedule_lag_and_rate_shortfall():
     # open loop at 100 req/s, but every request went out 20 ms late and the sends bunch up
     recs = [rec(0.01 * i + 0.02 + 0.01 * i, [(0.05 + 0.02 * i, 1)], 0.06 + 0.02 * i, intended=0.01 * i)
             for i in range(50)]
-    c = metrics.summarize(recs, {"process": "poisson", "rate": 100})["client"]
+    c = pointsummary.summarize(recs, {"process": "poisson", "rate": 100})["client"]
     assert c["schedule_lag"]["p99"] > metrics.LAG_WARN_S
     assert c["achieved_rate"] == pytest.approx(50.0)
     assert c["scheduled_rate"] == pytest.approx(100.0)
@@ -141,22 +141,22 @@ def test_prefix_cache_hits_from_responses_else_server_counters_and_the_warning()
     cold = {**rec(0.0, [(0.1, 1)], 0.2, prompt=100), "cached_tokens": 0}
     silent = rec(0.0, [(0.1, 1)], 0.2, prompt=100)  # a server that did not say: left out, not counted as 0
     failed = {**rec(0.0, [], 0.2, error={"kind": "http", "message": "500"}), "cached_tokens": 100}
-    s = metrics.summarize([*warm, cold, silent, failed])
+    s = pointsummary.summarize([*warm, cold, silent, failed])
     assert s["prefix_cache"] == {"source": "responses", "requests": 4, "cached_tokens": 288, "prompt_tokens": 400,
                                  "hit_rate": 0.72}  # fmt: skip
     for shares, warned in ((False, True), (True, False), (None, False)):
-        point = metrics.summarize([*warm, cold])
-        metrics.add_prefix_cache(point, shares)
+        point = pointsummary.summarize([*warm, cold])
+        pointsummary.add_prefix_cache(point, shares)
         assert ("warning" in point["prefix_cache"]) is warned
-    point = metrics.summarize([*warm, cold, cold, cold])  # 288 of 600: below CACHE_WARN
-    metrics.add_prefix_cache(point, False)
+    point = pointsummary.summarize([*warm, cold, cold, cold])  # 288 of 600: below CACHE_WARN
+    pointsummary.add_prefix_cache(point, False)
     assert "warning" not in point["prefix_cache"]
-    point = metrics.summarize([silent])
+    point = pointsummary.summarize([silent])
     point["server"] = {"point": {"prefix_cache": {"cached_tokens": 90.0, "prompt_tokens": 100.0, "hit_rate": 0.9}}}
-    metrics.add_prefix_cache(point, False)
+    pointsummary.add_prefix_cache(point, False)
     assert point["prefix_cache"]["source"].startswith("server counters") and "--reset-cache" in point["prefix_cache"]["warning"]
-    bare = metrics.summarize([silent])
-    metrics.add_prefix_cache(bare, False)
+    bare = pointsummary.summarize([silent])
+    pointsummary.add_prefix_cache(bare, False)
     assert "prefix_cache" not in bare
 
 
@@ -168,12 +168,12 @@ def test_the_medians_interval_covers_it_and_a_wide_one_is_said():
     rng = np.random.default_rng(1)
     for n in (6, 16, 100, 2000):
         misses = sum(not (s["p50_lo"] <= np.log(2) <= s["p50_hi"])
-                     for s in (metrics.stats(rng.exponential(1.0, n)) for _ in range(2000)))  # fmt: skip
+                     for s in (percentiles.stats(rng.exponential(1.0, n)) for _ in range(2000)))  # fmt: skip
         assert misses <= 0.05 * 2000 * 1.2, (n, misses)  # 5 % at most, with room for the sample's own noise
-    assert metrics.stats([1.0, 2.0, 3.0])["p50_lo"] is None  # 3 values cannot bound the median at 95 %
-    few = metrics.summarize([rec(0.0, [(t, 1)], 1.0) for t in (0.1, 0.2, 0.3, 0.5, 0.8, 0.9, 0.9, 1.0)])
+    assert percentiles.stats([1.0, 2.0, 3.0])["p50_lo"] is None  # 3 values cannot bound the median at 95 %
+    few = pointsummary.summarize([rec(0.0, [(t, 1)], 1.0) for t in (0.1, 0.2, 0.3, 0.5, 0.8, 0.9, 0.9, 1.0)])
     assert any("rests on 8 requests" in line for line in notes(few))
-    tight = metrics.summarize([rec(0.0, [(0.5 + 0.001 * (i % 7), 1)], 1.0) for i in range(200)])
+    tight = pointsummary.summarize([rec(0.0, [(0.5 + 0.001 * (i % 7), 1)], 1.0) for i in range(200)])
     assert not any("rests on" in line for line in notes(tight))
 
 
@@ -184,8 +184,8 @@ def test_prompt_lengths_compare_the_intended_with_the_servers_count():
         return {**rec(0.0, [(0.1, 1)], 0.2, prompt=counted), "prompt_tokens_intended": intended,
                 "prompt_tokens_source": source}  # fmt: skip
 
-    exact = metrics.summarize([r(100, 100), r(200, 201), r(None, 50), r(300, 300, "tokenizer")])
+    exact = pointsummary.summarize([r(100, 100), r(200, 201), r(None, 50), r(300, 300, "tokenizer")])
     assert exact["prompt_lengths"] == {"requests": 2, "intended": 300, "counted": 301, "ratio": 301 / 300}
-    off = metrics.summarize([r(100, 107), r(100, 107)])
+    off = pointsummary.summarize([r(100, 107), r(100, 107)])
     assert off["prompt_lengths"]["ratio"] == pytest.approx(1.07) and "+7.0%" in off["prompt_lengths"]["warning"]
-    assert "prompt_lengths" not in metrics.summarize([r(None, 50)])
+    assert "prompt_lengths" not in pointsummary.summarize([r(None, 50)])

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from backends.profile import ServerProfile
-from loadgen import metrics
+from loadgen import metrics, percentiles, pointsummary
 from loadgen.arrivals import arrival_times
 from loadgen.report import series
 from loadgen.report.load import requests_from_records
@@ -49,7 +49,7 @@ def closed_loop(c, lengths, *, ttft=0.4, out=128, start=0.0, warmup=0, cold_ttft
 
 
 def steady(recs):
-    s = metrics.summarize(recs)
+    s = pointsummary.summarize(recs)
     return s, s["throughput"]["steady"]
 
 
@@ -61,7 +61,7 @@ def test_one_wave_has_no_steady_state_and_reports_the_whole_run():
     assert st["req_per_s"] == pytest.approx(64 / 5.019, rel=1e-6) == s["throughput"]["whole"]["req_per_s"]
     assert st["output_tok_per_s"] == pytest.approx(64 * 128 / 5.019, rel=1e-6)  # 1,632 tok/s, not 0
     # no steady state: the whole run's concurrency (ramp and drain included) is not judged as client-limited
-    c = metrics.summarize(recs, {"process": "closed", "concurrency": 64})["client"]
+    c = pointsummary.summarize(recs, {"process": "closed", "concurrency": 64})["client"]
     assert c["achieved_concurrency"] < 64 and c["warnings"] == []
 
 
@@ -125,7 +125,7 @@ def test_overlapping_warmups_move_the_window_start():
     # older records: 2 warm-ups overlapping the measured first wave; the window starts after them
     warm = [req(0.0, 3.0, 6.0, 128, warmup=True) for _ in range(2)]
     measured = closed_loop(6, [2.0] * 60, start=0.0)
-    s = metrics.summarize(warm + measured)
+    s = pointsummary.summarize(warm + measured)
     assert s["window"][0] == pytest.approx(6.0)
 
 
@@ -159,7 +159,7 @@ def test_tail_after_the_last_token_is_not_latency():
     assert metrics.tpot(r) == pytest.approx(0.02)  # vLLM and AIPerf: 20 ms, not 35 ms
     assert metrics.e2e(r) == pytest.approx(0.12)
     assert metrics.tail(r) == pytest.approx(0.015)
-    s = metrics.summarize([r])
+    s = pointsummary.summarize([r])
     assert s["latency"]["tail"]["p50"] == pytest.approx(0.015)
 
 
@@ -168,7 +168,7 @@ def test_cancelled_requests_are_incomplete_not_errors():
     recs = [req(float(i), 0.1, 1.0, 10) for i in range(8)]
     recs += [req(8.0, 0.1, 5.0, 10, error=cancelled), req(8.5, 0.1, 4.5, 3, error=cancelled)]
     recs += [req(9.0, 0.1, 0.2, 1, error={"kind": "http_5xx", "message": "x"})]
-    s = metrics.summarize(recs, slo={"ttft": 0.5})
+    s = pointsummary.summarize(recs, slo={"ttft": 0.5})
     assert s["counts"]["ok"] == 8 and s["counts"]["errors"] == 1 and s["counts"]["incomplete"] == 2
     assert s["errors"]["rate"] == pytest.approx(1 / 9)  # ok + errors; the harness's cancellations left out
     assert s["errors"]["by_kind"] == {"http_5xx": 1}
@@ -181,10 +181,10 @@ def test_slo_from_intended_counts_the_clients_lateness():
     r = req(1.4, 0.2, 1.0, 10, intended=1.0)
     assert metrics.meets_slo(r, {"ttft": 0.5}) is True
     assert metrics.meets_slo(r, {"ttft": 0.5}, slo_from="intended") is False
-    s = metrics.summarize([r], slo={"ttft": 0.5}, slo_from="intended")
+    s = pointsummary.summarize([r], slo={"ttft": 0.5}, slo_from="intended")
     assert s["goodput"]["good"] == 0 and s["goodput"]["slo_from"] == "intended"
     with pytest.raises(ValueError, match="slo_from"):
-        metrics.summarize([r], slo_from="late")
+        pointsummary.summarize([r], slo_from="late")
 
 
 def test_report_series_equal_the_summary():
@@ -192,20 +192,20 @@ def test_report_series_equal_the_summary():
     recs[5]["events"] = [[e[0], 0 if i % 3 == 1 else e[1]] for i, e in enumerate(recs[5]["events"])]  # zero-token events
     recs[6]["events"][3][0] = recs[6]["events"][2][0]  # a coalesced read
     recs[7]["error"] = {"kind": "cancelled", "message": "x"}
-    s = metrics.summarize(recs)
+    s = pointsummary.summarize(recs)
     lat = series.latencies(requests_from_records(recs))
     ok = lat["ok"]
     for key in ("ttft", "tpot", "e2e"):
         vals = lat[key][ok & np.isfinite(lat[key])]
-        assert metrics.stats(vals) == pytest.approx(s["latency"][key]), key
-    assert metrics.stats(lat["itl"]) == pytest.approx(s["latency"]["itl"])
+        assert percentiles.stats(vals) == pytest.approx(s["latency"][key]), key
+    assert percentiles.stats(lat["itl"]) == pytest.approx(s["latency"]["itl"])
 
 
 def test_poller_and_telemetry_use_the_one_percentile_method():
     lat = [0.001 * x for x in (5, 1, 9, 3, 7, 2, 8, 4, 6, 10, 30)]
     samples = [{"t": float(i), "latency_s": v, "metrics": {}} for i, v in enumerate(lat)]
     got = reconcile(samples, set(), ServerProfile(), None)["scrape_latency_ms"]
-    st = metrics.stats(lat)
+    st = percentiles.stats(lat)
     assert got == {k: pytest.approx(round(st[k] * 1e3, 3)) for k in ("p50", "p99", "max")}
     recs = [{"t": float(i), "mem_used_b": v} for i, v in enumerate(lat)]
     mem = telemetry.summarize(recs, None)["mem_used_b"]
@@ -219,7 +219,7 @@ def test_cli_table_shows_incomplete_and_marks_a_run_without_steady_state():
 
     cancelled = {"kind": "cancelled", "message": "run interrupted"}
     recs = [req(i * 0.019 / 63, 0.4, 5.0, 128) for i in range(64)] + [req(0.02, 0.4, 6.0, 50, error=cancelled)]
-    s = {"point_id": "c064", **metrics.summarize(recs, {"process": "closed", "concurrency": 65})}
+    s = {"point_id": "c064", **pointsummary.summarize(recs, {"process": "closed", "concurrency": 65})}
     console = Console(width=250, record=True)
     console.print(summary_table([s]))
     text = console.export_text()

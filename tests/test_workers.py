@@ -14,7 +14,7 @@ from pathlib import Path
 from support.signals import sigint_default
 
 from backends.openai import OpenAIBackend
-from loadgen import metrics
+from loadgen import pointsummary
 from loadgen.calibrate import SERVER_BUSY, FixedWorkload
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, Share, run_point
@@ -121,7 +121,7 @@ def test_bench_run_summary_is_the_one_recomputed_from_the_merged_records(null_se
     (s,) = json.loads((tmp_path / "w2" / "summary.json").read_text())["points"]
     assert s["counts"]["errors"] == 0 and s["counts"]["ok"] == 90 and s["workers"]["count"] == 2
     recs = read_jsonl(tmp_path / "w2" / "points" / s["point_id"] / "requests.jsonl")
-    again = json.loads(json.dumps(metrics.summarize(recs, s["load"]), default=str))
+    again = json.loads(json.dumps(pointsummary.summarize(recs, s["load"]), default=str))
     for key, value in again.items():
         if key != "client":
             assert s[key] == value, key

@@ -20,7 +20,7 @@ from typing import Any
 import jinja2
 import numpy as np
 
-from loadgen.metrics import reasoning_note
+from loadgen.pointsummary import reasoning_note
 from loadgen.report import cdf, sweep_chart, timeline
 from loadgen.report.load import RunData, load_run
 from loadgen.report.server_series import missing_series

@@ -22,7 +22,7 @@ def _find(flat: dict[str, Any], patterns: tuple[str, ...]) -> tuple[str, float] 
     return None
 
 
-# PointSummary keys (loadgen.metrics.summarize / loadgen.engine.run_point), most specific first.
+# PointSummary keys (loadgen.pointsummary.summarize / loadgen.engine.run_point), most specific first.
 LOAD_KEYS = (r"load\.concurrency", r"load\.rate", r"load\.speedup")
 THROUGHPUT_KEYS = (r"throughput\.steady\.output_tok_per_s", r"throughput\.whole\.output_tok_per_s")
 GOODPUT_KEYS = (r"goodput\.req_per_s", r"goodput\.req_per_s_whole")

@@ -20,7 +20,7 @@ import httpx
 from backends.profile import DEFAULT_PROFILE, PrefixCounters, ServerProfile
 from backends.registry import server_profiles
 from loadgen.clock import RunClock
-from loadgen.metrics import stats
+from loadgen.percentiles import stats
 from loadgen.sidecars.prometheus import parse_metrics
 from loadgen.sidecars.sampler import ThreadedSampler
 

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 import httpx
 import psutil
 
-from loadgen import metrics
+from loadgen import percentiles
 from loadgen.clock import RunClock
 from loadgen.sidecars import gpu as gpu_probes
 from loadgen.sidecars.exporters import exporter_record
@@ -129,11 +129,11 @@ class TelemetrySampler(_Telemetry):
 
 
 def _stats(values: list[float]) -> dict[str, float] | None:
-    """Mean and max of a series (``None``/NaN samples skipped), from :func:`loadgen.metrics.stats`."""
+    """Mean and max of a series (``None``/NaN samples skipped), from :func:`loadgen.percentiles.stats`."""
     vals = [v for v in values if v is not None and not math.isnan(v)]
     if not vals:
         return None
-    st = metrics.stats(vals)
+    st = percentiles.stats(vals)
     return {"mean": st["mean"], "max": st["max"]}  # type: ignore[dict-item]
 
 
@@ -151,7 +151,7 @@ def _energy(points: list[tuple[float, Record]]) -> float | None:
 def summarize(records: list[Record], window: tuple[float, float] | None) -> dict[str, Any]:
     """Mean/max of host and per-GPU series inside ``window`` (all records when None).
 
-    ``gpu_energy_j`` (summed over GPUs) is what :func:`loadgen.metrics.joules_per_output_token` divides.
+    ``gpu_energy_j`` (summed over GPUs) is what :func:`loadgen.pointsummary.joules_per_output_token` divides.
     """
     lo, hi = window if window is not None else (-math.inf, math.inf)
     sel = [r for r in records if lo <= r["t"] <= hi]

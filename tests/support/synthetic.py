@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from loadgen import metrics
+from loadgen import pointsummary
 from loadgen.engine import LoadSpec
 
 SLO = {"ttft": 0.5, "tpot": 0.05}
@@ -285,7 +285,7 @@ def write_synthetic_results(root: Path, run_id: str = "synthetic", cfg: SimConfi
             "labels": {},
             "t_start": t,
             "t_end": sim["t_end"],
-            **metrics.summarize(sim["records"], load, SLO),
+            **pointsummary.summarize(sim["records"], load, SLO),
         }
         (pdir / "summary.json").write_text(json.dumps(summary, indent=1))
         points.append(summary)
