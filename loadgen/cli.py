@@ -42,7 +42,7 @@ app.command("capacity")(capacity_command)
 @app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
 def serve_command(ctx: typer.Context) -> None:
     """Start the bundled reference server; all flags go to it (bench serve --help lists them)."""
-    from reference_server.server import serve  # torch loads only for this command
+    from reference_server.api.cli import serve  # torch loads only for this command
 
     serve(ctx.args, prog="bench serve")
 

@@ -1,5 +1,5 @@
 """``python -m reference_server --port N [--model PATH] ...``"""
 
-from reference_server.server import serve
+from reference_server.api.cli import serve
 
 serve()

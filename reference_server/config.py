@@ -19,7 +19,7 @@ SPEC_METHODS = ("off", "ngram", "draft", "self")
 
 def flag(default: Any, group: str, text: str) -> Any:
     """A field that is a server flag (``--field-name``): its default, and the ``group`` and help ``text`` of
-    ``python -m reference_server --help`` (server.py builds the parser from these; choices come from the
+    ``python -m reference_server --help`` (api/cli.py builds the parser from these; choices come from the
     tuples the field is checked against)."""
     return field(default=default, metadata={"group": group, "help": text})
 

@@ -1,4 +1,4 @@
-"""The reference server's Prometheus series names: one home for the server that exports them (server.py),
+"""The reference server's Prometheus series names: one home for the server that exports them (api/metrics.py),
 the harness that reads them (backends/profile.py) and the dashboards (scripts/make_grafana.py).
 
 A counter named ``X`` here is exported as ``X_total`` (prometheus_client adds the suffix): read it through

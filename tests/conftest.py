@@ -24,7 +24,7 @@ class LiveServer:
     """``with LiveServer(engine) as s:`` serves ``engine`` at ``s.url`` (model name "smol") until exit."""
 
     def __init__(self, engine: Engine) -> None:
-        from reference_server.server import create_app  # torch: only for the tests that serve
+        from reference_server.api.app import create_app  # torch: only for the tests that serve
 
         self.engine = engine
         with socket.socket() as sock:

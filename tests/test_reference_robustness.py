@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from reference_server import text as text_mod
+from reference_server.api.schemas import MAX_BODY_BYTES, UNSUPPORTED
 from reference_server.block_manager import BlockManager
 from reference_server.config import EngineConfig
 from reference_server.engine import Engine
@@ -21,7 +22,6 @@ from reference_server.model_files import default_model_path
 from reference_server.policies import PriorityPolicy, SjfPolicy
 from reference_server.sampler import sample
 from reference_server.sequence import SamplingParams, Sequence
-from reference_server.server import MAX_BODY_BYTES, UNSUPPORTED
 
 MAX_MODEL_LEN = 512
 

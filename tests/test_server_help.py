@@ -7,8 +7,8 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+from reference_server.api.cli import FLAG_GROUPS, build_parser
 from reference_server.config import EngineConfig
-from reference_server.server import FLAG_GROUPS, build_parser
 
 
 def _actions(parser: argparse.ArgumentParser) -> list[tuple[str, argparse.Action]]:
