@@ -1,7 +1,7 @@
 """The ``bench`` command: one sub-command per module, registered here and nowhere else.
 
-Each command lives with what it drives (``run_cli``: run and sweep; ``calibrate``; ``capacity_cli``;
-``gate_cli``; ``report.cli``; ``trace``; ``kvbudget``; ``experiments``; ``workloads.cli``); their shared
+Each command lives with what it drives (``run_cli``: run and sweep; ``calibrate``; ``capacity.cli``;
+``gate.cli``; ``report.cli``; ``trace``; ``kvbudget``; ``experiments``; ``workloads.cli``); their shared
 options are :mod:`loadgen.options`, their targets :mod:`loadgen.targets`, their exit codes
 :mod:`loadgen.exitcodes`. Nothing imports this module but the entry point.
 """
@@ -14,10 +14,10 @@ import sys
 import typer
 
 from loadgen.calibrate import calibrate_command
-from loadgen.capacity_cli import capacity_command
+from loadgen.capacity.cli import capacity_command
 from loadgen.exitcodes import ExitCode
 from loadgen.experiments import experiment_command
-from loadgen.gate_cli import baseline_app, gate
+from loadgen.gate.cli import baseline_app, gate
 from loadgen.kvbudget import kv_budget_command
 from loadgen.report.cli import report_command
 from loadgen.run_cli import run, sweep

@@ -1,6 +1,8 @@
 """The options of a load run: :class:`RunOptions`, the one typed record of what ``bench run``/``sweep`` was
 asked, which validates itself, writes the ``config`` of ``run.json`` and says which of its fields make two
-runs comparable (``bench gate``); and the command-line spelling of options shared by several commands.
+runs comparable (``bench gate``); the command-line spelling of options shared by several commands; and
+:func:`command`, which makes a typer command whose options are an options dataclass's fields (``RunOptions``'s
+for run, sweep and capacity; gate, calibrate and kv-budget each have their own small one).
 """
 
 from __future__ import annotations
@@ -239,17 +241,23 @@ class RunOptions:
 
 
 def _default(f: Field[Any]) -> Any:
-    """A dataclass field's default value (its factory's, for a list)."""
-    return f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+    """A dataclass field's default value (its factory's, for a list; ``inspect.Parameter.empty`` for a field
+    without one: a required option)."""
+    if f.default is not MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not MISSING else inspect.Parameter.empty
 
 
-def command(body: Callable[..., Any], names: Sequence[str], own: Mapping[str, inspect.Parameter] | None = None,
-            defaults: Mapping[str, Any] | None = None) -> Callable[..., None]:  # fmt: skip
-    """A typer command that calls ``body(**options)``: its options are the :class:`RunOptions` fields ``names``,
-    in that order, each spelled once (the field's ``cli`` annotation) with the field's default or the
-    command's own (``defaults``); a name in ``own`` is the command's own parameter instead (run's single
-    ``--concurrency`` and sweep's list of them). Its help is ``body``'s docstring."""
-    by_name = {f.name: f for f in fields(RunOptions)}
+def command(body: Callable[..., Any], names: Sequence[str] | None = None,
+            own: Mapping[str, inspect.Parameter] | None = None, defaults: Mapping[str, Any] | None = None,
+            options: type[Any] = RunOptions) -> Callable[..., None]:  # fmt: skip
+    """A typer command that calls ``body(**options)``: its options are the fields ``names`` (default: every
+    field with a ``cli`` annotation) of the dataclass ``options`` (:class:`RunOptions` unless given), in that
+    order, each spelled once (the field's ``cli`` annotation) with the field's default or the command's own
+    (``defaults``); a name in ``own`` is the command's own parameter instead (run's single ``--concurrency``
+    and sweep's list of them). Its help is ``body``'s docstring."""
+    by_name = {f.name: f for f in fields(options)}
+    names = [f.name for f in fields(options) if "cli" in f.metadata] if names is None else names
     own, defaults = own or {}, defaults or {}
     params = []
     for name in names:
@@ -260,8 +268,8 @@ def command(body: Callable[..., Any], names: Sequence[str], own: Mapping[str, in
         default = defaults.get(name, _default(f))
         params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=f.metadata["cli"]))
 
-    def cmd(**options: Any) -> None:
-        body(**options)
+    def cmd(**values: Any) -> None:
+        body(**values)
 
     cmd.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     cmd.__annotations__ = {p.name: p.annotation for p in params}

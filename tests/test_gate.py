@@ -8,16 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loadgen.gate import (
-    GateError,
-    MetricRule,
-    compare,
-    load,
-    metric_path,
-    save_baseline,
-    t_quantile,
-    to_markdown,
-)
+from loadgen.gate.compare import compare
+from loadgen.gate.resultset import load, save_baseline
+from loadgen.gate.rules import GateError, MetricRule, metric_path
+from loadgen.gate.verdict import to_markdown
+from loadgen.quantiles import t_quantile
 
 FP = {"workload": {"name": "chat-short", "seed": 0}, "load": {"process": "closed", "concurrency": 4}}
 ENV = {"cpu_model": "AMD EPYC", "gpus": [], "server_version": "0.1.0"}

@@ -6,7 +6,9 @@ from backends.openai import OpenAIBackend
 from loadgen.ab import abba, run_ab
 from loadgen.calibrate import FixedWorkload
 from loadgen.engine import LoadSpec
-from loadgen.gate import MetricRule, compare, load
+from loadgen.gate.compare import compare
+from loadgen.gate.resultset import load
+from loadgen.gate.rules import MetricRule
 
 NULL = 'python -m loadgen.nullserver --port {port} --behaviour \'{{"itl": %s, "ttft": 0.005}}\''
 RULES = [MetricRule.parse("output_tok_s:-20%"), MetricRule.parse("e2e_p50:+25%")]

@@ -1,0 +1,178 @@
+"""``bench gate`` and ``bench baseline save``."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from loadgen.defaults import RESULTS_ROOT, SUMMARY_FILE
+from loadgen.exitcodes import UsageError, console, exits
+from loadgen.gate.compare import compare
+from loadgen.gate.resultset import load, save_baseline
+from loadgen.gate.rules import GateError, MetricRule
+from loadgen.gate.verdict import GateReport, print_report, to_markdown
+from loadgen.options import command
+from loadgen.records import write_json
+
+
+@dataclass(frozen=True)
+class GateOptions:
+    """What ``bench gate`` was asked; each field's ``cli`` is its option (:func:`loadgen.options.command`)."""
+
+    baseline: str = field(metadata={"cli": Annotated[
+        str, typer.Option(help="Baseline result dir or baseline .json (with --ab: server command).")]})
+    candidate: str = field(metadata={"cli": Annotated[
+        str, typer.Option(help="Candidate result dir (with --ab: server command, {port}).")]})
+    metric: list[str] = field(metadata={"cli": Annotated[
+        list[str], typer.Option(help="NAME:-X% (higher is better) or NAME:+X% (lower is better); repeat.")]})
+    confidence: float = field(default=0.95, metadata={"cli": Annotated[
+        float, typer.Option(help="Confidence level of the bootstrap interval.")]})
+    min_trials: int = field(default=5, metadata={"cli": Annotated[
+        int, typer.Option(help="Fewer trials per side (pairs with --ab) -> inconclusive.")]})
+    point: list[str] | None = field(default=None, metadata={"cli": Annotated[
+        list[str] | None, typer.Option(help="Only these point ids (without /t<k>); repeat.")]})
+    markdown: Path | None = field(default=None, metadata={"cli": Annotated[Path | None, typer.Option(
+        help="Write the Markdown summary here (also appended to $GITHUB_STEP_SUMMARY when set).")]})
+    json_out: Path | None = field(default=None, metadata={"cli": Annotated[
+        Path | None, typer.Option("--json", help="Write the verdict as JSON here.")]})
+    ab: bool = field(default=False, metadata={"cli": Annotated[
+        bool, typer.Option("--ab", help="Start both servers and run interleaved A/B trials first.")]})
+    trials: int = field(default=6, metadata={"cli": Annotated[int, typer.Option(help="--ab: trials per side.")]})
+    workload: str = field(default="chat-short", metadata={"cli": Annotated[
+        str, typer.Option(help="--ab: workload name or TOML path.")]})
+    concurrency: int = field(default=4, metadata={"cli": Annotated[
+        int, typer.Option(help="--ab: closed-loop concurrency.")]})
+    num_requests: int = field(default=16, metadata={"cli": Annotated[
+        int, typer.Option(help="--ab: measured requests per trial.")]})
+    warmup: int = field(default=2, metadata={"cli": Annotated[
+        int, typer.Option(help="--ab: warm-up requests per trial.")]})
+    seed: int = field(default=0, metadata={"cli": Annotated[
+        int, typer.Option(help="--ab: seed (trial k uses seed + k on both sides).")]})
+    backend: str = field(default="auto", metadata={"cli": Annotated[
+        str, typer.Option(help="--ab: server dialect (auto: ask the server).")]})
+    model: str | None = field(default=None, metadata={"cli": Annotated[
+        str | None, typer.Option(help="--ab: model name (default: GET /v1/models).")]})
+    output_dir: Path = field(default=RESULTS_ROOT, metadata={"cli": Annotated[
+        Path, typer.Option(help="--ab: results root.")]})
+    run_id: str | None = field(default=None, metadata={"cli": Annotated[
+        str | None, typer.Option(help="--ab: run id (default: gate-<timestamp>).")]})
+
+
+def _gate(**options: Any) -> None:
+    """Compare a candidate with a baseline: exit 0 pass, 1 regression, 2 inconclusive or invalid."""
+    o = GateOptions(**options)
+    baseline, candidate, confidence = o.baseline, o.candidate, o.confidence
+    with exits():
+        try:
+            rules = [MetricRule.parse(m) for m in o.metric]
+        except GateError as exc:
+            raise UsageError(str(exc)) from None
+        if not 0.5 < confidence < 1:
+            raise UsageError(f"--confidence must be in (0.5, 1), got {confidence}")
+        if o.min_trials < 2:
+            raise UsageError("--min-trials must be >= 2 (a bootstrap needs spread)")
+        if o.ab:
+            baseline, candidate = _run_ab(o)
+        for side in (baseline, candidate):
+            if Path(side).is_dir() and not (Path(side) / SUMMARY_FILE).is_file():
+                console.print(f"[yellow]note[/]: {side} has no summary.json (the run ended before writing it): "
+                              "recomputing it from requests.jsonl")  # fmt: skip
+        try:
+            if any(r.metric == "capacity" for r in rules):
+                from loadgen.capacity.gate import gate_capacity
+
+                rep = gate_capacity(baseline, candidate, rules)
+            else:
+                rep = compare(load(baseline), load(candidate), rules, confidence, o.min_trials, o.point or None)
+        except GateError as exc:
+            rep = GateReport(
+                "invalid", errors=[str(exc)], baseline=baseline, candidate=candidate, confidence=confidence
+            )
+        print_report(rep)
+        md = to_markdown(rep)
+        if o.markdown:
+            o.markdown.parent.mkdir(parents=True, exist_ok=True)
+            o.markdown.write_text(md, encoding="utf-8")
+        if step_summary := os.environ.get("GITHUB_STEP_SUMMARY"):
+            with open(step_summary, "a", encoding="utf-8") as f:
+                f.write(md)
+        if o.json_out:
+            o.json_out.parent.mkdir(parents=True, exist_ok=True)
+            write_json(o.json_out, rep.to_dict())
+        raise typer.Exit(rep.exit_code)
+
+
+gate = command(_gate, options=GateOptions)
+
+
+def _run_ab(o: GateOptions) -> tuple[str, str]:
+    """Run the interleaved trials (``--baseline`` and ``--candidate`` are server commands); returns the two
+    result directories."""
+    from backends.launcher import LaunchError
+    from loadgen.ab import run_ab
+    from loadgen.loadspec import LoadSpec
+    from loadgen.results import new_run_id
+    from loadgen.targets import load_workload, make_backend
+
+    if o.trials < 2 or o.concurrency < 1 or o.num_requests < 1 or o.warmup < 0:
+        raise UsageError("--ab needs --trials >= 2, --concurrency >= 1, --num-requests >= 1, --warmup >= 0")
+    for name, cmd in (("--baseline", o.baseline), ("--candidate", o.candidate)):
+        if "{port}" not in cmd:
+            raise UsageError(f"with --ab, {name} is a server command with a {{port}} placeholder, got {cmd!r}")
+    try:
+        wl = load_workload(o.workload)
+        load_spec = LoadSpec(
+            "closed", concurrency=o.concurrency, num_requests=o.num_requests, warmup=o.warmup, seed=o.seed
+        )
+    except (UsageError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    config = {
+        "command": "gate --ab", "backend": o.backend, "api": None, "model": o.model, "workloads": [o.workload],
+        "concurrency": [o.concurrency], "rate": [], "arrival": "closed", "num_requests": o.num_requests,
+        "warmup": o.warmup, "seed": o.seed, "repeat": o.trials,
+    }  # fmt: skip
+    rid = o.run_id or f"gate-{new_run_id()}"
+
+    def progress(k: int, side: str, s: dict) -> None:  # type: ignore[type-arg]
+        thr = s["throughput"]["steady"]["output_tok_per_s"]
+        console.print(
+            f"[dim]trial {k} {side:9s} {thr or 0:8.1f} out tok/s  errors {s['counts']['errors']}[/]"
+        )
+
+    console.print(f"A/B: {o.trials} interleaved trials per side, c={o.concurrency}, {o.num_requests} requests each")
+    try:
+        dirs = run_ab(
+            {"baseline": o.baseline, "candidate": o.candidate},
+            lambda url: make_backend(o.backend, url, o.model, None, None, False, None),
+            wl, load_spec, o.trials, o.output_dir, rid, config, on_trial=progress,
+        )  # fmt: skip
+    except (LaunchError, UsageError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    return str(dirs["baseline"]), str(dirs["candidate"])
+
+
+baseline_app = typer.Typer(no_args_is_help=True, help="Save results as baselines for bench gate.")
+
+
+@baseline_app.command("save")
+def baseline_save(
+    result: Annotated[Path, typer.Argument(help="A results/<run_id>/ directory (ideally from --repeat N).")],
+    out: Annotated[
+        Path, typer.Option("-o", "--out", help="Baseline file to write, e.g. results/baselines/NAME.json.")
+    ],
+) -> None:
+    """Write a result's fingerprints and point summaries as a baseline file."""
+    with exits():
+        try:
+            doc = save_baseline(result, out)
+        except GateError as exc:
+            raise UsageError(str(exc)) from None
+        rs = load(out)
+        for pid, pts in rs.points.items():
+            note = "" if len(pts) >= 5 else "  [yellow](fewer than 5 trials: the gate will say inconclusive)[/]"
+            console.print(f"{pid}: {len(pts)} trial(s){note}")
+        console.print(f"baseline of run {doc.get('run_id')} written to {out}")
