@@ -18,14 +18,15 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from loadgen.options import command
 from reference_server.model_files import attention_shape
 
 DTYPE_BYTES: dict[str, float] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
@@ -235,49 +236,67 @@ def render(budget: KVBudget, console: Console) -> None:
     console.print(choices)
 
 
-def kv_budget_command(
-    memory: Annotated[str, typer.Option(help="Accelerator/host memory, e.g. 80GB, 24GiB (bare number = GB).")],
-    gguf: Annotated[Path | None, typer.Option(help="Read layers/heads/KV heads/head dim from this GGUF.")] = None,
-    weights: Annotated[
-        str | None, typer.Option(help="Weight size, e.g. 40GB (default with --gguf: its tensor data size).")
-    ] = None,
-    layers: Annotated[int | None, typer.Option(help="Number of layers (without --gguf).")] = None,
-    heads: Annotated[int | None, typer.Option(help="Query heads (without --gguf).")] = None,
-    kv_heads: Annotated[int | None, typer.Option(help="KV heads (default: = heads, i.e. no GQA).")] = None,
-    head_dim: Annotated[int | None, typer.Option(help="Head dimension (without --gguf).")] = None,
-    dtype: Annotated[str, typer.Option(help=f"KV cache dtype: {', '.join(DTYPE_BYTES)}.")] = "bf16",
-    context: Annotated[
-        list[int] | None, typer.Option("--context", "-c", help="Context length (repeat); default a range.")
-    ] = None,
-    block_size: Annotated[int, typer.Option(help="KV block size in tokens (paged allocation).")] = 16,
-    shared_prefix: Annotated[int, typer.Option(help="Tokens of a prefix shared by all requests.")] = 0,
-    utilization: Annotated[float, typer.Option(help="Fraction of memory the server may use.")] = 1.0,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
-) -> None:
+@dataclass(frozen=True)
+class KVBudgetOptions:
+    """What ``bench kv-budget`` was asked; each field's ``cli`` is its option (:func:`loadgen.options.command`)."""
+
+    memory: str = field(metadata={"cli": Annotated[
+        str, typer.Option(help="Accelerator/host memory, e.g. 80GB, 24GiB (bare number = GB).")]})
+    gguf: Path | None = field(default=None, metadata={"cli": Annotated[
+        Path | None, typer.Option(help="Read layers/heads/KV heads/head dim from this GGUF.")]})
+    weights: str | None = field(default=None, metadata={"cli": Annotated[
+        str | None, typer.Option(help="Weight size, e.g. 40GB (default with --gguf: its tensor data size).")]})
+    layers: int | None = field(default=None, metadata={"cli": Annotated[
+        int | None, typer.Option(help="Number of layers (without --gguf).")]})
+    heads: int | None = field(default=None, metadata={"cli": Annotated[
+        int | None, typer.Option(help="Query heads (without --gguf).")]})
+    kv_heads: int | None = field(default=None, metadata={"cli": Annotated[
+        int | None, typer.Option(help="KV heads (default: = heads, i.e. no GQA).")]})
+    head_dim: int | None = field(default=None, metadata={"cli": Annotated[
+        int | None, typer.Option(help="Head dimension (without --gguf).")]})
+    dtype: str = field(default="bf16", metadata={"cli": Annotated[
+        str, typer.Option(help=f"KV cache dtype: {', '.join(DTYPE_BYTES)}.")]})
+    context: list[int] | None = field(default=None, metadata={"cli": Annotated[
+        list[int] | None, typer.Option("--context", "-c", help="Context length (repeat); default a range.")]})
+    block_size: int = field(default=16, metadata={"cli": Annotated[
+        int, typer.Option(help="KV block size in tokens (paged allocation).")]})
+    shared_prefix: int = field(default=0, metadata={"cli": Annotated[
+        int, typer.Option(help="Tokens of a prefix shared by all requests.")]})
+    utilization: float = field(default=1.0, metadata={"cli": Annotated[
+        float, typer.Option(help="Fraction of memory the server may use.")]})
+    as_json: bool = field(default=False, metadata={"cli": Annotated[
+        bool, typer.Option("--json", help="Print JSON instead of tables.")]})
+
+
+def _kv_budget(**options: Any) -> None:
     """How many tokens and concurrent requests fit in the KV cache (with/without GQA, prefix sharing)."""
+    o = KVBudgetOptions(**options)
     try:
-        if gguf is not None:
-            shape, gguf_weights = shape_from_gguf(gguf)
-            weight_bytes = parse_size(weights) if weights else gguf_weights
+        if o.gguf is not None:
+            shape, gguf_weights = shape_from_gguf(o.gguf)
+            weight_bytes = parse_size(o.weights) if o.weights else gguf_weights
         else:
-            if layers is None or heads is None or head_dim is None or weights is None:
+            if o.layers is None or o.heads is None or o.head_dim is None or o.weights is None:
                 raise ValueError("give --gguf PATH, or --layers, --heads, --head-dim and --weights")
-            shape = ModelShape(layers, heads, kv_heads or heads, head_dim)
-            weight_bytes = parse_size(weights)
+            shape = ModelShape(o.layers, o.heads, o.kv_heads or o.heads, o.head_dim)
+            weight_bytes = parse_size(o.weights)
         budget = kv_budget(
             shape,
-            parse_size(memory),
+            parse_size(o.memory),
             weight_bytes,
-            dtype=dtype,
-            contexts=tuple(context) if context else DEFAULT_CONTEXTS,
-            block_size=block_size,
-            shared_prefix=shared_prefix,
-            utilization=utilization,
+            dtype=o.dtype,
+            contexts=tuple(o.context) if o.context else DEFAULT_CONTEXTS,
+            block_size=o.block_size,
+            shared_prefix=o.shared_prefix,
+            utilization=o.utilization,
         )
     except ValueError as exc:
         Console(stderr=True).print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from exc
-    if as_json:
+    if o.as_json:
         print(json.dumps(asdict(budget), indent=2))
     else:
         render(budget, Console())
+
+
+kv_budget_command = command(_kv_budget, options=KVBudgetOptions)
