@@ -97,7 +97,6 @@ def vllm_setup() -> tuple[str, str]:
     return python, hf_dir
 
 
-
 def wait_for(what: str, ready: Callable[[], bool], procs: list[subprocess.Popen[str]], timeout_s: float) -> None:
     """Poll ``ready`` every millisecond or so; a client that exits first or a timeout ends the script."""
     deadline = time.monotonic() + timeout_s
@@ -181,7 +180,6 @@ def seed(rnd: int, c: int, tool: str) -> int:
     return 1 + 100_000 * (rnd + 1) + 100 * c + ("vllm", "bench").index(tool)
 
 
-
 def model_id(url: str) -> str:
     return str(httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"])
 
@@ -240,7 +238,6 @@ def main(argv: list[str] | None = None) -> int:
                             f.write(json.dumps(row) + "\n")
                         print(f"{tag} {tool}: " + ", ".join(f"{k} {v:.2f}" for k, v in figs.items()), flush=True)
     return report(rows_path, args.out, args.tolerance)
-
 
 
 if __name__ == "__main__":

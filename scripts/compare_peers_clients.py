@@ -117,7 +117,6 @@ cli.main()
 """
 
 
-
 @dataclass
 class Tool:
     """One client's run: how to start it, where it writes, how to read its figures."""

@@ -45,5 +45,3 @@ def report(rows_path: Path, out: Path, tol: float) -> int:
     (out / "peers.json").write_text(json.dumps(summary, indent=1))
     print(text)
     return 1 if failed else 0
-
-

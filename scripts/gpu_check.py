@@ -113,7 +113,6 @@ def verdicts(results: Record) -> Record:
     }
 
 
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, help="folder for gpu_check.json, gpu_check.log and the sweep's report")

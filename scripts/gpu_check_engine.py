@@ -62,11 +62,10 @@ def make_engine(path: Path, weights: tuple[ModelSpec, dict[str, torch.Tensor]], 
     return Engine(config, ModelRunner(config, *weights), TextCodec(path))
 
 
-
-
 def free(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
+
 
 def _greedy(engine: Engine, batch: list[list[int]], tokens: int) -> list[list[int]]:
     return engine.generate(batch, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))

@@ -24,7 +24,6 @@ def child_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
-
 def check_pytest(ctx: Context) -> Record:
     env = {**child_env(), MODEL_ENV: str(ctx.small_path)}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *ctx.plan.pytest]
@@ -35,7 +34,6 @@ def check_pytest(ctx: Context) -> Record:
     return {"ok": ok, "returncode": proc.returncode, "passed": counts.get("passed", 0),
             "failed": counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0),
             "files": list(ctx.plan.pytest), "model": str(ctx.small_path)}
-
 
 
 def _series(points: Path) -> Record:

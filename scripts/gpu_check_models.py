@@ -112,4 +112,3 @@ def write_seeded_gguf(tokenizer: Path, out: Path, name: str, shape: Shape, seed:
     writer.write_tensors_to_file()
     writer.close()
     return out
-

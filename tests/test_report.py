@@ -57,6 +57,7 @@ class _Tables(HTMLParser):
             self.tables.append(self._cur)
             self._cur = None
 
+
 def test_summary_tables_equal_summary_json(run_dir, report_html):
     summary = json.loads((run_dir / "summary.json").read_text())
     parser = _Tables()
@@ -105,6 +106,7 @@ def test_report_with_plotly_from_the_cdn(run_dir, tmp_path):
     res = CliRunner().invoke(app, ["report", str(run_dir), "-o", str(tmp_path / "x.html"), "--plotly", "web"])
     assert res.exit_code == 2 and "--plotly must be one of inline, cdn" in res.output
 
+
 def test_optional_series_are_optional(tmp_path):
     cfg = SimConfig(
         concurrencies=(2, 8),
@@ -122,6 +124,7 @@ def test_optional_series_are_optional(tmp_path):
     assert "requests (client)" in titles and "Gantt" in titles
     text = write_report([run_dir], tmp_path / "r.html").read_text()
     assert "Not recorded for this point: server state (/metrics), per-iteration record, telemetry." in text
+
 
 def test_comparison_has_a_line_per_run_and_a_diff_table(tmp_path):
     a = write_synthetic_results(tmp_path, "slow", SimConfig(concurrencies=(1, 4, 8), requests_per_point=40))

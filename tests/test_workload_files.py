@@ -175,4 +175,3 @@ def test_length_distributions_follow_their_parameters():
     assert min(clipped) == 60 and max(clipped) == 120
     think = draw({"dist": "normal", "mean": 0.5, "std": 1.0, "min": 0}, integer=False)
     assert min(think) == 0.0 and isinstance(think[0], float)
-

@@ -114,4 +114,3 @@ def parse_dist(value: object, source: str, key: str, *, integer: bool = True) ->
         )
     t.done()
     return Dist(**{**d.__dict__, "clip_min": lo, "clip_max": hi})
-

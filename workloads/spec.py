@@ -56,7 +56,6 @@ def trace_format(path: Path, field: str | None = None) -> str:
                         f"or prompt): name the prompt's key with --dataset-field (its keys: {keys})")  # fmt: skip
 
 
-
 @dataclass(frozen=True)
 class SharedPrefix:
     tokens: int  # length of each shared prefix

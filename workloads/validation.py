@@ -110,4 +110,3 @@ def _expected(kind: type | tuple[type, ...]) -> str:
     if set(kinds) == {int, float}:
         return "a number"
     return " or ".join(names.get(k, k.__name__) for k in kinds)
-
