@@ -38,10 +38,11 @@ from loadgen.defaults import RESULTS_ROOT
 from loadgen.engine import LoadSpec, run_async, run_point
 from loadgen.exitcodes import ExitCode, UsageError, console
 from loadgen.fleet import Fleet
-from loadgen.nullserver import Behaviour, NullServerProcess, Stream
 from loadgen.options import Client, OutputDir, RunId, parse_list
 from loadgen.records import write_json
 from loadgen.results import new_run_id
+from loadgen.testservers.null import NullServerProcess
+from loadgen.testservers.stream import Behaviour, Stream
 from workloads.base import ArrivalSpec, Session, SingleShot, Workload
 from workloads.contracts import APIS, Api, GenRequest, RequestRecord
 from workloads.text import PromptBuilder, builder_for

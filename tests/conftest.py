@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import pytest
 import uvicorn
 
-from loadgen.nullserver import NullServerProcess
+from loadgen.testservers.null import NullServerProcess
 
 if TYPE_CHECKING:
     from reference_server.engine import Engine

@@ -10,7 +10,7 @@ from loadgen.gate.compare import compare
 from loadgen.gate.resultset import load
 from loadgen.gate.rules import MetricRule
 
-NULL = 'python -m loadgen.nullserver --port {port} --behaviour \'{{"itl": %s, "ttft": 0.005}}\''
+NULL = 'python -m loadgen.testservers.null --port {port} --behaviour \'{{"itl": %s, "ttft": 0.005}}\''
 RULES = [MetricRule.parse("output_tok_s:-20%"), MetricRule.parse("e2e_p50:+25%")]
 
 

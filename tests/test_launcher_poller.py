@@ -227,7 +227,7 @@ def test_server_does_not_outlive_a_killed_parent():
     The server is started from a worker thread that ends first, and must live on until its process dies."""
     parent_code = (
         "import sys, threading, time\n"
-        "from loadgen.nullserver import NullServerProcess\n"
+        "from loadgen.testservers.null import NullServerProcess\n"
         "srv = NullServerProcess()\n"
         "t = threading.Thread(target=srv.start)\n"
         "t.start(); t.join()\n"

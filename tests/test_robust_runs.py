@@ -1,6 +1,6 @@
 """Runs that survive real server behaviour: keep-alive closes, dropped requests, a dying server, Ctrl-C.
 
-Fault injection is loadgen/nullserver.py in its own process; every test asserts where errors appear.
+Fault injection is loadgen/testservers/null.py in its own process; every test asserts where errors appear.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from loadgen.calibrate import FixedWorkload
 from loadgen.clock import RunClock
 from loadgen.engine import LoadSpec, run_async, run_point
 from loadgen.exitcodes import ExitCode
-from loadgen.nullserver import NullServerProcess
+from loadgen.testservers.null import NullServerProcess
 from workloads.contracts import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -173,8 +173,8 @@ def test_capacity_with_two_workers_finds_the_known_capacity_and_stops_probes_ear
     """`bench capacity --workers 2` against the known-answer service model: the workers' records reach each
     probe while it runs (the coordinator appends them to its requests.jsonl), so probes split over two
     processes stop as soon as they are decided, and the interval holds the model's capacity, as with one."""
-    from loadgen.servicemodel import ServiceModel, ServiceModelProcess, true_capacity
     from loadgen.slo import parse_slos
+    from loadgen.testservers.servicemodel import ServiceModel, ServiceModelProcess, true_capacity
 
     model = ServiceModel(slots=8, prefill_base=0.003, prefill_per_token=0.000075, decode_base=0.003, decode_per_seq=0.006)
     slo = "tpot_p50=30ms"  # TPOT = 3 + 6c ms: capacity 4 (as tests/test_capacity.py's live search)
@@ -211,7 +211,7 @@ def test_null_server_processes_share_one_port():
     import httpx
     import psutil
 
-    from loadgen.nullserver import NullServerProcess
+    from loadgen.testservers.null import NullServerProcess
 
     srv = NullServerProcess(processes=3)
     with srv as url:

@@ -12,12 +12,9 @@ The model (:class:`ServiceModel`) is a small continuous-batching server:
 
 :func:`simulate` runs the same model as a discrete-event simulation in virtual time, so the true
 latencies at any load, and the true capacity under any SLO (:func:`true_capacity`), are derived, not
-measured. The live server (``python -m loadgen.servicemodel``, :class:`ServiceModelProcess`) follows the
-same rules on the wall clock, each step scheduled on an absolute time line so timer jitter does not
-accumulate. :class:`SimProber` probes the simulation for :func:`loadgen.capacity.search`.
-
-Size: the model, its simulation, its prober and its live server in one file: all four are the one
-known-answer server, and the tests compare them with each other.
+measured. The live server (``python -m loadgen.testservers.servicemodel``, :class:`ServiceModelProcess`)
+follows the same rules on the wall clock, each step scheduled on an absolute time line so timer jitter does
+not accumulate. :class:`SimProber` probes the simulation for :func:`loadgen.capacity.search.search`.
 """
 
 from __future__ import annotations
@@ -35,18 +32,12 @@ from typing import Any
 
 import numpy as np
 
-from loadgen.capacity import (
-    Decision,
-    Probe,
-    ProbeJudge,
-    Samples,
-    Sequential,
-    check,
-    pilot_requests,
-    probe_result,
-)
-from loadgen.nullserver import Behaviour, Conn, NullServerProcess, Stream, http_chunk, serve
+from loadgen.capacity.probe import Probe, ProbeJudge, pilot_requests, probe_result
+from loadgen.capacity.sequential import Decision, Sequential
+from loadgen.capacity.stats import Samples, check
 from loadgen.slo import SLO
+from loadgen.testservers.null import Conn, NullServerProcess, serve
+from loadgen.testservers.stream import Behaviour, Stream, http_chunk
 
 
 @dataclass(frozen=True)
@@ -168,7 +159,7 @@ def latencies(timelines: Sequence[Timeline], metric: str) -> np.ndarray:
 
 
 def holds(model_timelines: Sequence[Timeline], slos: Sequence[Any]) -> bool:
-    """Do the timelines meet every SLO? (:func:`loadgen.capacity.check` with no allowance for sampling.)"""
+    """Do the timelines meet every SLO? (:func:`loadgen.capacity.stats.check` with no allowance for sampling.)"""
     samples = Samples()
     for tl in model_timelines:
         samples.add(tl.ttft, tl.tpot, tl.e2e, False)
@@ -337,7 +328,7 @@ class _ModelConn(Conn):
 class ServiceModelProcess(NullServerProcess):
     """The service-model server in a child process; ``with ServiceModelProcess(ServiceModel()) as url: ...``."""
 
-    module = "loadgen.servicemodel"
+    module = "loadgen.testservers.servicemodel"
 
     def __init__(self, model: ServiceModel, host: str = "127.0.0.1") -> None:
         super().__init__(host)
@@ -348,7 +339,7 @@ class ServiceModelProcess(NullServerProcess):
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m loadgen.servicemodel", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m loadgen.testservers.servicemodel", description=__doc__.split("\n")[0])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8098)
     ap.add_argument("--model", default="{}", help="JSON object of ServiceModel fields")

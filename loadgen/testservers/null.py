@@ -1,6 +1,6 @@
 """A null OpenAI-compatible SSE server: instant (or paced) token streams, and injected faults.
 
-``bench calibrate`` runs it in its own process (``python -m loadgen.nullserver``) so that client and
+``bench calibrate`` runs it in its own process (``python -m loadgen.testservers.null``) so that client and
 server do not share an event loop or a core; the tests use it as a fault-injection server. It speaks
 just enough HTTP/1.1 (keep-alive, Content-Length request bodies, chunked responses) on a raw asyncio
 protocol to stay out of the client's way.
@@ -39,9 +39,6 @@ deals each new connection to one socket by a hash of its addresses. The client n
 every socket listens before ``/health`` can answer (a connection that reaches a child still starting waits
 in its backlog), and the processes share the launcher's process group, so they stop together. Counters
 (``/stats``, ``die_after``) are per process.
-
-Size: one raw-asyncio HTTP/1.1 protocol and the faults it injects share one connection's state; the service-
-model server (loadgen/servicemodel.py) reuses its parts.
 """
 
 from __future__ import annotations
@@ -55,57 +52,21 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict
 from typing import Any
 
 import orjson
 import psutil
 
 from backends.launcher import ServerProcess, free_port
+from loadgen.testservers.stream import Behaviour, Stream, http_chunk
 
-FAULTS = ("500", "429", "html", "hang", "disconnect", "garbage", "bad_json", "error_event", "error_payload",
-          "stall", "no_done", "cut", "drop_request", "linger")  # fmt: skip
-KEEPALIVE = ("on", "close", "drop", "drop_idle")
 _STATS = {"requests": 0, "dropped_idle": 0, "dropped_requests": 0}
-WHOLE_KEPT = 1024  # whole response bodies kept (Stream.whole), by shape
-_WHOLE: dict[tuple[Any, ...], bytes] = {}
-
-
-@dataclass(frozen=True)
-class Behaviour:
-    events: int | None = None
-    tokens_per_event: int = 1
-    ttft: float = 0.0
-    itl: float = 0.0
-    fault: str | None = None
-    fault_after: int = 0
-    usage_on_finish: bool = False
-    spec_decode: tuple[int, int] | None = None
-    reasoning: int = 0  # chat: the first N events are reasoning (``delta.reasoning_content``), as a thinking model's
-    keepalive: str = "on"
-    die_after: int | None = None
-
-    def update(self, overrides: dict[str, Any]) -> Behaviour:
-        names = {f.name for f in fields(self)}
-        unknown = set(overrides) - names
-        if unknown:
-            raise ValueError(f"unknown nullserver option(s) {sorted(unknown)}; known: {sorted(names)}")
-        new = replace(self, **overrides)
-        if new.fault is not None and new.fault not in FAULTS:
-            raise ValueError(f"unknown fault {new.fault!r}; known: {', '.join(FAULTS)}")
-        if new.keepalive not in KEEPALIVE:
-            raise ValueError(f"unknown keepalive {new.keepalive!r}; known: {', '.join(KEEPALIVE)}")
-        return new
-
 
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error"}
 _SSE_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
              b"transfer-encoding: chunked\r\n\r\n")  # fmt: skip
 _SSE_HEAD_CLOSE = _SSE_HEAD[:-2] + b"connection: close\r\n\r\n"
-
-
-def http_chunk(data: bytes) -> bytes:
-    return b"%x\r\n%s\r\n" % (len(data), data)
 
 
 def _json_response(status: int, obj: Any, extra_headers: str = "") -> bytes:
@@ -115,77 +76,8 @@ def _json_response(status: int, obj: Any, extra_headers: str = "") -> bytes:
     return head.encode() + body
 
 
-def _words(text: str) -> int:
-    """The prompt's "tokens" in the null server's usage: its words, counted by their separators (spaces and
-    newlines) rather than split out, which cost 4.3 ms of the server's time for a 128,000-token prompt."""
-    text = text.strip()
-    return text.count(" ") + text.count("\n") + 1 if text else 0
-
-
-class Stream:
-    """The SSE events of one response."""
-
-    def __init__(self, body: dict[str, Any], b: Behaviour) -> None:
-        self.chat = "messages" in body
-        self.b = b
-        max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
-        self.n = b.events if b.events is not None else max(1, -(-max_tokens // b.tokens_per_event))
-        prompt = body.get("prompt") if not self.chat else " ".join(m.get("content", "") for m in body["messages"])
-        self.prompt_tokens = _words(str(prompt))
-        opts = body.get("stream_options") or {}
-        self.usage = bool(opts.get("include_usage"))
-        self.continuous = bool(opts.get("continuous_usage_stats"))
-
-    def event(self, i: int) -> bytes:
-        k = self.b.tokens_per_event
-        text = " tok" * k
-        finish = '"length"' if i == self.n - 1 else "null"
-        if self.chat:
-            field = "reasoning_content" if i < self.b.reasoning else "content"
-            choice = f'{{"index":0,"delta":{{"{field}":"{text}"}},"finish_reason":{finish}}}'
-            head = '{"id":"chatcmpl-null","object":"chat.completion.chunk","created":0,"model":"null","choices":['
-        else:
-            choice = f'{{"index":0,"text":"{text}","logprobs":null,"finish_reason":{finish}}}'
-            head = '{"id":"cmpl-null","object":"text_completion","created":0,"model":"null","choices":['
-        last = i == self.n - 1
-        if self.continuous or (last and self.usage and self.b.usage_on_finish):
-            usage = f',"usage":{self._usage((i + 1) * k, final=last)}'
-        else:
-            usage = ""
-        return f"data: {head}{choice}]{usage}}}\n\n".encode()
-
-    def whole(self) -> bytes:
-        """The whole body at once (every event, the tail and the chunked terminator), kept for the next
-        response of the same shape: building 200 events was 59 of the 167 us of CPU a null-server process
-        spent per response, CPU taken from the client it measures when they share the machine."""
-        b = self.b
-        spec = tuple(b.spec_decode) if b.spec_decode is not None else None  # a list where it came from JSON
-        key = (self.chat, self.n, self.prompt_tokens, self.usage, self.continuous, b.tokens_per_event, b.reasoning,
-               b.usage_on_finish, spec)  # fmt: skip
-        body = _WHOLE.get(key)
-        if body is None:
-            if len(_WHOLE) >= WHOLE_KEPT:
-                _WHOLE.clear()
-            body = _WHOLE[key] = http_chunk(b"".join(map(self.event, range(self.n))) + self.tail()) + b"0\r\n\r\n"
-        return body
-
-    def _usage(self, out: int, final: bool = True) -> str:
-        p = self.prompt_tokens
-        spec = ""
-        if final and self.b.spec_decode is not None:
-            drafted, accepted = self.b.spec_decode
-            spec = f',"spec_decode":{{"draft_tokens":{drafted},"accepted_tokens":{accepted}}}'
-        return f'{{"prompt_tokens":{p},"completion_tokens":{out},"total_tokens":{p + out}{spec}}}'
-
-    def tail(self, done: bool = True) -> bytes:
-        out = b""
-        if self.usage and not self.b.usage_on_finish:
-            out += f'data: {{"id":"null","choices":[],"usage":{self._usage(self.n * self.b.tokens_per_event)}}}\n\n'.encode()
-        return out + (b"data: [DONE]\n\n" if done else b"")
-
-
 class Conn(asyncio.Protocol):
-    """One connection. A sibling server (loadgen.servicemodel) overrides ``_paced`` and clears ``fast``."""
+    """One connection. A sibling server (:mod:`.servicemodel`) overrides ``_paced`` and clears ``fast``."""
 
     fast = True
 
@@ -399,7 +291,7 @@ class NullServerProcess:
 
     A sibling server subclasses it with its own ``module`` and ``options()`` (its command-line flags)."""
 
-    module = "loadgen.nullserver"
+    module = "loadgen.testservers.null"
 
     def __init__(self, host: str = "127.0.0.1", processes: int = 1, **behaviour: Any) -> None:
         if processes < 1:
@@ -446,7 +338,7 @@ class NullServerProcess:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m loadgen.nullserver", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m loadgen.testservers.null", description=__doc__.split("\n")[0])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8099)
     ap.add_argument("--behaviour", default="{}", help="JSON object of default Behaviour fields")
