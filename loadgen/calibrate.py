@@ -32,7 +32,7 @@ from rich.table import Table
 from rich.text import Text
 
 from backends.openai import OpenAIBackend
-from loadgen.client import CLIENT_KINDS, StreamReader
+from loadgen.client import CLIENT_KINDS
 from loadgen.clock import RunClock
 from loadgen.defaults import RESULTS_ROOT
 from loadgen.engine import LoadSpec, run_async, run_point
@@ -41,6 +41,7 @@ from loadgen.fleet import Fleet
 from loadgen.options import Client, OutputDir, RunId, parse_list
 from loadgen.records import write_json
 from loadgen.results import new_run_id
+from loadgen.streamreader import StreamReader
 from loadgen.testservers.null import NullServerProcess
 from loadgen.testservers.stream import Behaviour, Stream
 from workloads.base import ArrivalSpec, Session, SingleShot, Workload

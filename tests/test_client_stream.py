@@ -7,8 +7,8 @@ import pytest
 
 from backends.base import ParseState
 from backends.openai import OpenAIBackend
-from loadgen.client import StreamReader
 from loadgen.clock import RunClock
+from loadgen.streamreader import StreamReader
 from workloads.contracts import GenRequest, RequestRecord
 
 
