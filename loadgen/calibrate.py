@@ -1,4 +1,5 @@
-"""``bench calibrate``: the client's own ceiling on this machine, measured against the null server.
+"""The client's own ceiling on this machine, measured against the null server (``bench calibrate``; the command
+and its tables are :mod:`loadgen.calibrate_cli`).
 
 The null server runs in separate processes (their own event loops and cores; one per client worker
 unless ``--servers`` says otherwise, each point checking that none was near a full core), so the figures are
@@ -8,8 +9,8 @@ the output tokens (one per stream event) and the API (``--prompt-tokens``, ``--o
 :attr:`NullTarget.traffic`). ``scripts/scale_check.py`` runs the same points (:class:`NullTarget`,
 :func:`scaling`, :func:`open_loop`) at a many-core machine's scale.
 
-Size: the calibration points share the null-server target and its CPU meters, and the command prints them;
-the client-only micro-benchmark (:func:`stream_cost`) measures the same stream on the same workload.
+The client-only micro-benchmark (:func:`stream_cost`, ``python -m loadgen.calibrate``) measures the same stream
+on the same workload.
 """
 
 from __future__ import annotations
@@ -18,34 +19,24 @@ import argparse
 import itertools
 import os
 import random
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, cast
+from typing import Any
 
 import orjson
-import typer
-from rich.console import Console, Group
-from rich.table import Table
-from rich.text import Text
 
 from backends.openai import OpenAIBackend
-from loadgen.client import CLIENT_KINDS
 from loadgen.clock import RunClock
-from loadgen.defaults import RESULTS_ROOT
-from loadgen.engine import LoadSpec, run_async, run_point
-from loadgen.exitcodes import ExitCode, UsageError, console
+from loadgen.engine import LoadSpec, run_point
 from loadgen.fleet import Fleet
-from loadgen.options import Client, OutputDir, RunId, parse_list
 from loadgen.records import write_json
-from loadgen.results import new_run_id
 from loadgen.streamreader import StreamReader
 from loadgen.testservers.null import NullServerProcess
 from loadgen.testservers.stream import Behaviour, Stream
 from workloads.base import ArrivalSpec, Session, SingleShot, Workload
-from workloads.contracts import APIS, Api, GenRequest, RequestRecord
+from workloads.contracts import Api, GenRequest, RequestRecord
 from workloads.text import PromptBuilder, builder_for
 
 EVENTS = 200  # stream events per response (the null server's output tokens, one per event) by default
@@ -293,101 +284,3 @@ if __name__ == "__main__":
     a = ap.parse_args()
     sec = stream_cost(a.events, a.read_size, a.repeat)
     print(f"{sec * 1e6:.0f} us CPU per {a.events}-event response ({sec * 1e6 / a.events:.2f} us per event)")
-
-
-def calibrate_command(
-    concurrency: Annotated[int, typer.Option(help="Closed-loop concurrency.")] = 512,
-    events: Annotated[int | None, typer.Option(help=f"Stream events per response (default {EVENTS}); the null "
-                                               "server sends one output token per event.")] = None,
-    output_tokens: Annotated[int | None, typer.Option(help="Output tokens per response: --events by another "
-                                                      "name (one token per event).")] = None,
-    prompt_tokens: Annotated[int | None, typer.Option(help="Tokens in each request's prompt, each its own "
-                                                      "corpus text (default: a short fixed prompt).")] = None,
-    api: Annotated[str, typer.Option(help="completions or chat.")] = "completions",
-    num_requests: Annotated[int, typer.Option(help="Closed-loop measured requests.")] = 20000,
-    rate: Annotated[float, typer.Option(help="Open-loop Poisson rate, req/s.")] = 300.0,
-    duration: Annotated[float, typer.Option(help="Open-loop seconds.")] = 30.0,
-    client: Client = "aiohttp", output_dir: OutputDir = RESULTS_ROOT, run_id: RunId = None,
-    workers: Annotated[str, typer.Option(help="Worker counts for the closed-loop ceiling, e.g. 1,2,4: the ceiling "
-                                         "and the scaling efficiency per count.")] = "1",
-    servers: Annotated[int | None, typer.Option(help="Null-server processes on its one port (SO_REUSEPORT); "
-                                                "default: one per worker of the largest --workers count.")] = None,
-) -> None:  # fmt: skip
-    """Measure this client's own ceiling against the null SSE server (run in a separate process), for the
-    traffic given (prompt length, output tokens, API)."""
-    counts_given = (concurrency, events, output_tokens, prompt_tokens, num_requests, servers)
-    if any(n is not None and n < 1 for n in counts_given) or rate <= 0 or duration <= 0:
-        console.print("[red]error[/]: all calibrate options must be positive")
-        raise typer.Exit(ExitCode.USAGE)
-    if events is not None and output_tokens is not None and events != output_tokens:
-        console.print(f"[red]error[/]: --events {events} and --output-tokens {output_tokens} are one setting (the "
-                      "null server sends one token per event): give one")  # fmt: skip
-        raise typer.Exit(ExitCode.USAGE)
-    if api not in APIS:
-        console.print(f"[red]error[/]: --api must be {' or '.join(APIS)}, got {api!r}")
-        raise typer.Exit(ExitCode.USAGE)
-    if client not in CLIENT_KINDS:
-        console.print(f"[red]error[/]: --client must be aiohttp or httpx, got {client!r}")
-        raise typer.Exit(ExitCode.USAGE)
-    try:
-        counts = parse_list(workers, int, "--workers")
-    except UsageError as exc:
-        console.print(f"[red]error[/]: {exc}")
-        raise typer.Exit(ExitCode.USAGE) from None
-    if any(n > concurrency for n in counts):
-        console.print(f"[red]error[/]: every --workers count must be at most --concurrency ({concurrency})")
-        raise typer.Exit(ExitCode.USAGE)
-    n_events = events or output_tokens or EVENTS
-    out_dir = output_dir / (run_id or f"calibrate-{new_run_id()}")
-    prompt = f"{prompt_tokens}-token prompts" if prompt_tokens else f"prompt {FixedWorkload.prompt!r}"
-    console.print(f"calibrating {api} API, {prompt}, {n_events} events (output tokens) per response: closed loop "
-                  f"c={concurrency}; open loop Poisson {rate:g}/s")  # fmt: skip
-    res = run_async(calibrate(out_dir, concurrency, n_events, num_requests, rate, duration, client, counts, servers,
-                              prompt_tokens, cast(Api, api)))  # fmt: skip
-    t = Table(title=f"client ceiling ({client}; load average {res['load_average'][0]:.2f})")
-    for col in ("point", "req/s", "events/s", "conc. achieved/req.", "rate achieved/req.", "lag p50 ms",
-                "lag p99 ms", "client CPU"):  # fmt: skip
-        t.add_column(col, justify="right")
-    for name in ("closed", "open"):
-        r = res[name]
-        conc = f"{r['achieved_concurrency']:.1f}/{r['requested_concurrency']}" if r["requested_concurrency"] else "-"
-        rt = f"{r['achieved_rate']:.1f}/{r['requested_rate']:g}" if r["requested_rate"] else "-"
-        t.add_row(name, f"{r['req_per_s']:,.0f}", f"{r['events_per_s']:,.0f}", conc, rt,
-                  f"{r['lag_p50_ms']:.2f}", f"{r['lag_p99_ms']:.2f}", f"{r['client_cpu']:.0%}")  # fmt: skip
-    parts: list[Table | Text] = [t]
-    # the busy null server of a point in the table (the closed point's row of a scaling table warns there)
-    parts += [servers_note(res[name], f"at the {name}-loop point") for name in ("closed", "open")
-              if res[name]["servers_limit"] and not (name == "closed" and "scaling" in res)]  # fmt: skip
-    if "scaling" in res:
-        parts += scaling_table(res["scaling"], res["cores"], res["servers"])
-    Console(width=None if sys.stdout.isatty() else 200).print(Group(*parts, Text(f"results: {out_dir}")))
-
-
-def scaling_table(rows: list[dict[str, Any]], cores: int, servers: int) -> list[Table | Text]:
-    """The closed-loop rows of :func:`scaling` as a table, with a warning under it for each count whose
-    limit was the machine's cores or a null-server process."""
-    t = Table(title=f"closed-loop ceiling per worker count ({cores} cores on this machine, {servers} null-server "
-                    "processes)")  # fmt: skip
-    for col in ("workers", "req/s", "efficiency", "conc. achieved/req.", "CPU ms/request", "cores busy",
-                "busiest server"):  # fmt: skip
-        t.add_column(col, justify="right")
-    notes: list[Table | Text] = [t]
-    for r in rows:
-        eff = f"{r['efficiency']:.0%}" if r["efficiency"] is not None else "-"
-        t.add_row(str(r["workers"]), f"{r['req_per_s']:,.0f}", eff,
-                  f"{r['achieved_concurrency']:.1f}/{r['requested_concurrency']}", f"{r['cpu_ms_per_request']:.3f}",
-                  f"{r['cores_busy']:.2f} of {cores}", f"{r['server_cpu_max']:.0%}")  # fmt: skip
-        if r["cores_limit"]:
-            notes.append(Text(f"warning: with {r['workers']} worker(s) the machine's cores set the limit, not the "
-                              f"client or the server ({r['cores_busy']:.2f} of {cores} cores busy with client "
-                              "workers and the null server): more workers will not scale here", style="yellow"))  # fmt: skip
-        if r["servers_limit"]:
-            notes.append(servers_note(r, f"with {r['workers']} worker(s)"))
-    return notes
-
-
-def servers_note(r: dict[str, Any], where: str) -> Text:
-    """The warning for a point whose busiest null-server process was above :data:`SERVER_BUSY`."""
-    return Text(f"warning: {where} a null-server process used {r['server_cpu_max']:.0%} of a core (above "
-                f"{SERVER_BUSY:.0%}): the servers may be the limit; give it more with --servers",
-                style="yellow")  # fmt: skip

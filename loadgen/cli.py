@@ -1,6 +1,6 @@
 """The ``bench`` command: one sub-command per module, registered here and nowhere else.
 
-Each command lives with what it drives (``run_cli``: run and sweep; ``calibrate``; ``capacity.cli``;
+Each command lives with what it drives (``run_cli``: run and sweep; ``calibrate_cli``; ``capacity.cli``;
 ``gate.cli``; ``report.cli``; ``trace``; ``kvbudget``; ``experiments``; ``workloads.cli``); their shared
 options are :mod:`loadgen.options`, their targets :mod:`loadgen.targets`, their exit codes
 :mod:`loadgen.exitcodes`. Nothing imports this module but the entry point.
@@ -13,7 +13,7 @@ import sys
 
 import typer
 
-from loadgen.calibrate import calibrate_command
+from loadgen.calibrate_cli import calibrate_command
 from loadgen.capacity.cli import capacity_command
 from loadgen.exitcodes import ExitCode
 from loadgen.experiments import experiment_command
