@@ -17,8 +17,10 @@ from typing import Any
 from backends.base import Backend
 from backends.launcher import ServerProcess, free_port, render_command
 from loadgen.clock import RunClock
-from loadgen.engine import LoadSpec, run_async, run_point
+from loadgen.engine import run_point
+from loadgen.loadspec import LoadSpec
 from loadgen.results import ResultsDir
+from loadgen.signals import run_async
 from workloads.base import Workload
 
 SIDES = ("baseline", "candidate")

@@ -29,8 +29,9 @@ import orjson
 
 from backends.openai import OpenAIBackend
 from loadgen.clock import RunClock
-from loadgen.engine import LoadSpec, run_point
+from loadgen.engine import PointOptions, run_point
 from loadgen.fleet import Fleet
+from loadgen.loadspec import LoadSpec
 from loadgen.records import write_json
 from loadgen.streamreader import StreamReader
 from loadgen.testservers.null import NullServerProcess
@@ -168,8 +169,8 @@ class NullTarget:
         for c in self.cpu:
             c.reset()
         t0 = time.perf_counter()
-        s = await run_point(self.backend, self.workload, load, out_dir, self.clock, client_kind=self.client_kind,
-                            fleet=Fleet(workers))  # fmt: skip
+        s = await run_point(self.backend, self.workload, load, out_dir, self.clock,
+                            options=PointOptions(client_kind=self.client_kind, fleet=Fleet(workers)))  # fmt: skip
         point_s = time.perf_counter() - t0
         wall = max((w["wall_s"] for w in s["workers"]["per_worker"] if w.get("wall_s")), default=point_s)
         shares = [c.seconds() / wall for c in self.cpu]

@@ -25,11 +25,11 @@ from backends.profile import profile_of
 from backends.registry import get_backend
 from loadgen.clock import RunClock
 from loadgen.defaults import REPORT_FILE
-from loadgen.engine import run_async
 from loadgen.records import write_json
 from loadgen.results import ResultsDir, lookup
 from loadgen.sidecars.poller import ServerStatePoller
 from loadgen.sidecars.prometheus import parse_metrics
+from loadgen.signals import run_async
 from loadgen.sweep import PointPlan, run_sweep
 
 Summary = dict[str, Any]

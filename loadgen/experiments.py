@@ -18,7 +18,6 @@ import typer
 from rich.console import Console
 
 from loadgen.defaults import RESULTS_ROOT
-from loadgen.engine import LoadSpec
 from loadgen.experiment import (
     SPEC,
     Column,
@@ -31,6 +30,7 @@ from loadgen.experiment import (
     scrape_metrics,
     value_at,
 )
+from loadgen.loadspec import LoadSpec
 from loadgen.results import new_run_id
 from loadgen.sweep import PointPlan
 from reference_server import metric_names

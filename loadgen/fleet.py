@@ -3,7 +3,7 @@ actors on a cluster.
 
 The coordinator (:func:`loadgen.engine.run_point`) drives every worker the same way, whatever its kind:
 ``await handle.call("method", *args)`` awaits the named async method of the worker object
-(:class:`loadgen.engine.PointWorker`) where it runs. A worker that dies makes every call on its handle raise
+(:class:`loadgen.worker.PointWorker`) where it runs. A worker that dies makes every call on its handle raise
 :class:`WorkerLost`.
 
 - **In process** (one worker, no Ray): the call is a plain await; the single-process run.

@@ -22,7 +22,7 @@ from rich.text import Text
 
 from loadgen import percentiles
 from loadgen.clock import RunClock
-from loadgen.engine import Progress
+from loadgen.progress import Progress
 from loadgen.sweep import PointPlan
 
 

@@ -40,3 +40,14 @@ def write_json(path: Path, obj: Any, *, sort_keys: bool = False) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(obj, indent=1, default=str, sort_keys=sort_keys) + "\n", encoding="utf-8")
     tmp.replace(path)
+
+
+def lines_from(path: Path, offset: int) -> bytes:
+    """The complete lines of a record file after its first ``offset`` bytes."""
+    try:
+        with path.open("rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return b""
+    return data[: data.rfind(b"\n") + 1]

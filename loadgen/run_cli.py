@@ -20,15 +20,17 @@ from backends.profile import profile_of
 from loadgen import metrics, pointsummary
 from loadgen.clock import RunClock, Sidecar
 from loadgen.defaults import RUN_FILE
-from loadgen.engine import LoadSpec, run_async
+from loadgen.engine import PointOptions
 from loadgen.exitcodes import ExitCode, UsageError, console, guard, worst
 from loadgen.live import LiveDisplay
+from loadgen.loadspec import LoadSpec
 from loadgen.options import RunOptions, WorkloadOpt, command, param, parse_list
 from loadgen.records import write_json
 from loadgen.report.cli import auto_report
 from loadgen.results import ResultsDir, new_run_id
 from loadgen.sidecars import telemetry
 from loadgen.sidecars.poller import ServerStatePoller
+from loadgen.signals import run_async
 from loadgen.sweep import PointPlan, loads_from, plan_points, run_seed, run_sweep
 from loadgen.targets import (
     check_tokenizer,
@@ -143,11 +145,10 @@ def execute(opts: RunOptions) -> ExitCode:
             return [*polls, *telemetry.sidecars(target, opts.telemetry_hz, opts.telemetry_url)]
 
         where = (grid_points.index(gp) + 1, len(grid_points), gp.label) if gp is not None else None
-        return run_async(run_sweep(be, todo, results, clock, config, pollers, slo=config["slo"],
-                                   slo_from=opts.slo_from, client_kind=opts.client,
+        options = PointOptions(slo=config["slo"], slo_from=opts.slo_from, client_kind=opts.client, fleet=opts.fleet())
+        return run_async(run_sweep(be, todo, results, clock, config, pollers, options=options,
                                    live=display.points(todo, where), previous=previous or [],
-                                   wait_for_server=0 if gp else opts.wait_for_server,
-                                   fleet=opts.fleet(), reset_path=reset_path,
+                                   wait_for_server=0 if gp else opts.wait_for_server, reset_path=reset_path,
                                    run_extra={"backend_detection": {"requested": opts.backend, **det.describe()}}))  # fmt: skip
 
     log = results.path / "server.log" if opts.url is None and not opts.server else None  # the embedded server's

@@ -24,9 +24,11 @@ from typing import Any
 from backends.base import Backend
 from loadgen.client import probe
 from loadgen.clock import RunClock, Sidecar
-from loadgen.engine import LoadSpec, Progress, interrupted_by, run_point
-from loadgen.fleet import ONE_PROCESS, Fleet
+from loadgen.engine import DEFAULT_OPTIONS, PointOptions, run_point
+from loadgen.loadspec import LoadSpec
+from loadgen.progress import Progress
 from loadgen.results import ResultsDir
+from loadgen.signals import interrupted_by
 from loadgen.targets import reset_cache
 from workloads.base import Workload
 
@@ -88,12 +90,13 @@ def plan_points(
 async def run_sweep(
     backend: Backend, plans: Sequence[PointPlan], results: ResultsDir, clock: RunClock, config: dict[str, Any],
     sidecars: Sequence[Sidecar] | Callable[[PointPlan], Sequence[Sidecar]] = (), *,
-    slo: dict[str, float] | None = None, slo_from: str = "sent", client_kind: str = "aiohttp",
+    options: PointOptions = DEFAULT_OPTIONS,
     live: Callable[[PointPlan, Progress], AbstractContextManager[Any]] | None = None,
     run_extra: dict[str, Any] | None = None, previous: Sequence[dict[str, Any]] = (),
-    wait_for_server: float = 0.0, fleet: Fleet = ONE_PROCESS, reset_path: str | None = None,
+    wait_for_server: float = 0.0, reset_path: str | None = None,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """Run ``plans`` in order; returns the PointSummaries (also in summary.json / sweep.csv).
+    """Run ``plans`` in order, each point with ``options``; returns the PointSummaries (also in summary.json /
+    sweep.csv).
 
     ``previous``: summaries already in this results directory (earlier server grid points), kept in
     summary.json / sweep.csv ahead of the new ones. ``reset_path``: the server's prefix cache is emptied
@@ -113,8 +116,7 @@ async def run_sweep(
         with live(plan, progress) if live else contextlib.nullcontext():
             s = await run_point(
                 backend, plan.workload, plan.load, results.point_dir(plan.point_id), clock, scs,
-                point_id=plan.point_id, labels=plan.labels, slo=slo, slo_from=slo_from, client_kind=client_kind,
-                progress=progress, fleet=fleet,
+                point_id=plan.point_id, labels=plan.labels, progress=progress, options=options,
             )  # fmt: skip
         s["trial"] = plan.trial
         if reset is not None:

@@ -20,7 +20,9 @@ from backends.base import HttpCall
 from backends.launcher import ServerProcess, free_port, render_command
 from backends.llamacpp import NO_KEEPALIVE, LlamaCppBackend
 from loadgen.clock import RunClock
-from loadgen.engine import LoadSpec, run_async, run_point
+from loadgen.engine import PointOptions, run_point
+from loadgen.loadspec import LoadSpec
+from loadgen.signals import run_async
 from workloads.contracts import GenRequest, read_jsonl
 from workloads.loader import load_workload
 
@@ -62,7 +64,8 @@ def main() -> None:
             for side in ("keepalive", "close") if k % 2 == 0 else ("close", "keepalive"):
                 out = tmp / f"{side}-{k}"
                 load = LoadSpec(concurrency=args.concurrency, num_requests=args.num_requests, timeout=300)
-                s = run_async(run_point(sides[side], wl, load, out, RunClock(), client_kind=args.client))
+                s = run_async(run_point(sides[side], wl, load, out, RunClock(),
+                                        options=PointOptions(client_kind=args.client)))
                 recs = read_jsonl(out / "requests.jsonl")
                 row = {
                     "out_tok_s": s["throughput"]["steady"]["output_tok_per_s"],

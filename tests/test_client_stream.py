@@ -109,10 +109,10 @@ def test_a_run_freezes_what_survives_a_young_pass_and_the_settings_come_back_aft
     two overlapping runs ends."""
     import gc
 
-    from loadgen.engine import GC_YOUNG, _freeze_survivors, _run_gc
+    from loadgen.gcpolicy import GC_YOUNG, _freeze_survivors, run_gc
 
     before = gc.get_threshold()
-    a, b = _run_gc(), _run_gc()
+    a, b = run_gc(), run_gc()
     a.__enter__()
     b.__enter__()
     assert gc.get_threshold()[0] == GC_YOUNG > before[0]

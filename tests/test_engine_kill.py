@@ -15,7 +15,9 @@ from pathlib import Path
 from backends.openai import OpenAIBackend
 from loadgen.calibrate import FixedWorkload
 from loadgen.clock import RunClock
-from loadgen.engine import LoadSpec, run_async, run_point
+from loadgen.engine import run_point
+from loadgen.loadspec import LoadSpec
+from loadgen.signals import run_async
 wl = FixedWorkload(max_tokens=5, extra_bodies=[{"nullserver": {"itl": 0.01}}])
 run_async(run_point(OpenAIBackend(sys.argv[1], model="null"), wl, LoadSpec("closed", concurrency=4,
           num_requests=100000), Path(sys.argv[2]), RunClock()))

@@ -2,7 +2,6 @@
 
 from rich.console import Console
 
-from loadgen.engine import LoadSpec
 from loadgen.experiment import (
     SPEC,
     Column,
@@ -14,6 +13,7 @@ from loadgen.experiment import (
     run_experiment,
 )
 from loadgen.experiments import EXPERIMENTS, _plans, _workload, batching, chunked_prefill
+from loadgen.loadspec import LoadSpec
 from workloads.spec import EXPERIMENTS_DIR
 
 

@@ -29,8 +29,10 @@ from backends.openai import OpenAIBackend
 from backends.profile import profile_of
 from loadgen.cli import app
 from loadgen.clock import RunClock
-from loadgen.engine import LoadSpec, run_async, run_point
+from loadgen.engine import run_point
+from loadgen.loadspec import LoadSpec
 from loadgen.sidecars.poller import ServerStatePoller
+from loadgen.signals import run_async
 from workloads.base import SingleShot, Workload
 from workloads.contracts import GenRequest, read_jsonl
 

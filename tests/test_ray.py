@@ -5,8 +5,9 @@ import pytest
 from backends.openai import OpenAIBackend
 from loadgen.calibrate import FixedWorkload
 from loadgen.clock import RunClock
-from loadgen.engine import LoadSpec, run_point
+from loadgen.engine import PointOptions, run_point
 from loadgen.fleet import Fleet
+from loadgen.loadspec import LoadSpec
 from workloads.contracts import read_jsonl
 
 pytestmark = pytest.mark.ray  # not in the default run (pyproject addopts): run with -m ray after pip install '.[ray]'
@@ -24,7 +25,7 @@ def local_ray():
 async def test_two_ray_actors_merge_records_with_clock_offsets(local_ray, null_server, tmp_path):
     load = LoadSpec("poisson", rate=100, num_requests=60, warmup=4, seed=5)
     s = await run_point(OpenAIBackend(null_server, model="null"), FixedWorkload(max_tokens=4), load, tmp_path,
-                        RunClock(), fleet=Fleet(2, ray="local"))  # fmt: skip
+                        RunClock(), options=PointOptions(fleet=Fleet(2, ray="local")))  # fmt: skip
     recs = read_jsonl(tmp_path / "requests.jsonl")
     assert s["counts"]["errors"] == 0 and s["counts"]["ok"] == 60 and len(recs) == 64
     w = s["workers"]

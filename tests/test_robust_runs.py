@@ -19,8 +19,10 @@ from support.signals import sigint_default
 from backends.openai import OpenAIBackend
 from loadgen.calibrate import FixedWorkload
 from loadgen.clock import RunClock
-from loadgen.engine import LoadSpec, run_async, run_point
+from loadgen.engine import PointOptions, run_point
 from loadgen.exitcodes import ExitCode
+from loadgen.loadspec import LoadSpec
+from loadgen.signals import run_async
 from loadgen.testservers.null import NullServerProcess
 from workloads.contracts import read_jsonl
 
@@ -63,7 +65,8 @@ def default_cli_run(
 def run(url: str, out: Path, client: str, n: int, concurrency: int = 4, bodies: list | None = None):
     wl = FixedWorkload(max_tokens=5, extra_bodies=bodies or [{}])
     load = LoadSpec("closed", concurrency=concurrency, num_requests=n, timeout=30, stall_timeout=10)
-    s = run_async(run_point(OpenAIBackend(url, model="null"), wl, load, out, RunClock(), client_kind=client))
+    s = run_async(run_point(OpenAIBackend(url, model="null"), wl, load, out, RunClock(),
+                            options=PointOptions(client_kind=client)))
     return s, read_jsonl(out / "requests.jsonl")
 
 
@@ -74,7 +77,8 @@ def test_long_sse_lines_and_large_bodies_are_read_whole(tmp_path, null_server, c
     wl = FixedWorkload(max_tokens=150_000, prompt="word " * 150_000,
                        extra_bodies=[{"nullserver": {"tokens_per_event": 50_000}}])  # fmt: skip
     load = LoadSpec("closed", concurrency=2, num_requests=6, timeout=30, stall_timeout=10)
-    s = run_async(run_point(OpenAIBackend(null_server, model="null"), wl, load, tmp_path, RunClock(), client_kind=client))
+    s = run_async(run_point(OpenAIBackend(null_server, model="null"), wl, load, tmp_path, RunClock(),
+                            options=PointOptions(client_kind=client)))
     recs = read_jsonl(tmp_path / "requests.jsonl")
     assert s["counts"]["errors"] == 0 and len(recs) == 6, s["errors"]
     for r in recs:

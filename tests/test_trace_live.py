@@ -26,8 +26,9 @@ from typer.testing import CliRunner
 
 from loadgen.cli import app
 from loadgen.clock import RunClock
-from loadgen.engine import LoadSpec, Progress
 from loadgen.live import LiveDisplay
+from loadgen.loadspec import LoadSpec
+from loadgen.progress import Progress
 from loadgen.sweep import PointPlan
 from loadgen.trace import US, build_trace, check
 from workloads.contracts import RequestRecord

@@ -19,8 +19,10 @@ from backends.launcher import ServerProcess, free_port
 from backends.profile import profile_of
 from backends.vllm import VLLMBackend
 from loadgen.clock import RunClock
-from loadgen.engine import LoadSpec, run_async, run_point
+from loadgen.engine import run_point
+from loadgen.loadspec import LoadSpec
 from loadgen.sidecars.poller import ServerStatePoller
+from loadgen.signals import run_async
 from workloads.contracts import read_jsonl
 
 pytestmark = pytest.mark.vllm

@@ -17,9 +17,10 @@ from backends.openai import OpenAIBackend
 from loadgen import pointsummary
 from loadgen.calibrate import SERVER_BUSY, FixedWorkload
 from loadgen.clock import RunClock
-from loadgen.engine import LoadSpec, Share, run_point
+from loadgen.engine import PointOptions, run_point
 from loadgen.exitcodes import ExitCode
 from loadgen.fleet import Fleet
+from loadgen.loadspec import LoadSpec, Share
 from loadgen.run_cli import point_outcome
 from loadgen.targets import load_workload
 from workloads.contracts import read_jsonl
@@ -29,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 async def point(url, out, load, workers, wl=None, **body):
     wl = wl or FixedWorkload(max_tokens=4, extra_bodies=[{"nullserver": body}] if body else [{}])
-    s = await run_point(OpenAIBackend(url, model="null"), wl, load, out, RunClock(), fleet=Fleet(workers))
+    s = await run_point(OpenAIBackend(url, model="null"), wl, load, out, RunClock(),
+                        options=PointOptions(fleet=Fleet(workers)))
     return s, read_jsonl(out / "requests.jsonl")
 
 

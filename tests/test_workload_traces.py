@@ -7,7 +7,8 @@ import pytest
 
 from backends.openai import OpenAIBackend
 from loadgen.clock import RunClock
-from loadgen.engine import LoadSpec, run_point
+from loadgen.engine import run_point
+from loadgen.loadspec import LoadSpec
 from workloads.contracts import read_jsonl
 from workloads.loader import load_workload
 from workloads.text import DATA, load_tokenizer

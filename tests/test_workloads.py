@@ -228,7 +228,7 @@ def test_the_points_of_a_sweep_send_fresh_prompts_and_keep_a_shared_prefix_withi
     not another's (a server's prefix cache would answer them: with one seed every point re-sent the first's
     24), while shared-system-prompt's requests still share their prefix within each point. Prompts start at
     a corpus sentence, so two of 144 can begin alike by chance (one 32-token start here)."""
-    from loadgen.engine import LoadSpec
+    from loadgen.loadspec import LoadSpec
     from loadgen.sweep import loads_from, plan_points
 
     wl = load_workload("chat-short")

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from loadgen import pointsummary
-from loadgen.engine import LoadSpec
+from loadgen.loadspec import LoadSpec
 
 SLO = {"ttft": 0.5, "tpot": 0.05}
 

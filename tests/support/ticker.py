@@ -28,8 +28,8 @@ class Ticker:
 
 
 def serve(conn: object) -> None:
-    from loadgen.engine import run_async
     from loadgen.fleet import serve as fleet_serve
+    from loadgen.signals import run_async
 
     async def orphaned() -> None:
         return None
