@@ -179,7 +179,7 @@ def test_capacity_with_two_workers_finds_the_known_capacity_and_stops_probes_ear
     from loadgen.testservers.servicemodel import ServiceModel, ServiceModelProcess, true_capacity
 
     model = ServiceModel(slots=8, prefill_base=0.003, prefill_per_token=0.000075, decode_base=0.003, decode_per_seq=0.006)
-    slo = "tpot_p50=30ms"  # TPOT = 3 + 6c ms: capacity 4 (as tests/test_capacity.py's live search)
+    slo = "tpot_p50=30ms"  # TPOT = 3 + 6c ms: capacity 4 (as tests/test_capacity_cli.py's live search)
     truth = true_capacity(model, (60, 8), parse_slos(slo, percentiles=True), "concurrency")
     wl = tmp_path / "fixed.toml"
     wl.write_text('description = "fixed"\n[[classes]]\nname = "fixed"\nprompt = 60\noutput = 8\n')
