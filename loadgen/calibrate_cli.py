@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, cast
+from typing import Any, cast
 
 import typer
 from rich.console import Console, Group
@@ -16,7 +16,7 @@ from loadgen.calibrate import EVENTS, SERVER_BUSY, FixedWorkload, calibrate
 from loadgen.client import CLIENT_KINDS
 from loadgen.defaults import RESULTS_ROOT
 from loadgen.exitcodes import ExitCode, UsageError, console
-from loadgen.options import Client, OutputDir, RunId, command, parse_list
+from loadgen.options import CLIENT, OUTPUT_DIR, RUN_ID, command, option, parse_list
 from loadgen.results import new_run_id
 from loadgen.signals import run_async
 from workloads.contracts import APIS, Api
@@ -24,29 +24,27 @@ from workloads.contracts import APIS, Api
 
 @dataclass(frozen=True)
 class CalibrateOptions:
-    """What ``bench calibrate`` was asked; each field's ``cli`` is its option
-    (:func:`loadgen.options.command`)."""
+    """What ``bench calibrate`` was asked; each field is one of its options
+    (:func:`loadgen.options.option`)."""
 
-    concurrency: int = field(default=512, metadata={"cli": Annotated[int, typer.Option(help="Closed-loop concurrency.")]})
-    events: int | None = field(default=None, metadata={"cli": Annotated[int | None, typer.Option(
-        help=f"Stream events per response (default {EVENTS}); the null server sends one output token per event.")]})
-    output_tokens: int | None = field(default=None, metadata={"cli": Annotated[int | None, typer.Option(
-        help="Output tokens per response: --events by another name (one token per event).")]})
-    prompt_tokens: int | None = field(default=None, metadata={"cli": Annotated[int | None, typer.Option(
-        help="Tokens in each request's prompt, each its own corpus text (default: a short fixed prompt).")]})
-    api: str = field(default="completions", metadata={"cli": Annotated[str, typer.Option(help="completions or chat.")]})
-    num_requests: int = field(default=20000, metadata={"cli": Annotated[
-        int, typer.Option(help="Closed-loop measured requests.")]})
-    rate: float = field(default=300.0, metadata={"cli": Annotated[float, typer.Option(help="Open-loop Poisson rate, req/s.")]})
-    duration: float = field(default=30.0, metadata={"cli": Annotated[float, typer.Option(help="Open-loop seconds.")]})
-    client: str = field(default="aiohttp", metadata={"cli": Client})
-    output_dir: Path = field(default=RESULTS_ROOT, metadata={"cli": OutputDir})
-    run_id: str | None = field(default=None, metadata={"cli": RunId})
-    workers: str = field(default="1", metadata={"cli": Annotated[str, typer.Option(
-        help="Worker counts for the closed-loop ceiling, e.g. 1,2,4: the ceiling and the scaling efficiency per count.")]})
-    servers: int | None = field(default=None, metadata={"cli": Annotated[int | None, typer.Option(
-        help="Null-server processes on its one port (SO_REUSEPORT); default: one per worker of the largest --workers "
-             "count.")]})  # fmt: skip
+    concurrency: int = option(512, "Closed-loop concurrency.")
+    events: int | None = option(None, f"Stream events per response (default {EVENTS}); the null server sends one "
+                                "output token per event.")  # fmt: skip
+    output_tokens: int | None = option(None, "Output tokens per response: --events by another name (one token per "
+                                       "event).")  # fmt: skip
+    prompt_tokens: int | None = option(None, "Tokens in each request's prompt, each its own corpus text (default: a "
+                                       "short fixed prompt).")  # fmt: skip
+    api: str = option("completions", "completions or chat.")
+    num_requests: int = option(20000, "Closed-loop measured requests.")
+    rate: float = option(300.0, "Open-loop Poisson rate, req/s.")
+    duration: float = option(30.0, "Open-loop seconds.")
+    client: str = option("aiohttp", CLIENT)
+    output_dir: Path = option(RESULTS_ROOT, OUTPUT_DIR)
+    run_id: str | None = option(None, RUN_ID)
+    workers: str = option("1", "Worker counts for the closed-loop ceiling, e.g. 1,2,4: the ceiling and the scaling "
+                          "efficiency per count.")  # fmt: skip
+    servers: int | None = option(None, "Null-server processes on its one port (SO_REUSEPORT); default: one per "
+                                 "worker of the largest --workers count.")  # fmt: skip
 
 
 def _calibrate(**options: Any) -> None:

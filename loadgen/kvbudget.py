@@ -18,15 +18,15 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from loadgen.options import command
+from loadgen.options import command, option
 from reference_server.model_files import attention_shape
 
 DTYPE_BYTES: dict[str, float] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
@@ -238,34 +238,21 @@ def render(budget: KVBudget, console: Console) -> None:
 
 @dataclass(frozen=True)
 class KVBudgetOptions:
-    """What ``bench kv-budget`` was asked; each field's ``cli`` is its option (:func:`loadgen.options.command`)."""
+    """What ``bench kv-budget`` was asked; each field is one of its options (:func:`loadgen.options.option`)."""
 
-    memory: str = field(metadata={"cli": Annotated[
-        str, typer.Option(help="Accelerator/host memory, e.g. 80GB, 24GiB (bare number = GB).")]})
-    gguf: Path | None = field(default=None, metadata={"cli": Annotated[
-        Path | None, typer.Option(help="Read layers/heads/KV heads/head dim from this GGUF.")]})
-    weights: str | None = field(default=None, metadata={"cli": Annotated[
-        str | None, typer.Option(help="Weight size, e.g. 40GB (default with --gguf: its tensor data size).")]})
-    layers: int | None = field(default=None, metadata={"cli": Annotated[
-        int | None, typer.Option(help="Number of layers (without --gguf).")]})
-    heads: int | None = field(default=None, metadata={"cli": Annotated[
-        int | None, typer.Option(help="Query heads (without --gguf).")]})
-    kv_heads: int | None = field(default=None, metadata={"cli": Annotated[
-        int | None, typer.Option(help="KV heads (default: = heads, i.e. no GQA).")]})
-    head_dim: int | None = field(default=None, metadata={"cli": Annotated[
-        int | None, typer.Option(help="Head dimension (without --gguf).")]})
-    dtype: str = field(default="bf16", metadata={"cli": Annotated[
-        str, typer.Option(help=f"KV cache dtype: {', '.join(DTYPE_BYTES)}.")]})
-    context: list[int] | None = field(default=None, metadata={"cli": Annotated[
-        list[int] | None, typer.Option("--context", "-c", help="Context length (repeat); default a range.")]})
-    block_size: int = field(default=16, metadata={"cli": Annotated[
-        int, typer.Option(help="KV block size in tokens (paged allocation).")]})
-    shared_prefix: int = field(default=0, metadata={"cli": Annotated[
-        int, typer.Option(help="Tokens of a prefix shared by all requests.")]})
-    utilization: float = field(default=1.0, metadata={"cli": Annotated[
-        float, typer.Option(help="Fraction of memory the server may use.")]})
-    as_json: bool = field(default=False, metadata={"cli": Annotated[
-        bool, typer.Option("--json", help="Print JSON instead of tables.")]})
+    memory: str = option(help="Accelerator/host memory, e.g. 80GB, 24GiB (bare number = GB).")
+    gguf: Path | None = option(None, "Read layers/heads/KV heads/head dim from this GGUF.")
+    weights: str | None = option(None, "Weight size, e.g. 40GB (default with --gguf: its tensor data size).")
+    layers: int | None = option(None, "Number of layers (without --gguf).")
+    heads: int | None = option(None, "Query heads (without --gguf).")
+    kv_heads: int | None = option(None, "KV heads (default: = heads, i.e. no GQA).")
+    head_dim: int | None = option(None, "Head dimension (without --gguf).")
+    dtype: str = option("bf16", f"KV cache dtype: {', '.join(DTYPE_BYTES)}.")
+    context: list[int] | None = option(None, "Context length (repeat); default a range.", "--context", "-c")
+    block_size: int = option(16, "KV block size in tokens (paged allocation).")
+    shared_prefix: int = option(0, "Tokens of a prefix shared by all requests.")
+    utilization: float = option(1.0, "Fraction of memory the server may use.")
+    as_json: bool = option(False, "Print JSON instead of tables.", "--json")
 
 
 def _kv_budget(**options: Any) -> None:

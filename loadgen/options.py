@@ -1,8 +1,9 @@
 """The options of a load run: :class:`RunOptions`, the one typed record of what ``bench run``/``sweep`` was
 asked, which validates itself, writes the ``config`` of ``run.json`` and says which of its fields make two
-runs comparable (``bench gate``); the command-line spelling of options shared by several commands; and
-:func:`command`, which makes a typer command whose options are an options dataclass's fields (``RunOptions``'s
-for run, sweep and capacity; gate, calibrate and kv-budget each have their own small one).
+runs comparable (``bench gate``); the command-line spelling of its options; :func:`option`, an options
+dataclass's field that is a command-line option; and :func:`command`, which makes a typer command whose options
+are an options dataclass's fields (``RunOptions``'s for run, sweep and capacity; gate, calibrate and kv-budget
+each have their own small one).
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, get_type_hints
 
 import typer
+from typer.models import OptionInfo
 
 from backends.launcher import GridPoint, LaunchError, server_grid
 from loadgen import metrics
@@ -48,59 +50,21 @@ def parse_slo(text: str | None) -> dict[str, float] | None:
         raise UsageError(str(exc)) from None
 
 
-# The command-line spelling of options several commands share.
-Url = Annotated[str | None, typer.Option(help="Target base URL (default: start the bundled reference server).")]
-BackendOpt = Annotated[str, typer.Option("--backend", help="Server dialect: auto (ask the server: llama.cpp, vLLM, "
-                                          "TGI, SGLang, reference; else plain OpenAI) or one of backends.registry.")]
-MaxErrorRate = Annotated[float, typer.Option(help="Exit 1 when a point's error rate is above this (0..1).")]
-WaitForServer = Annotated[float, typer.Option(help="When the server goes away mid-point, wait up to this many "
-                                              "seconds for it and go on with the next point (0: stop).")]
-ApiOpt = Annotated[str | None, typer.Option(help="completions or chat (default: the workload's).")]
-Model = Annotated[str | None, typer.Option(help="Model name sent to the server (default: GET /v1/models).")]
-Arrival = Annotated[str | None, typer.Option(help=f"Arrival process: {', '.join(ARRIVAL_PROCESSES)} (default: closed with"
-                                             " --concurrency, poisson with --rate).")]  # fmt: skip
-Burstiness = Annotated[float, typer.Option(help="Gamma shape: 1 = Poisson, < 1 burstier.")]
+# The spelling of options that calibrate shares with a load run (:class:`RunOptions`), through :func:`option`.
+CLIENT = typer.Option(help="HTTP transport: aiohttp or httpx.")
+OUTPUT_DIR = typer.Option(help="Results root; the run goes to <output-dir>/<run-id>/.")
+RUN_ID = typer.Option(help="Run id (default: a timestamp).")
+# a command's own --workload (run's and capacity's, through :func:`param`)
 WorkloadOpt = Annotated[str, typer.Option(help="Workload name or TOML path.")]
-NumRequests = Annotated[int | None, typer.Option(
-    help="Measured requests per point (default: run 100, sweep 32; a replayed trace runs to its end).")]
-Duration = Annotated[float | None, typer.Option(help="Seconds of dispatch per point.")]
-Warmup = Annotated[int, typer.Option(help="Warm-up sessions per point (excluded from metrics).")]
-Seed = Annotated[int | None, typer.Option(help="Seed for arrivals and workload sampling (default: derived from "
-                                           "the run id, so runs send fresh prompts; run.json records it: pass "
-                                           "it again to repeat a run's prompts).")]
-Slo = Annotated[str | None, typer.Option(help="Goodput SLOs, e.g. ttft=500ms,tpot=50ms,e2e=10s (bare = ms).")]
-SloFrom = Annotated[str, typer.Option(help="Judge the SLOs' TTFT and E2E from the request's actual send "
-                    "(sent) or its intended send time (intended: a client running late cannot flatter goodput).")]
-Repeat = Annotated[int, typer.Option(help="Repeat each point N times as separate trials.")]
-OutputDir = Annotated[Path, typer.Option(help="Results root; the run goes to <output-dir>/<run-id>/.")]
-RunId = Annotated[str | None, typer.Option(help="Run id (default: a timestamp).")]
-ApiKeyEnv = Annotated[str | None, typer.Option(help="Name of the env var holding the API key (never stored).")]
-ContinuousUsage = Annotated[bool, typer.Option(help="Ask for per-chunk usage (vLLM continuous_usage_stats).")]
-ExtraBody = Annotated[str | None, typer.Option(help="JSON object merged into every request body.")]
-Client = Annotated[str, typer.Option(help="HTTP transport: aiohttp or httpx.")]
-Timeout = Annotated[float, typer.Option(help="Per-request limit, seconds.")]
-StallTimeout = Annotated[float, typer.Option(help="Longest silence within a response, seconds.")]
-Speedup = Annotated[float, typer.Option(help="Trace replay speed-up (send at at/speedup).")]
-PollHz = Annotated[float, typer.Option(help="Server-state poller rate (/metrics, /slots), Hz; 0 = off.")]
-TelemetryHz = Annotated[float, typer.Option(help="Telemetry rate (NVML GPUs, host, server process), Hz; 0 = off.")]
-TokenizerOpt = Annotated[str | None, typer.Option(
-    help="The target model's tokenizer for exact prompt lengths: a tokenizer.json or .gguf file, a model folder, or "
-         "a Hugging Face id such as HuggingFaceTB/SmolLM2-135M-Instruct (through the HF cache; HF_HUB_OFFLINE=1 "
-         "keeps to it). Default: the served model's where its id (GET /v1/models) names one this machine has (a "
-         "folder, a file, a cached hub id), else the bundled model's.")]
-Workers = Annotated[int, typer.Option(help="Load processes on this machine (or Ray actors with --ray), each with "
-                                      "its own event loop and HTTP client; the load of each point is split over them.")]
-Ray = Annotated[str | None, typer.Option(help="Run the workers as Ray actors: 'local' (start Ray here), 'auto' or "
-                                         "a cluster address (needs pip install 'servelab[ray]').")]
-ResetCache = Annotated[bool, typer.Option(help="Empty the server's prefix cache before each point (vLLM "
-                      "/reset_prefix_cache with VLLM_SERVER_DEV_MODE=1, SGLang /flush_cache, the reference server).")]
-DatasetField = Annotated[str | None, typer.Option(help="A JSONL dataset of text as --workload: the key holding each "
-                        "line's prompt (ShareGPT .json and request-body .jsonl need none; workloads/datasets.py).")]
-TelemetryUrl = Annotated[str | None, typer.Option(help="Prometheus URL of a DCGM/node exporter on the server's host.")]
-ServerCmd = Annotated[str | None, typer.Option("--server", help="Start this server command for each grid point, "
-                     "e.g. 'llama-server -m {model} -np {np} --port {port}' ({model}: bundled GGUF, {port}: free port).")]
-Grid = Annotated[list[str] | None, typer.Option(help="Server grid axis NAME=V1,V2 (repeat for a product).")]
-ServerTimeout = Annotated[float, typer.Option(help="Seconds to wait for a started server's health.")]
+
+
+def option(default: Any = MISSING, help: str | OptionInfo = "", *decls: str, meta: Mapping[str, Any] | None = None) -> Any:
+    """An options dataclass's field that is a command-line option (:func:`command`): its ``default`` (none: a
+    required option), its ``help`` (or a shared ``typer.Option``, e.g. :data:`CLIENT`), its spelling where it
+    is not the field's name (``"--json"``); ``meta``: the field's other metadata (:class:`RunOptions`'s
+    ``config``, ``comparable``). Its type is the field's own annotation."""
+    cli = help if isinstance(help, OptionInfo) else typer.Option(*decls, help=help)
+    return field(default=default, metadata={**(meta or {}), "cli": cli})
 
 
 def _not_config() -> Any:
@@ -119,47 +83,71 @@ class RunOptions:
     only in them. The server command is not compared either: comparing two servers is the point."""
 
     command: str = field(metadata=_incomparable())
-    url: str | None = field(default=None, metadata={**_incomparable(), "cli": Url})
-    backend: str = field(default="auto", metadata={"cli": BackendOpt})
-    api: str | None = field(default=None, metadata={"cli": ApiOpt})
-    model: str | None = field(default=None, metadata={"cli": Model})
+    url: str | None = option(None, "Target base URL (default: start the bundled reference server).", meta=_incomparable())
+    backend: str = option("auto", "Server dialect: auto (ask the server: llama.cpp, vLLM, TGI, SGLang, reference; else "
+                          "plain OpenAI) or one of backends.registry.", "--backend")  # fmt: skip
+    api: str | None = option(None, "completions or chat (default: the workload's).")
+    model: str | None = option(None, "Model name sent to the server (default: GET /v1/models).")
     workloads: list[str] = field(default_factory=lambda: ["chat-short"])
     concurrency: list[int] = field(default_factory=list)
     rate: list[float] = field(default_factory=list)
-    arrival: str | None = field(default=None, metadata={"cli": Arrival})
-    burstiness: float = field(default=1.0, metadata={"cli": Burstiness})
-    num_requests: int | None = field(default=None, metadata={"cli": NumRequests})
-    duration: float | None = field(default=None, metadata={"cli": Duration})
-    warmup: int = field(default=0, metadata={"cli": Warmup})
+    arrival: str | None = option(None, f"Arrival process: {', '.join(ARRIVAL_PROCESSES)} (default: closed with "
+                                 "--concurrency, poisson with --rate).")  # fmt: skip
+    burstiness: float = option(1.0, "Gamma shape: 1 = Poisson, < 1 burstier.")
+    num_requests: int | None = option(None, "Measured requests per point (default: run 100, sweep 32; a replayed "
+                                      "trace runs to its end).")  # fmt: skip
+    duration: float | None = option(None, "Seconds of dispatch per point.")
+    warmup: int = option(0, "Warm-up sessions per point (excluded from metrics).")
     # None: derived from the run id (execute); run.json records the one used. Not part of what makes runs
     # comparable: other prompts of the same workload are another sample of it
-    seed: int | None = field(default=None, metadata={**_incomparable(), "cli": Seed})
-    slo: str | None = field(default=None, metadata={"cli": Slo})  # as given; run.json holds it in seconds (:func:`parse_slo`)
-    repeat: int = field(default=1, metadata={**_incomparable(), "cli": Repeat})
-    api_key_env: str | None = field(default=None, metadata={**_incomparable(), "cli": ApiKeyEnv})
-    continuous_usage: bool = field(default=False, metadata={"cli": ContinuousUsage})
-    extra_body: str | None = field(default=None, metadata={"cli": ExtraBody})
-    client: str = field(default="aiohttp", metadata={"cli": Client})
-    timeout: float = field(default=REQUEST_TIMEOUT_S, metadata={**_incomparable(), "cli": Timeout})
-    stall_timeout: float = field(default=STALL_TIMEOUT_S, metadata={**_incomparable(), "cli": StallTimeout})
-    speedup: float = field(default=1.0, metadata={"cli": Speedup})
-    poll_hz: float = field(default=10.0, metadata={**_incomparable(), "cli": PollHz})
-    server: str | None = field(default=None, metadata={**_incomparable(), "cli": ServerCmd})
-    grid: list[str] | None = field(default=None, metadata={"cli": Grid})
-    tokenizer: str | None = field(default=None, metadata={"cli": TokenizerOpt})
-    dataset_field: str | None = field(default=None, metadata={"cli": DatasetField})  # a JSONL dataset of text: the key holding each prompt
-    max_error_rate: float = field(default=0.05, metadata={"cli": MaxErrorRate})
-    wait_for_server: float = field(default=0.0, metadata={"cli": WaitForServer})
-    slo_from: str = field(default="sent", metadata={"cli": SloFrom})
-    reset_cache: bool = field(default=False, metadata={"cli": ResetCache})  # empty the server's prefix cache before each point
-    workers: int = field(default=1, metadata={**_incomparable(), "cli": Workers})
-    ray: str | None = field(default=None, metadata={**_incomparable(), "cli": Ray})
+    seed: int | None = option(None, "Seed for arrivals and workload sampling (default: derived from the run id, so "
+                              "runs send fresh prompts; run.json records it: pass it again to repeat a run's "
+                              "prompts).", meta=_incomparable())  # fmt: skip
+    # as given; run.json holds it in seconds (:func:`parse_slo`)
+    slo: str | None = option(None, "Goodput SLOs, e.g. ttft=500ms,tpot=50ms,e2e=10s (bare = ms).")
+    repeat: int = option(1, "Repeat each point N times as separate trials.", meta=_incomparable())
+    api_key_env: str | None = option(None, "Name of the env var holding the API key (never stored).",
+                                     meta=_incomparable())  # fmt: skip
+    continuous_usage: bool = option(False, "Ask for per-chunk usage (vLLM continuous_usage_stats).")
+    extra_body: str | None = option(None, "JSON object merged into every request body.")
+    client: str = option("aiohttp", CLIENT)
+    timeout: float = option(REQUEST_TIMEOUT_S, "Per-request limit, seconds.", meta=_incomparable())
+    stall_timeout: float = option(STALL_TIMEOUT_S, "Longest silence within a response, seconds.", meta=_incomparable())
+    speedup: float = option(1.0, "Trace replay speed-up (send at at/speedup).")
+    poll_hz: float = option(10.0, "Server-state poller rate (/metrics, /slots), Hz; 0 = off.", meta=_incomparable())
+    server: str | None = option(None, "Start this server command for each grid point, e.g. 'llama-server -m {model} "
+                                "-np {np} --port {port}' ({model}: bundled GGUF, {port}: free port).", "--server",
+                                meta=_incomparable())  # fmt: skip
+    grid: list[str] | None = option(None, "Server grid axis NAME=V1,V2 (repeat for a product).")
+    tokenizer: str | None = option(None, "The target model's tokenizer for exact prompt lengths: a tokenizer.json or "
+                                   ".gguf file, a model folder, or a Hugging Face id such as "
+                                   "HuggingFaceTB/SmolLM2-135M-Instruct (through the HF cache; HF_HUB_OFFLINE=1 keeps "
+                                   "to it). Default: the served model's where its id (GET /v1/models) names one this "
+                                   "machine has (a folder, a file, a cached hub id), else the bundled model's.")  # fmt: skip
+    # a JSONL dataset of text: the key holding each prompt
+    dataset_field: str | None = option(None, "A JSONL dataset of text as --workload: the key holding each line's "
+                                       "prompt (ShareGPT .json and request-body .jsonl need none; "
+                                       "workloads/datasets.py).")  # fmt: skip
+    max_error_rate: float = option(0.05, "Exit 1 when a point's error rate is above this (0..1).")
+    wait_for_server: float = option(0.0, "When the server goes away mid-point, wait up to this many seconds for it and "
+                                    "go on with the next point (0: stop).")  # fmt: skip
+    slo_from: str = option("sent", "Judge the SLOs' TTFT and E2E from the request's actual send (sent) or its "
+                           "intended send time (intended: a client running late cannot flatter goodput).")  # fmt: skip
+    # empty the server's prefix cache before each point
+    reset_cache: bool = option(False, "Empty the server's prefix cache before each point (vLLM /reset_prefix_cache "
+                               "with VLLM_SERVER_DEV_MODE=1, SGLang /flush_cache, the reference server).")  # fmt: skip
+    workers: int = option(1, "Load processes on this machine (or Ray actors with --ray), each with its own event loop "
+                          "and HTTP client; the load of each point is split over them.", meta=_incomparable())  # fmt: skip
+    ray: str | None = option(None, "Run the workers as Ray actors: 'local' (start Ray here), 'auto' or a cluster "
+                             "address (needs pip install 'servelab[ray]').", meta=_incomparable())  # fmt: skip
     # how the run is carried out, not what it measures: not in run.json
-    output_dir: Path = field(default=RESULTS_ROOT, metadata={**_not_config(), "cli": OutputDir})
-    run_id: str | None = field(default=None, metadata={**_not_config(), "cli": RunId})
-    telemetry_hz: float = field(default=10.0, metadata={**_not_config(), "cli": TelemetryHz})
-    telemetry_url: str | None = field(default=None, metadata={**_not_config(), "cli": TelemetryUrl})
-    server_timeout: float = field(default=300.0, metadata={**_not_config(), "cli": ServerTimeout})
+    output_dir: Path = option(RESULTS_ROOT, OUTPUT_DIR, meta=_not_config())
+    run_id: str | None = option(None, RUN_ID, meta=_not_config())
+    telemetry_hz: float = option(10.0, "Telemetry rate (NVML GPUs, host, server process), Hz; 0 = off.",
+                                 meta=_not_config())  # fmt: skip
+    telemetry_url: str | None = option(None, "Prometheus URL of a DCGM/node exporter on the server's host.",
+                                       meta=_not_config())  # fmt: skip
+    server_timeout: float = option(300.0, "Seconds to wait for a started server's health.", meta=_not_config())
     default_num_requests: int = field(default=100, metadata=_not_config())
 
     @classmethod
@@ -252,11 +240,12 @@ def command(body: Callable[..., Any], names: Sequence[str] | None = None,
             own: Mapping[str, inspect.Parameter] | None = None, defaults: Mapping[str, Any] | None = None,
             options: type[Any] = RunOptions) -> Callable[..., None]:  # fmt: skip
     """A typer command that calls ``body(**options)``: its options are the fields ``names`` (default: every
-    field with a ``cli`` annotation) of the dataclass ``options`` (:class:`RunOptions` unless given), in that
-    order, each spelled once (the field's ``cli`` annotation) with the field's default or the command's own
-    (``defaults``); a name in ``own`` is the command's own parameter instead (run's single ``--concurrency``
-    and sweep's list of them). Its help is ``body``'s docstring."""
+    field made by :func:`option`) of the dataclass ``options`` (:class:`RunOptions` unless given), in that
+    order, each spelled once (the field's ``cli``, a ``typer.Option``, on the field's own type) with the
+    field's default or the command's own (``defaults``); a name in ``own`` is the command's own parameter
+    instead (run's single ``--concurrency`` and sweep's list of them). Its help is ``body``'s docstring."""
     by_name = {f.name: f for f in fields(options)}
+    types = get_type_hints(options, include_extras=True)  # the fields' annotations are strings (PEP 563)
     names = [f.name for f in fields(options) if "cli" in f.metadata] if names is None else names
     own, defaults = own or {}, defaults or {}
     params = []
@@ -266,7 +255,7 @@ def command(body: Callable[..., Any], names: Sequence[str] | None = None,
             continue
         f = by_name[name]
         default = defaults.get(name, _default(f))
-        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=f.metadata["cli"]))
+        params.append(param(name, Annotated[types[name], f.metadata["cli"]], default))
 
     def cmd(**values: Any) -> None:
         body(**values)
@@ -278,5 +267,5 @@ def command(body: Callable[..., Any], names: Sequence[str] | None = None,
 
 
 def param(name: str, annotation: Any, default: Any) -> inspect.Parameter:
-    """A command's own option (see :func:`command`)."""
+    """A command's option: an options field's or the command's own (see :func:`command`)."""
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -15,51 +15,34 @@ from loadgen.gate.compare import compare
 from loadgen.gate.resultset import load, save_baseline
 from loadgen.gate.rules import GateError, MetricRule
 from loadgen.gate.verdict import GateReport, print_report, to_markdown
-from loadgen.options import command
+from loadgen.options import command, option
 from loadgen.records import write_json
 
 
 @dataclass(frozen=True)
 class GateOptions:
-    """What ``bench gate`` was asked; each field's ``cli`` is its option (:func:`loadgen.options.command`)."""
+    """What ``bench gate`` was asked; each field is one of its options (:func:`loadgen.options.option`)."""
 
-    baseline: str = field(metadata={"cli": Annotated[
-        str, typer.Option(help="Baseline result dir or baseline .json (with --ab: server command).")]})
-    candidate: str = field(metadata={"cli": Annotated[
-        str, typer.Option(help="Candidate result dir (with --ab: server command, {port}).")]})
-    metric: list[str] = field(metadata={"cli": Annotated[
-        list[str], typer.Option(help="NAME:-X% (higher is better) or NAME:+X% (lower is better); repeat.")]})
-    confidence: float = field(default=0.95, metadata={"cli": Annotated[
-        float, typer.Option(help="Confidence level of the bootstrap interval.")]})
-    min_trials: int = field(default=5, metadata={"cli": Annotated[
-        int, typer.Option(help="Fewer trials per side (pairs with --ab) -> inconclusive.")]})
-    point: list[str] | None = field(default=None, metadata={"cli": Annotated[
-        list[str] | None, typer.Option(help="Only these point ids (without /t<k>); repeat.")]})
-    markdown: Path | None = field(default=None, metadata={"cli": Annotated[Path | None, typer.Option(
-        help="Write the Markdown summary here (also appended to $GITHUB_STEP_SUMMARY when set).")]})
-    json_out: Path | None = field(default=None, metadata={"cli": Annotated[
-        Path | None, typer.Option("--json", help="Write the verdict as JSON here.")]})
-    ab: bool = field(default=False, metadata={"cli": Annotated[
-        bool, typer.Option("--ab", help="Start both servers and run interleaved A/B trials first.")]})
-    trials: int = field(default=6, metadata={"cli": Annotated[int, typer.Option(help="--ab: trials per side.")]})
-    workload: str = field(default="chat-short", metadata={"cli": Annotated[
-        str, typer.Option(help="--ab: workload name or TOML path.")]})
-    concurrency: int = field(default=4, metadata={"cli": Annotated[
-        int, typer.Option(help="--ab: closed-loop concurrency.")]})
-    num_requests: int = field(default=16, metadata={"cli": Annotated[
-        int, typer.Option(help="--ab: measured requests per trial.")]})
-    warmup: int = field(default=2, metadata={"cli": Annotated[
-        int, typer.Option(help="--ab: warm-up requests per trial.")]})
-    seed: int = field(default=0, metadata={"cli": Annotated[
-        int, typer.Option(help="--ab: seed (trial k uses seed + k on both sides).")]})
-    backend: str = field(default="auto", metadata={"cli": Annotated[
-        str, typer.Option(help="--ab: server dialect (auto: ask the server).")]})
-    model: str | None = field(default=None, metadata={"cli": Annotated[
-        str | None, typer.Option(help="--ab: model name (default: GET /v1/models).")]})
-    output_dir: Path = field(default=RESULTS_ROOT, metadata={"cli": Annotated[
-        Path, typer.Option(help="--ab: results root.")]})
-    run_id: str | None = field(default=None, metadata={"cli": Annotated[
-        str | None, typer.Option(help="--ab: run id (default: gate-<timestamp>).")]})
+    baseline: str = option(help="Baseline result dir or baseline .json (with --ab: server command).")
+    candidate: str = option(help="Candidate result dir (with --ab: server command, {port}).")
+    metric: list[str] = option(help="NAME:-X% (higher is better) or NAME:+X% (lower is better); repeat.")
+    confidence: float = option(0.95, "Confidence level of the bootstrap interval.")
+    min_trials: int = option(5, "Fewer trials per side (pairs with --ab) -> inconclusive.")
+    point: list[str] | None = option(None, "Only these point ids (without /t<k>); repeat.")
+    markdown: Path | None = option(None, "Write the Markdown summary here (also appended to $GITHUB_STEP_SUMMARY "
+                                   "when set).")  # fmt: skip
+    json_out: Path | None = option(None, "Write the verdict as JSON here.", "--json")
+    ab: bool = option(False, "Start both servers and run interleaved A/B trials first.", "--ab")
+    trials: int = option(6, "--ab: trials per side.")
+    workload: str = option("chat-short", "--ab: workload name or TOML path.")
+    concurrency: int = option(4, "--ab: closed-loop concurrency.")
+    num_requests: int = option(16, "--ab: measured requests per trial.")
+    warmup: int = option(2, "--ab: warm-up requests per trial.")
+    seed: int = option(0, "--ab: seed (trial k uses seed + k on both sides).")
+    backend: str = option("auto", "--ab: server dialect (auto: ask the server).")
+    model: str | None = option(None, "--ab: model name (default: GET /v1/models).")
+    output_dir: Path = option(RESULTS_ROOT, "--ab: results root.")
+    run_id: str | None = option(None, "--ab: run id (default: gate-<timestamp>).")
 
 
 def _gate(**options: Any) -> None:
