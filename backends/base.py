@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypedDict
 
-from workloads.contracts import GenRequest
+from workloads.contracts import APIS, Api, GenRequest
 
 TokenSource = Literal["usage", "chunk_usage", "token_ids", "tokens_field", "tokenizer", "events", "unknown"]
 
@@ -57,18 +57,54 @@ class ParseState:
         self.extra: dict[str, Any] = {}
 
 
+class BackendOptions(TypedDict, total=False):
+    """What :class:`Backend` takes after the base URL, for a subclass that adds keyword-only options of its own
+    and passes these on as ``**options: Unpack[BackendOptions]``."""
+
+    model: str | None
+    api_key: str | None
+    api: Api | None
+    extra_body: dict[str, Any] | None
+
+
 class Backend(ABC):
-    """A server dialect. Subclasses register under ``name`` (see ``backends.registry``)."""
+    """A server dialect. Subclasses register under ``name`` (see ``backends.registry``).
+
+    Takes the options ``bench`` gives every backend: the model, the API key (never serialised: see
+    :meth:`describe`), the API that overrides ``GenRequest.api`` when set (see :meth:`check_api`) and the
+    pass-through body fields (see :meth:`body_extras`).
+    """
 
     name: ClassVar[str]
 
-    def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        model: str | None = None,
+        api_key: str | None = None,
+        api: Api | None = None,
+        extra_body: dict[str, Any] | None = None,
+    ) -> None:
+        self.check_api(api)
         self.base_url = base_url.rstrip("/")
         self.model = model
         self._api_key = api_key  # never serialised: see describe()
+        self.api = api
+        self.extra_body = dict(extra_body or {})
+
+    @classmethod
+    def check_api(cls, api: str | None) -> None:
+        """Raise ``ValueError`` for an ``api`` this dialect does not speak: by default one that is not an
+        :data:`~workloads.contracts.Api`; a dialect that speaks fewer says so here."""
+        if api is not None and api not in APIS:
+            raise ValueError(f"api must be one of {sorted(APIS)}, got {api!r}")
 
     def auth_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+
+    def body_extras(self, extra: dict[str, Any]) -> dict[str, Any]:
+        """The backend's and then the request's (``extra``) pass-through body fields."""
+        return {**self.extra_body, **extra}
 
     @abstractmethod
     def build(self, req: GenRequest) -> HttpCall:

@@ -64,12 +64,8 @@ class LlamaCppNativeBackend(NativeBackend):
     server: ClassVar[ServerProfile] = LLAMACPP_PROFILE
 
     def build(self, req: GenRequest) -> HttpCall:
-        if not isinstance(req.prompt, str):
-            raise ValueError(
-                "llamacpp-native speaks /completion (plain-text prompts); use backend 'llamacpp' for chat"
-            )
         body: dict[str, Any] = {
-            "prompt": req.prompt,
+            "prompt": self.plain_prompt(req, "/completion", "llamacpp"),
             "n_predict": req.max_tokens,
             "stream": True,
             "ignore_eos": req.ignore_eos,

@@ -1,31 +1,23 @@
-"""Common constructor of the servers' own (non-OpenAI) protocols: llama.cpp, TGI, SGLang native."""
+"""What the servers' own (non-OpenAI) protocols share: llama.cpp, TGI, SGLang native."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from backends.base import Backend
-from workloads.contracts import Api
+from workloads.contracts import GenRequest
 
 
 class NativeBackend(Backend):
-    """Takes the options ``bench`` gives every backend; plain-text prompts only (``api`` completions)."""
+    """Plain-text prompts only (``api`` completions)."""
 
-    def __init__(
-        self,
-        base_url: str,
-        model: str | None = None,
-        api_key: str | None = None,
-        api: Api | None = None,
-        extra_body: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(base_url, model, api_key)
+    @classmethod
+    def check_api(cls, api: str | None) -> None:
+        super().check_api(api)
         if api == "chat":
-            raise ValueError(
-                f"{self.name} sends plain-text prompts; use --api completions or its OpenAI backend"
-            )
-        self.extra_body = dict(extra_body or {})
+            raise ValueError(f"{cls.name} sends plain-text prompts; use --api completions or its OpenAI backend")
 
-    def body_extras(self, extra: dict[str, Any]) -> dict[str, Any]:
-        """The backend's and then the request's pass-through fields."""
-        return {**self.extra_body, **extra}
+    def plain_prompt(self, req: GenRequest, endpoint: str, chat_backend: str) -> str:
+        """``req``'s prompt for the server's ``endpoint``; a chat prompt (messages) is refused, naming
+        ``chat_backend`` (the same server's OpenAI endpoints)."""
+        if not isinstance(req.prompt, str):
+            raise ValueError(f"{self.name} speaks {endpoint} (plain-text prompts); use backend '{chat_backend}' for chat")
+        return req.prompt

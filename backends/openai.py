@@ -9,15 +9,18 @@ vLLM before 0.10) or ``reasoning`` (vLLM since) is the model's reasoning, kept a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import orjson
 
-from backends.base import Backend, Delta, HttpCall, ParseState
+from backends.base import Backend, BackendOptions, Delta, HttpCall, ParseState
 from workloads.contracts import Api, GenRequest
 
-PATHS: dict[str, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+if TYPE_CHECKING:  # typing.Unpack is Python 3.11's (the project runs on 3.10); annotations stay unevaluated
+    from typing import Unpack
+
+PATHS: dict[Api, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}  # every Api
 _DONE = Delta(done=True)
 
 
@@ -49,21 +52,9 @@ _CHUNK = msgspec.json.Decoder(_PlainChunk)
 class OpenAIBackend(Backend):
     name = "openai"
 
-    def __init__(
-        self,
-        base_url: str,
-        model: str | None = None,
-        api_key: str | None = None,
-        api: Api | None = None,
-        continuous_usage: bool = False,
-        extra_body: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(base_url, model, api_key)
-        if api is not None and api not in PATHS:
-            raise ValueError(f"api must be one of {sorted(PATHS)}, got {api!r}")
-        self.api = api  # overrides GenRequest.api when set
+    def __init__(self, base_url: str, *, continuous_usage: bool = False, **options: Unpack[BackendOptions]) -> None:
+        super().__init__(base_url, **options)
         self.continuous_usage = continuous_usage
-        self.extra_body = dict(extra_body or {})
 
     def build(self, req: GenRequest) -> HttpCall:
         api = self.api or req.api
@@ -83,8 +74,7 @@ class OpenAIBackend(Backend):
             body["ignore_eos"] = True
         if req.seed is not None:
             body["seed"] = req.seed
-        body.update(self.extra_body)
-        body.update(req.extra_body)
+        body.update(self.body_extras(req.extra_body))
         return HttpCall(PATHS[api], body, self.auth_headers())
 
     def plain_texts(self, payloads: list[bytes]) -> list[str]:

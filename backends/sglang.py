@@ -37,10 +37,7 @@ class SGLangNativeBackend(NativeBackend):
     server: ClassVar[ServerProfile] = SGLANG_PROFILE
 
     def build(self, req: GenRequest) -> HttpCall:
-        if not isinstance(req.prompt, str):
-            raise ValueError(
-                "sglang-native speaks /generate (plain-text prompts); use backend 'sglang' for chat"
-            )
+        prompt = self.plain_prompt(req, "/generate", "sglang")
         sampling: dict[str, Any] = {
             "max_new_tokens": req.max_tokens,
             "temperature": req.temperature,
@@ -48,7 +45,7 @@ class SGLangNativeBackend(NativeBackend):
         }
         if req.seed is not None:
             sampling["sampling_seed"] = req.seed
-        body: dict[str, Any] = {"text": req.prompt, "sampling_params": sampling, "stream": True}
+        body: dict[str, Any] = {"text": prompt, "sampling_params": sampling, "stream": True}
         body.update(self.body_extras(req.extra_body))
         return HttpCall(path="/generate", body=body, headers=self.auth_headers())
 

@@ -31,10 +31,6 @@ class TGINativeBackend(NativeBackend):
     server: ClassVar[ServerProfile] = TGI_PROFILE
 
     def build(self, req: GenRequest) -> HttpCall:
-        if not isinstance(req.prompt, str):
-            raise ValueError(
-                "tgi-native speaks /generate_stream (plain-text prompts); use backend 'tgi' for chat"
-            )
         params: dict[str, Any] = {"max_new_tokens": req.max_tokens, "details": True}
         if req.temperature > 0:  # TGI rejects temperature 0; greedy is do_sample false
             params.update(do_sample=True, temperature=req.temperature)
@@ -43,7 +39,7 @@ class TGINativeBackend(NativeBackend):
         params.update(self.body_extras(req.extra_body))
         return HttpCall(
             path="/generate_stream",
-            body={"inputs": req.prompt, "parameters": params},
+            body={"inputs": self.plain_prompt(req, "/generate_stream", "tgi"), "parameters": params},
             headers=self.auth_headers(),
         )
 

@@ -15,11 +15,14 @@ with ``--enable-prompt-tokens-details``; the prefix-cache counters are there wit
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
+from backends.base import BackendOptions
 from backends.openai import OpenAIBackend
 from backends.profile import PrefixCounters, ServerProfile
-from workloads.contracts import Api
+
+if TYPE_CHECKING:  # typing.Unpack is Python 3.11's (the project runs on 3.10); annotations stay unevaluated
+    from typing import Unpack
 
 
 class VLLMBackend(OpenAIBackend):
@@ -36,14 +39,9 @@ class VLLMBackend(OpenAIBackend):
     )
 
     def __init__(
-        self,
-        base_url: str,
-        model: str | None = None,
-        api_key: str | None = None,
-        api: Api | None = None,
-        continuous_usage: bool = True,
-        return_token_ids: bool = False,
-        extra_body: dict[str, Any] | None = None,
-    ) -> None:
-        body = {"return_token_ids": True} if return_token_ids else {}
-        super().__init__(base_url, model, api_key, api, continuous_usage, {**body, **(extra_body or {})})
+        self, base_url: str, *, continuous_usage: bool = True, return_token_ids: bool = False,
+        **options: Unpack[BackendOptions],
+    ) -> None:  # fmt: skip
+        if return_token_ids:
+            options["extra_body"] = {"return_token_ids": True, **(options.get("extra_body") or {})}
+        super().__init__(base_url, continuous_usage=continuous_usage, **options)

@@ -36,6 +36,16 @@ def _quantiles(hist: str) -> list[tuple[str, str]]:
             for q in (0.5, 0.99)]  # fmt: skip
 
 
+def _rates(**by_server: tuple[str, str]) -> dict[str, list[tuple[str, str]]]:
+    """A panel's one query per server, the rate of a counter: ``server=(counter, legend)``."""
+    return {server: [(_rate(counter), legend)] for server, (counter, legend) in by_server.items()}
+
+
+def _by(label: str, counter: str) -> tuple[str, str]:
+    """A counter's rate summed per value of ``label``, each value its own series."""
+    return f"sum by ({label}) ({_rate(counter)})", f"{{{{{label}}}}}"
+
+
 def _ratio(num: str, den: str) -> str:
     return f"{_rate(num)} / {_rate(den)}"
 
@@ -58,16 +68,16 @@ PANELS: list[tuple[str, str, dict[str, list[tuple[str, str]]]]] = [
         "servelab": [(f"{M.KV_BLOCKS_USED}{SEL} / {M.KV_BLOCKS_TOTAL}{SEL}", "blocks used")],
         "vllm": [(f"vllm:kv_cache_usage_perc{SEL}", "used")],
     }),
-    ("Output tokens/s", "short", {
-        "servelab": [(_rate(M.total(M.GENERATION_TOKENS)), "generated")],
-        "vllm": [(_rate("vllm:generation_tokens_total"), "generated")],
-        "llamacpp": [(_rate("llamacpp:tokens_predicted_total"), "generated")],
-    }),
-    ("Prompt tokens/s (prefill)", "short", {
-        "servelab": [(_rate(M.total(M.PROMPT_TOKENS)), "computed")],
-        "vllm": [(_rate("vllm:prompt_tokens_total"), "prompt")],
-        "llamacpp": [(_rate("llamacpp:prompt_tokens_total"), "computed")],
-    }),
+    ("Output tokens/s", "short", _rates(
+        servelab=(M.total(M.GENERATION_TOKENS), "generated"),
+        vllm=("vllm:generation_tokens_total", "generated"),
+        llamacpp=("llamacpp:tokens_predicted_total", "generated"),
+    )),
+    ("Prompt tokens/s (prefill)", "short", _rates(
+        servelab=(M.total(M.PROMPT_TOKENS), "computed"),
+        vllm=("vllm:prompt_tokens_total", "prompt"),
+        llamacpp=("llamacpp:prompt_tokens_total", "computed"),
+    )),
     ("Time to first token", "s", {
         "servelab": _quantiles(M.TIME_TO_FIRST_TOKEN),
         "vllm": _quantiles("vllm:time_to_first_token_seconds"),
@@ -77,23 +87,23 @@ PANELS: list[tuple[str, str, dict[str, list[tuple[str, str]]]]] = [
         "vllm": _quantiles("vllm:inter_token_latency_seconds"),
     }),
     ("Finished requests/s", "reqps", {
-        "servelab": [(f"sum by (finish_reason) ({_rate(M.total(M.REQUESTS_FINISHED))})", "{{finish_reason}}")],
-        "vllm": [(f"sum by (finished_reason) ({_rate('vllm:request_success_total')})", "{{finished_reason}}")],
+        "servelab": [_by("finish_reason", M.total(M.REQUESTS_FINISHED))],
+        "vllm": [_by("finished_reason", "vllm:request_success_total")],
     }),
-    ("Engine steps/s", "short", {
-        "servelab": [(_rate(M.total(M.ITERATIONS)), "steps")],
-        "vllm": [(_rate("vllm:iteration_tokens_total_count"), "steps")],
-        "llamacpp": [(_rate("llamacpp:n_decode_total"), "decode calls")],
-    }),
+    ("Engine steps/s", "short", _rates(
+        servelab=(M.total(M.ITERATIONS), "steps"),
+        vllm=("vllm:iteration_tokens_total_count", "steps"),
+        llamacpp=("llamacpp:n_decode_total", "decode calls"),
+    )),
     ("Prefix cache hit rate", "percentunit", {
         server: [(_hit_rate(profile.prefix_cache), "cached / prompt tokens")]
         for server, profile in (("servelab", REFERENCE_PROFILE), ("vllm", VLLMBackend.server), ("llamacpp", LLAMACPP_PROFILE))
         if profile.prefix_cache
     }),
-    ("Preemptions/s", "short", {
-        "servelab": [(_rate(M.total(M.PREEMPTIONS)), "preempted")],
-        "vllm": [(_rate("vllm:num_preemptions_total"), "preempted")],
-    }),
+    ("Preemptions/s", "short", _rates(
+        servelab=(M.total(M.PREEMPTIONS), "preempted"),
+        vllm=("vllm:num_preemptions_total", "preempted"),
+    )),
     ("Speculative decoding: accepted / drafted tokens", "percentunit", {
         "servelab": [(_ratio(M.total(M.SPEC_ACCEPTED_TOKENS), M.total(M.SPEC_DRAFT_TOKENS)), "acceptance")],
         "vllm": [(_ratio("vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_draft_tokens_total"),

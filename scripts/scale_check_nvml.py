@@ -77,6 +77,19 @@ def gpu_missing() -> str | None:
 
 
 @contextlib.contextmanager
+def _on_thread(target: Callable[[], None], stop: Callable[[], None], join_s: float | None = None) -> Iterator[None]:
+    """``target`` on a daemon thread while the block runs; then ``stop()`` ends it and the thread is joined
+    (for at most ``join_s`` seconds; None: until it ends)."""
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop()
+        thread.join(join_s)
+
+
+@contextlib.contextmanager
 def _sampling(every: float, sample: Callable[[], float | None]) -> Iterator[list[tuple[float, float]]]:
     """``(time.time(), sample())`` every ``every`` seconds on a thread while the block runs (None: no reading)."""
     out: list[tuple[float, float]] = []
@@ -87,13 +100,8 @@ def _sampling(every: float, sample: Callable[[], float | None]) -> Iterator[list
             if (value := sample()) is not None:
                 out.append((time.time(), value))
 
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
-    try:
+    with _on_thread(loop, stop.set):
         yield out
-    finally:
-        stop.set()
-        thread.join()
 
 
 def _busy(duty: float, seconds: float) -> None:
@@ -125,18 +133,18 @@ def tty_output(argv: list[str]) -> Iterator[list[bytes]]:
             while chunk := os.read(ctl, 65536):
                 chunks.append(chunk)
 
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        yield chunks
-    finally:
+    def terminate() -> None:
         proc.terminate()
         try:
             proc.wait(5)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        reader.join(5)
+
+    try:
+        with _on_thread(read, terminate, join_s=5):
+            yield chunks
+    finally:
         os.close(ctl)
 
 
