@@ -21,8 +21,11 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     probs = torch.softmax(row, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, idx = probs.sort(descending=True)
-        # keep the smallest prefix whose mass reaches top_p (always at least one token)
-        sorted_probs.masked_fill_(sorted_probs.cumsum(0) - sorted_probs >= params.top_p, 0.0)  # no host sync
+        # keep the smallest prefix whose mass reaches top_p, and always the first token: a top_p that float32
+        # rounds to 0 (5e-324 is a valid top_p) would otherwise drop them all
+        drop = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
+        drop[0] = False  # no host sync
+        sorted_probs.masked_fill_(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, idx, sorted_probs / sorted_probs.sum())
     return probs
 

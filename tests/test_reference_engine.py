@@ -220,6 +220,8 @@ def test_sampler_seed_topk_topp():
     greedy = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert engine.generate([prompt], SamplingParams(temperature=0.8, top_k=1, seed=5, max_tokens=8, ignore_eos=True)) == greedy
     assert engine.generate([prompt], SamplingParams(temperature=0.8, top_p=1e-6, seed=5, max_tokens=8, ignore_eos=True)) == greedy
+    # a top_p that float32 rounds to 0 (schemathesis sent 5e-324) keeps the top token, not none (NaN, a 500)
+    assert engine.generate([prompt], SamplingParams(temperature=0.8, top_p=5e-324, seed=5, max_tokens=8, ignore_eos=True)) == greedy
 
 
 def test_chat_template_and_special_tokens():

@@ -84,7 +84,8 @@ def torch_logits():  # noqa: ANN201
 @pytest.mark.parametrize(
     ("body", "status", "needles"),
     [
-        ({"prompt": "hi", "max_tokens": 2, "seed": 10**27}, 400, ["seed", "9223372036854775807"]),
+        ({"prompt": "hi", "max_tokens": 2, "seed": 10**27}, 400, ["seed", "9223372036854774784"]),
+        ({"prompt": "hi", "max_tokens": 2, "seed": 2**63 - 1}, 400, ["seed"]),  # one double with 2**63 (schema)
         ({"prompt": "hi", "max_tokens": 2, "seed": -(2**63) - 1}, 400, ["seed"]),
         ({"prompt": "hi", "max_tokens": 100000}, 400, ["max_tokens", "512", "100000", "100001"]),
         ({"prompt": "hi", "max_tokens": 10**30}, 400, ["max_tokens", "512"]),
@@ -147,7 +148,7 @@ def test_null_and_default_fields_are_accepted(server):
              "stream_options": None, "stop_token_ids": None, "model": None, "user": "someone"}
     defaults = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3, "logprobs": False,
                 "top_logprobs": 0, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "tools": [],
-                "tool_choice": "none", "response_format": {"type": "text"}, "n": 1, "seed": 2**63 - 1,
+                "tool_choice": "none", "response_format": {"type": "text"}, "n": 1, "seed": 2**62,
                 "temperature": 0.7, "top_p": 0.9, "top_k": -1, "priority": 0}
     for path, body in (("/v1/completions", bench), ("/v1/chat/completions", guidellm),
                        ("/v1/completions", nulls), ("/v1/chat/completions", defaults)):

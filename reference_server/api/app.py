@@ -11,16 +11,21 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from reference_server.api.errors import ApiError
 from reference_server.api.frontend import Server
 from reference_server.api.schemas import (
+    GENERATION_RESPONSES,
+    HEALTH_RESPONSES,
+    TOKENIZE_RESPONSES,
     ChatRequest,
     CompletionRequest,
+    GenerationRequest,
     TokenizeRequest,
-    body_schema,
+    generation_schema,
+    tokenize_schema,
     validated,
 )
 from reference_server.engine import Engine
@@ -31,6 +36,9 @@ log = logging.getLogger(__name__)
 def create_app(engine: Engine, model_name: str) -> FastAPI:
     """The FastAPI app; starts the engine thread on startup and stops it on shutdown."""
     server = Server(engine, model_name)
+
+    def schema(model: type[GenerationRequest]) -> dict[str, Any]:
+        return generation_schema(model, engine.runner.spec.vocab, engine.max_model_len, engine.config.policy == "priority")
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -53,11 +61,11 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
         log.error("request failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
         return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error").response()
 
-    @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
+    @app.post("/v1/completions", openapi_extra=schema(CompletionRequest), responses=GENERATION_RESPONSES)
     async def completions(request: Request) -> Response:
         return await server.handle(request, chat=False)
 
-    @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatRequest))
+    @app.post("/v1/chat/completions", openapi_extra=schema(ChatRequest), responses=GENERATION_RESPONSES)
     async def chat_completions(request: Request) -> Response:
         return await server.handle(request, chat=True)
 
@@ -66,18 +74,18 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "servelab",
                                              "max_model_len": engine.max_model_len}]}
 
-    @app.get("/health")
+    @app.get("/health", responses=HEALTH_RESPONSES)
     async def health() -> Response:
         if not engine.alive:
             return ApiError(503, f"the engine has stopped ({engine.fatal or 'shutting down'})", None,
                             "engine_dead").response()
         return Response(json.dumps({"status": "ok"}), media_type="application/json")
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/tokenize")  # vLLM's shape: what a client needs to build prompts of exact length for this model
+    @app.post("/tokenize", openapi_extra=tokenize_schema(), responses=TOKENIZE_RESPONSES)  # vLLM's shape: what a client needs to build prompts of exact length for this model
     async def tokenize(request: Request) -> dict[str, Any]:
         req = validated(TokenizeRequest, await server.read_body(request))
         server.check_model(req.model)
@@ -90,7 +98,7 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
     @app.post("/reset_prefix_cache")  # vLLM's path (a dev-mode endpoint there): benchmarks reset both alike
     async def reset_prefix_cache() -> Response:
         engine.reset_prefix_cache()
-        return Response(status_code=200)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/v1/iterations")
     async def iterations(since: int = 0, limit: int = 1000) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from reference_server.api.schemas import (
     GenerationRequest,
     StreamOptions,
     TokenizeRequest,
+    asks_nothing,
     validated,
 )
 from reference_server.engine import Engine, EngineDead, RequestOutput
@@ -192,7 +193,7 @@ class Server:
     @staticmethod
     def _check_supported(body: dict[str, Any]) -> None:
         for name, neutral in UNSUPPORTED.items():
-            if name in body and not neutral(body[name]):
+            if name in body and not asks_nothing(body[name], neutral):
                 raise ApiError(400, f"{name!r} is not supported by this server (got {clip(body[name])}); "
                                     "leave it out or send null", name, "unsupported_parameter")
 
@@ -244,6 +245,10 @@ class Server:
         self.check_model(req.model)
         self._note_extra(req)
         if isinstance(req, ChatRequest):
+            if req.max_completion_tokens and req.max_tokens and req.max_tokens >= self.engine.max_model_len:
+                # ignored beside max_completion_tokens, but past what any request could ask: an error all the same
+                raise ApiError(400, f"max_tokens {req.max_tokens} cannot fit this model's context of "
+                                    f"{self.engine.max_model_len} tokens", "max_tokens", "context_length_exceeded")
             prompt_ids = await asyncio.to_thread(self.chat_prompt, req)
             asked = req.max_completion_tokens or req.max_tokens
             max_tokens = asked or 0

@@ -3,10 +3,9 @@ fields this server does not implement, and the OpenAPI schema of a body the endp
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from reference_server.api.errors import ApiError, clip
 
@@ -14,35 +13,54 @@ MAX_BODY_BYTES = 4 << 20  # a 32k-token prompt is ~0.2 MB as text or as token id
 MAX_STOP_STRINGS = 32  # stop strings are scanned on the engine thread for every token
 MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seeds (as vLLM) and priorities
 
 
-def _neutral(*values: object) -> Callable[[object], bool]:
-    """A test for "this field asks for nothing": null or one of ``values`` (same type: True is not 1)."""
-    def test(v: object) -> bool:
-        return v is None or any(type(v) is type(x) and v == x for x in values) or (
-            isinstance(v, float) and any(type(x) is int and v == x for x in values))
-    return test
+def _integral(v: object) -> object:
+    return int(v) if type(v) is float and v.is_integer() else v
 
 
-# Fields of the OpenAI/vLLM APIs that this server does not implement: accepted only when they ask for
-# nothing (clients such as vLLM's bench serve send ``"logprobs": null, "repetition_penalty": 1.0``),
-# otherwise a 400 -- never silently ignored.
-UNSUPPORTED: dict[str, Callable[[object], bool]] = {
-    "logprobs": _neutral(False), "top_logprobs": _neutral(0), "prompt_logprobs": _neutral(),
-    "echo": _neutral(False), "best_of": _neutral(1), "suffix": _neutral(""),
-    "presence_penalty": _neutral(0), "frequency_penalty": _neutral(0), "repetition_penalty": _neutral(1),
-    "length_penalty": _neutral(1), "min_p": _neutral(0), "min_tokens": _neutral(0),
-    "logit_bias": _neutral({}), "allowed_token_ids": _neutral(), "bad_words": _neutral([]),
-    "response_format": _neutral({"type": "text"}), "tools": _neutral([]), "functions": _neutral([]),
-    "tool_choice": _neutral("none", "auto"), "function_call": _neutral("none", "auto"),
-    "guided_json": _neutral(), "guided_regex": _neutral(), "guided_choice": _neutral(),
-    "guided_grammar": _neutral(), "structured_outputs": _neutral(), "prediction": _neutral(),
-    "use_beam_search": _neutral(False), "include_stop_str_in_output": _neutral(False),
-    "skip_special_tokens": _neutral(True), "truncate_prompt_tokens": _neutral(),
-    "add_generation_prompt": _neutral(True), "continue_final_message": _neutral(False),
-    "chat_template": _neutral(), "chat_template_kwargs": _neutral({}), "return_tokens_as_token_ids": _neutral(False),
+# Seeds (as vLLM: 64-bit) and priorities. JSON Schema checkers compare integers as doubles, where near 2**63
+# 512 neighbours round alike (2**63 - 1 and 2**63 are one double): a bound that is a double, compared as a
+# double here too, gives client and server one answer. +-(2**63 - 1024) keeps every value within int64.
+INT64_BOUND = 2**63 - 1024
+
+
+def _int64(v: int) -> int:
+    if abs(v) > 2**64 or abs(float(v)) > INT64_BOUND:  # the first test: float() of a huge int overflows
+        raise ValueError(f"must be within +-{INT64_BOUND}")
+    return v
+
+
+# An integer as JSON Schema has it: 3.0 is one (a JSON number with no fraction), "3" and True are not.
+Int = Annotated[int, BeforeValidator(_integral)]
+Int64 = Annotated[Int, AfterValidator(_int64)]
+
+
+def int64(default: int | None) -> Any:
+    """A 64-bit integer field (see INT64_BOUND)."""
+    return Field(default=default, json_schema_extra={"minimum": -INT64_BOUND, "maximum": INT64_BOUND})
+
+
+# Fields of the OpenAI/vLLM APIs that this server does not implement, each with the values that ask for
+# nothing: accepted only as null or one of those (clients such as vLLM's bench serve send ``"logprobs": null,
+# "repetition_penalty": 1.0``), otherwise a 400 -- never silently ignored. The OpenAPI schema says the same.
+UNSUPPORTED: dict[str, tuple[object, ...]] = {
+    "logprobs": (False,), "top_logprobs": (0,), "prompt_logprobs": (), "echo": (False,), "best_of": (1,),
+    "suffix": ("",), "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
+    "length_penalty": (1,), "min_p": (0,), "min_tokens": (0,), "logit_bias": ({},), "allowed_token_ids": (),
+    "bad_words": ([],), "response_format": ({"type": "text"},), "tools": ([],), "functions": ([],),
+    "tool_choice": ("none", "auto"), "function_call": ("none", "auto"), "guided_json": (), "guided_regex": (),
+    "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "prediction": (),
+    "use_beam_search": (False,), "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
+    "truncate_prompt_tokens": (), "add_generation_prompt": (True,), "continue_final_message": (False,),
+    "chat_template": (), "chat_template_kwargs": ({},), "return_tokens_as_token_ids": (False,),
 }
+
+
+def asks_nothing(value: object, neutral: tuple[object, ...]) -> bool:
+    """``value`` is null or one of ``neutral``, compared as JSON values are (True is not 1; 1.0 is 1)."""
+    return value is None or any(
+        type(value) is type(x) and value == x or (type(value) is float and type(x) is int and value == x) for x in neutral)
 
 
 class StreamOptions(BaseModel):
@@ -56,22 +74,26 @@ class GenerationRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
-    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
-    n: int = Field(default=1, ge=1, le=1)
+    top_k: Int = Field(default=0, ge=-1)
+    seed: Int64 | None = int64(None)
+    n: Int = Field(default=1, ge=1, le=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    stop_token_ids: list[Int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
-    priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)  # --policy priority: higher first
+    priority: Int64 = int64(0)  # --policy priority: higher first
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[int] | list[str]
+    # One prompt, never empty (the front end says so in words; the schema tells a client generated from it):
+    # text, token ids, or vLLM's list of texts holding one.
+    prompt: str | list[Int] | list[str] = Field(json_schema_extra={"anyOf": [
+        {"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "integer"}, "minItems": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1}]})
 
 
 class TextPart(BaseModel):
@@ -88,13 +110,13 @@ class Message(BaseModel):
 
 class ChatRequest(GenerationRequest):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: Int | None = Field(default=None, ge=1)
 
 
 class TokenizeRequest(BaseModel):
     """vLLM's ``POST /tokenize``: a completions ``prompt`` or chat ``messages`` (templated as a chat request is)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = Field(default=None, min_length=1)
@@ -114,9 +136,10 @@ def validated(model: type[_M], body: dict[str, Any]) -> _M:
         raise ApiError(400, f"invalid field {clip(param)}: {err['msg']}", param) from None
 
 
-def body_schema(model: type[BaseModel]) -> dict[str, Any]:
+def body_schema(model: type[BaseModel], generation: bool = True) -> dict[str, Any]:
     """The OpenAPI request body of an endpoint that parses its JSON itself: ``model``'s schema with its
-    definitions inlined (so that it stands alone), plus the unsupported fields, which must be null."""
+    definitions inlined (so that it stands alone), plus, for a ``generation`` endpoint, the unsupported fields,
+    each null or a value that asks for nothing."""
     schema = model.model_json_schema()
     defs = schema.pop("$defs", {})
 
@@ -128,6 +151,64 @@ def body_schema(model: type[BaseModel]) -> dict[str, Any]:
         return [inline(v) for v in node] if isinstance(node, list) else node
 
     schema = inline(schema)
-    for name in UNSUPPORTED:
-        schema["properties"].setdefault(name, {"description": "not supported: null or its neutral default only"})
+    for name, neutral in UNSUPPORTED.items() if generation else ():
+        schema["properties"].setdefault(name, {"description": "not supported: null or a value that asks for nothing",
+                                               "enum": [None, *neutral]})
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def generation_schema(model: type[GenerationRequest], vocab: int, max_model_len: int, priorities: bool) -> dict[str, Any]:
+    """:func:`body_schema` of a completions or chat request with what this server's model and flags allow:
+    token ids below ``vocab``, at most ``max_model_len - 1`` output tokens (the prompt takes at least one),
+    stop strings as :meth:`Server._params` checks them, and without ``priorities`` (no ``--policy priority``)
+    a priority of 0. What a schema cannot say (prompt tokens + max_tokens within the context) stays a 400."""
+    extra = body_schema(model)
+    props = extra["requestBody"]["content"]["application/json"]["schema"]["properties"]
+    token_id = {"type": "integer", "minimum": 0, "maximum": vocab - 1}
+    stop = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
+    props["stop"] = {"anyOf": [stop, {"type": "array", "items": stop, "maxItems": MAX_STOP_STRINGS}, {"type": "null"}]}
+    props["stop_token_ids"] = {"anyOf": [{"type": "array", "items": token_id, "maxItems": MAX_STOP_TOKEN_IDS},
+                                         {"type": "null"}]}
+    for name in ("max_tokens", "max_completion_tokens"):
+        if name in props:
+            props[name] = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": max_model_len - 1}, {"type": "null"}]}
+    if "prompt" in props:
+        props["prompt"]["anyOf"][1].update(items=token_id, maxItems=max_model_len - 1)
+    if not priorities:
+        props["priority"] = {"const": 0, "description": "0 only: this server runs without --policy priority"}
+    return extra
+
+
+def _error(what: str) -> dict[str, Any]:
+    props = {"message": {"type": "string"}, "type": {"type": "string"},
+             "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}
+    body = {"type": "object", "required": ["error"],
+            "properties": {"error": {"type": "object", "required": ["message", "type"], "properties": props}}}
+    return {"description": what, "content": {"application/json": {"schema": body}}}
+
+
+# The error responses each endpoint can give (ApiError's body), documented so that a client generated from
+# /openapi.json knows them.
+BAD_REQUEST = {400: _error("an invalid request: the message names the field"),
+               413: _error("the request body is over MAX_BODY_BYTES")}
+GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "the completion: JSON, or with `stream: true` server-sent events (`data: {...}` chunks, "
+                         "then `data: [DONE]`)",
+          "content": {"application/json": {"schema": {"type": "object"}},
+                      "text/event-stream": {"schema": {}}}},
+    **BAD_REQUEST,
+    404: _error("the model named is not the one this server serves"),
+    429: _error("too many requests waiting (--max-waiting)"),
+    503: _error("the engine has stopped"),
+}
+TOKENIZE_RESPONSES: dict[int | str, dict[str, Any]] = {**BAD_REQUEST, 404: GENERATION_RESPONSES[404]}
+HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {503: GENERATION_RESPONSES[503]}
+
+
+def tokenize_schema() -> dict[str, Any]:
+    """``/tokenize``'s body: :class:`TokenizeRequest`, with exactly one of ``prompt`` and ``messages`` given."""
+    extra = body_schema(TokenizeRequest, generation=False)
+    schema = extra["requestBody"]["content"]["application/json"]["schema"]
+    schema["anyOf"] = [{"required": [one], "properties": {one: {"not": {"type": "null"}}, other: {"type": "null"}}}
+                       for one, other in (("prompt", "messages"), ("messages", "prompt"))]
+    return extra
