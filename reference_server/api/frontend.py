@@ -245,10 +245,6 @@ class Server:
         self.check_model(req.model)
         self._note_extra(req)
         if isinstance(req, ChatRequest):
-            if req.max_completion_tokens and req.max_tokens and req.max_tokens >= self.engine.max_model_len:
-                # ignored beside max_completion_tokens, but past what any request could ask: an error all the same
-                raise ApiError(400, f"max_tokens {req.max_tokens} cannot fit this model's context of "
-                                    f"{self.engine.max_model_len} tokens", "max_tokens", "context_length_exceeded")
             prompt_ids = await asyncio.to_thread(self.chat_prompt, req)
             asked = req.max_completion_tokens or req.max_tokens
             max_tokens = asked or 0

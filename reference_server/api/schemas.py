@@ -136,6 +136,9 @@ def validated(model: type[_M], body: dict[str, Any]) -> _M:
         raise ApiError(400, f"invalid field {clip(param)}: {err['msg']}", param) from None
 
 
+_BOUNDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
+
+
 def body_schema(model: type[BaseModel], generation: bool = True) -> dict[str, Any]:
     """The OpenAPI request body of an endpoint that parses its JSON itself: ``model``'s schema with its
     definitions inlined (so that it stands alone), plus, for a ``generation`` endpoint, the unsupported fields,
@@ -147,7 +150,8 @@ def body_schema(model: type[BaseModel], generation: bool = True) -> dict[str, An
         if isinstance(node, dict):
             if "$ref" in node:
                 return inline(defs[node["$ref"].rsplit("/", 1)[-1]])
-            return {k: inline(v) for k, v in node.items()}
+            keys = _BOUNDS if "type" in node else {}  # a validated Int | None leaks pydantic's own names
+            return {keys.get(k, k): inline(v) for k, v in node.items()}
         return [inline(v) for v in node] if isinstance(node, list) else node
 
     schema = inline(schema)
@@ -159,9 +163,10 @@ def body_schema(model: type[BaseModel], generation: bool = True) -> dict[str, An
 
 def generation_schema(model: type[GenerationRequest], vocab: int, max_model_len: int, priorities: bool) -> dict[str, Any]:
     """:func:`body_schema` of a completions or chat request with what this server's model and flags allow:
-    token ids below ``vocab``, at most ``max_model_len - 1`` output tokens (the prompt takes at least one),
-    stop strings as :meth:`Server._params` checks them, and without ``priorities`` (no ``--policy priority``)
-    a priority of 0. What a schema cannot say (prompt tokens + max_tokens within the context) stays a 400."""
+    token ids below ``vocab``, a token-id prompt shorter than ``max_model_len``, stop strings as
+    ``Server._params`` checks them, and without ``priorities`` (no ``--policy priority``) a priority of 0.
+    What a schema cannot say, prompt tokens + max_tokens within the context, stays a 400
+    ``context_length_exceeded``."""
     extra = body_schema(model)
     props = extra["requestBody"]["content"]["application/json"]["schema"]["properties"]
     token_id = {"type": "integer", "minimum": 0, "maximum": vocab - 1}
@@ -169,9 +174,6 @@ def generation_schema(model: type[GenerationRequest], vocab: int, max_model_len:
     props["stop"] = {"anyOf": [stop, {"type": "array", "items": stop, "maxItems": MAX_STOP_STRINGS}, {"type": "null"}]}
     props["stop_token_ids"] = {"anyOf": [{"type": "array", "items": token_id, "maxItems": MAX_STOP_TOKEN_IDS},
                                          {"type": "null"}]}
-    for name in ("max_tokens", "max_completion_tokens"):
-        if name in props:
-            props[name] = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": max_model_len - 1}, {"type": "null"}]}
     if "prompt" in props:
         props["prompt"]["anyOf"][1].update(items=token_id, maxItems=max_model_len - 1)
     if not priorities:
