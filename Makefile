@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup test-deps sweep test test-ray lint gpu-prepare gpu-check scale-check
+.PHONY: setup test-deps sweep test test-ray test-contract lint gpu-prepare gpu-check scale-check
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -34,6 +34,11 @@ test: setup test-deps
 test-ray: setup
 	$(PIP) install -q -e '.[ray]'
 	$(VENV)/bin/pytest -q -m ray
+
+# The reference server's OpenAPI contract (pytest marker contract): schemathesis with all checks, about 2 minutes
+# of requests, so in a CI step of its own beside the default suite (.ci/run), not in `make test`.
+test-contract: setup
+	$(VENV)/bin/pytest -q -m contract
 
 lint: setup
 	$(VENV)/bin/ruff check .

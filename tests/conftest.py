@@ -1,6 +1,6 @@
 """Shared fixtures (keep small): a null/fault-injection SSE server on loopback, in its own process; the
-reference server's app around a given engine, served in-process on a free loopback port; the report tests' synthetic
-run."""
+reference server's app around a given engine, served in-process on a free loopback port (and one on a small context);
+the report tests' synthetic run."""
 
 from __future__ import annotations
 
@@ -58,6 +58,22 @@ class LiveServer:
 @pytest.fixture(scope="session")
 def live_server() -> type[LiveServer]:
     return LiveServer
+
+
+SMALL_CONTEXT = 64  # tokens: caps the work of each request that hostile or generated bodies make
+
+
+@pytest.fixture(scope="module")
+def small_server() -> Iterator[LiveServer]:
+    """The reference server on a SMALL_CONTEXT-token context, for the tests that send generated bodies."""
+    from reference_server.config import EngineConfig
+    from reference_server.engine import Engine
+    from reference_server.model_files import default_model_path
+
+    cfg = EngineConfig(model=default_model_path(), num_kv_blocks=64, max_model_len=SMALL_CONTEXT, threads=1,
+                       max_waiting=64)
+    with LiveServer(Engine.on_own_thread(cfg)) as running:
+        yield running
 
 
 @pytest.fixture(scope="session")

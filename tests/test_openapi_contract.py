@@ -1,8 +1,8 @@
 """The reference server's OpenAPI document says what it does: schemathesis, with all its checks, against
 ``/openapi.json`` of a live server (valid bodies accepted, invalid ones rejected, every status, content type
 and body documented, no 5xx). The one exception is the rule no schema can state, prompt + max_tokens within
-the context (tests/support/openapi_hooks.py). Bounded and repeatable: a 64-token context caps each request's
-work, a fixed seed and example count make CI send the same cases every time."""
+the context (tests/support/openapi_hooks.py). Bounded and repeatable: the small_server's 64-token context
+caps each request's work, a fixed seed and example count make CI send the same cases every time."""
 
 from __future__ import annotations
 
@@ -13,24 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from reference_server.config import EngineConfig
-from reference_server.engine import Engine
-from reference_server.model_files import default_model_path
-
-CONTEXT = 64
+pytestmark = pytest.mark.contract  # its own CI step (make test-contract), beside the default suite
 SCHEMATHESIS = Path(sys.executable).parent / "schemathesis"
 
 
-@pytest.fixture(scope="module")
-def server(live_server):
-    cfg = EngineConfig(model=default_model_path(), num_kv_blocks=64, max_model_len=CONTEXT, threads=1, max_waiting=64)
-    with live_server(Engine.on_own_thread(cfg)) as running:
-        yield running
-
-
-def test_schemathesis_all_checks_find_nothing(server, tmp_path):
+def test_schemathesis_all_checks_find_nothing(small_server, tmp_path):
     env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.support.openapi_hooks", "PYTHONPATH": str(Path(__file__).parents[1])}
-    out = subprocess.run([str(SCHEMATHESIS), "run", f"{server.url}/openapi.json", "--checks", "all",
+    out = subprocess.run([str(SCHEMATHESIS), "run", f"{small_server.url}/openapi.json", "--checks", "all",
                           "--max-examples", "15", "--seed", "1", "--request-timeout", "120", "--workers", "1"],
                          capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
     report = out.stdout + out.stderr

@@ -14,15 +14,8 @@ import json
 from typing import Any
 
 import httpx
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from reference_server.config import EngineConfig
-from reference_server.engine import Engine
-from reference_server.model_files import default_model_path
-
-CONTEXT = 64
 
 HOSTILE: st.SearchStrategy[Any] = st.one_of(
     st.none(), st.booleans(), st.just(""), st.just({}), st.just([]),
@@ -82,14 +75,6 @@ def bodies(schema: dict[str, Any]) -> st.SearchStrategy[bytes]:
     return st.one_of(as_json, as_json, as_json, as_json, junk)
 
 
-@pytest.fixture(scope="module")
-def server(live_server):
-    cfg = EngineConfig(model=default_model_path(), num_kv_blocks=64, max_model_len=CONTEXT, threads=1,
-                       max_waiting=64)
-    with live_server(Engine.on_own_thread(cfg)) as running:
-        yield running
-
-
 def _schemas(url: str) -> dict[str, dict[str, Any]]:
     spec = httpx.get(url + "/openapi.json", timeout=30).json()
     return {path: spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
@@ -115,8 +100,8 @@ def _check(path: str, body: bytes, status: int, text: str) -> None:
         assert json.loads(text)["choices"][0]["finish_reason"] in ("stop", "length"), where
 
 
-def test_fuzzed_requests_never_5xx_and_leak_nothing(server):
-    schemas = _schemas(server.url)
+def test_fuzzed_requests_never_5xx_and_leak_nothing(small_server):
+    schemas = _schemas(small_server.url)
     assert {"prompt", "max_tokens", "logprobs"} <= set(schemas["/v1/completions"]["properties"])
     requests = st.lists(st.one_of(*(st.tuples(st.just(p), bodies(s)) for p, s in schemas.items())),
                         min_size=8, max_size=8)
@@ -127,7 +112,7 @@ def test_fuzzed_requests_never_5xx_and_leak_nothing(server):
     @given(batch=requests)
     def fire(batch: list[tuple[str, bytes]]) -> None:
         async def run() -> list[tuple[int, str]]:
-            async with httpx.AsyncClient(base_url=server.url, timeout=180) as client:
+            async with httpx.AsyncClient(base_url=small_server.url, timeout=180) as client:
                 return list(await asyncio.gather(*(_send(client, p, b) for p, b in batch)))
 
         for (path, body), (status, text) in zip(batch, asyncio.run(run()), strict=True):
@@ -136,8 +121,8 @@ def test_fuzzed_requests_never_5xx_and_leak_nothing(server):
 
     fire()
     assert counts["2xx"] >= 30 and counts["4xx"] >= 30, counts  # both valid and rejected bodies were exercised
-    server.wait_idle()
-    assert httpx.get(server.url + "/health", timeout=30).status_code == 200
-    metrics = httpx.get(server.url + "/metrics", timeout=30).text
+    small_server.wait_idle()
+    assert httpx.get(small_server.url + "/health", timeout=30).status_code == 200
+    metrics = httpx.get(small_server.url + "/metrics", timeout=30).text
     assert "servelab_engine_alive 1.0" in metrics and "servelab_kv_blocks_used 0.0" in metrics
-    assert server.engine.block_manager.num_free == server.engine.block_manager.num_blocks
+    assert small_server.engine.block_manager.num_free == small_server.engine.block_manager.num_blocks
