@@ -120,8 +120,8 @@ SERVER_NICE = 10  # the null servers' nice value: a client worker woken for a se
 
 def servers_for(workers: int) -> int:
     """Null-server processes for ``workers`` client workers by default: one each. A null server spends about
-    a quarter of the client's CPU per 200-event request (0.09-0.14 vs 0.53-0.64 ms, docs/performance.md), so
-    one per worker stays near a quarter of a core at full client speed, with room under :data:`SERVER_BUSY`
+    a fifth of the client's CPU per 200-event request (0.10-0.11 ms, docs/performance.md), so one per worker
+    stays near a fifth of a core at full client speed, with room under :data:`SERVER_BUSY`
     for the kernel's uneven deal of connections (one per two would sit at the threshold); each point checks
     it (``servers_limit``). An idle server costs nothing."""
     return workers
