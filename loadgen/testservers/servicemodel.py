@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import heapq
+import itertools
 import json
 import math
 from collections import deque
@@ -42,11 +43,13 @@ from loadgen.testservers.stream import Behaviour, Stream, http_chunk
 
 @dataclass(frozen=True)
 class ServiceModel:
-    slots: int = 8
-    prefill_base: float = 0.004
-    prefill_per_token: float = 0.0001
-    decode_base: float = 0.004
-    decode_per_seq: float = 0.001
+    """The model's costs (the module's docstring gives its rules); times in seconds."""
+
+    slots: int = 8  # requests served at once; more wait in a FIFO queue
+    prefill_base: float = 0.004  # a prefill's fixed cost ...
+    prefill_per_token: float = 0.0001  # ... and its cost per prompt token
+    decode_base: float = 0.004  # a decode step's fixed cost ...
+    decode_per_seq: float = 0.001  # ... and its cost per occupied slot
 
     def __post_init__(self) -> None:
         if self.slots < 1 or min(self.prefill_base, self.prefill_per_token, self.decode_base, self.decode_per_seq) < 0:
@@ -86,59 +89,61 @@ def simulate(
     concurrency: int | None = None,
 ) -> list[Timeline]:  # fmt: skip
     """The model's exact timelines for ``jobs`` ``(prompt_tokens, output_tokens)`` in dispatch order: sent at
-    ``arrivals`` (open loop) or by ``concurrency`` sessions that send the next job when theirs ends."""
+    ``arrivals`` (open loop) or by ``concurrency`` sessions that send the next job when theirs ends.
+
+    One heap event per token (the hot loop of every virtual-time search): a token that is not a request's
+    last replaces itself on the heap by the next one (one sift, not a pop and a push)."""
     if (arrivals is None) == (concurrency is None):
         raise ValueError("simulate: give arrivals (open loop) or concurrency (closed loop)")
     n = len(jobs)
     arrive, first, end = [0.0] * n, [0.0] * n, [0.0] * n
-    left = [out for _, out in jobs]
-    events: list[tuple[float, int, int, int]] = []  # (time, seq, kind, job); kind 0 arrive, 1 token
-    seq = 0
-
-    def push(t: float, kind: int, j: int) -> None:
-        nonlocal seq
-        heapq.heappush(events, (t, seq, kind, j))
-        seq += 1
-
+    outs = [out for _, out in jobs]
+    left = outs.copy()
+    prefill = [model.prefill(prompt) for prompt, _ in jobs]
+    step = [model.step(b) for b in range(model.slots + 1)]
+    # (time, seq, kind, job); kind 0 arrive, 1 token; seq (unique) breaks ties in push order
+    events: list[tuple[float, int, int, int]] = []
+    seq = itertools.count()
+    push, pop, replace = heapq.heappush, heapq.heappop, heapq.heapreplace
     sent = 0
     if arrivals is not None:
         for j, t in enumerate(arrivals[:n]):
-            push(t, 0, j)
+            push(events, (t, next(seq), 0, j))
         n = min(n, len(arrivals))
     else:
         for _ in range(min(concurrency or 1, n)):
-            push(0.0, 0, sent)
+            push(events, (0.0, next(seq), 0, sent))
             sent += 1
     busy, queue = 0, deque[int]()
-
-    def admit(j: int, t: float) -> None:
-        push(t + model.prefill(jobs[j][0]), 1, j)
-
     while events:
-        t, _, kind, j = heapq.heappop(events)
-        if kind == 0:
-            arrive[j] = t
-            if busy < model.slots:
-                busy += 1
-                admit(j, t)
+        t, _, kind, j = events[0]
+        if kind:
+            k = left[j]
+            if k == outs[j]:
+                first[j] = t
+            left[j] = k - 1
+            if k > 1:
+                replace(events, (t + step[busy], next(seq), 1, j))
+                continue
+            pop(events)
+            end[j] = t
+            if queue:
+                q = queue.popleft()
+                push(events, (t + prefill[q], next(seq), 1, q))
             else:
-                queue.append(j)
+                busy -= 1
+            if concurrency is not None and sent < n:
+                push(events, (t, next(seq), 0, sent))
+                sent += 1
             continue
-        if left[j] == jobs[j][1]:
-            first[j] = t
-        left[j] -= 1
-        if left[j] > 0:
-            push(t + model.step(busy), 1, j)
-            continue
-        end[j] = t
-        if queue:
-            admit(queue.popleft(), t)
+        pop(events)
+        arrive[j] = t
+        if busy < model.slots:
+            busy += 1
+            push(events, (t + prefill[j], next(seq), 1, j))
         else:
-            busy -= 1
-        if concurrency is not None and sent < n:
-            push(t, 0, sent)
-            sent += 1
-    return [Timeline(arrive[j], first[j], end[j], jobs[j][1]) for j in range(n)]
+            queue.append(j)
+    return [Timeline(arrive[j], first[j], end[j], outs[j]) for j in range(n)]
 
 
 Job = tuple[int, int]  # (prompt tokens, output tokens)
