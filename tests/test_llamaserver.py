@@ -54,12 +54,17 @@ def llama_binary():
     assert os.access(os.environ[LLAMA_SERVER_ENV], os.X_OK)
 
 
+def _llama_server(tmp_path_factory, slots: int):
+    """llama-server with ``slots`` parallel slots (-np), for the tests of one module."""
+    port = free_port()
+    log = tmp_path_factory.mktemp(f"llama{slots}") / "server.log"
+    with ServerProcess(render_command(SERVER, {"np": str(slots)}, port), port, log, health_timeout_s=60) as srv:
+        yield srv
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("llama") / "server.log"
-    with ServerProcess(render_command(SERVER, {"np": "2"}, port), port, log, health_timeout_s=60) as srv:
-        yield srv
+    yield from _llama_server(tmp_path_factory, 2)
 
 
 class Prompts(Workload):
@@ -87,10 +92,7 @@ def run(backend, workload, out_dir, n, concurrency=1, sidecars=()):
 
 @pytest.fixture(scope="module")
 def server16(tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("llama16") / "server.log"
-    with ServerProcess(render_command(SERVER, {"np": "16"}, port), port, log, health_timeout_s=60) as srv:
-        yield srv
+    yield from _llama_server(tmp_path_factory, 16)
 
 
 @pytest.mark.parametrize("concurrency", [4, 16])
@@ -216,21 +218,12 @@ def test_prompts_of_another_tokenizer_are_caught_by_the_servers_count(server, tm
         tmp_path / "other" / "report.html").read_text()
 
 
-SHORT_PROMPTS = """
-[[classes]]
-name = "short"
-prompt = { dist = "fixed", value = 48 }
-output = { dist = "fixed", value = 24 }
-"""
-
-
 def test_server_sweep_two_np_values(tmp_path):
     """`bench sweep --server ... --grid np=1,4`: one server per grid point, each point with its
     server-state time series, reconciled against what the client counted."""
-    (tmp_path / "short.toml").write_text(SHORT_PROMPTS)
+    wl = fixed_workload(tmp_path / "short.toml", 48, 24)
     res = CliRunner().invoke(app, [
-        "sweep", "--server", SERVER, "--grid", "np=1,4", "--backend", "llamacpp-native",
-        "--workload", str(tmp_path / "short.toml"),
+        "sweep", "--server", SERVER, "--grid", "np=1,4", "--backend", "llamacpp-native", "--workload", str(wl),
         "--concurrency", "4", "--num-requests", "8", "--warmup", "0", "--output-dir", str(tmp_path),
         "--run-id", "grid", "--server-timeout", "60",
     ])  # fmt: skip

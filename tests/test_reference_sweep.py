@@ -11,19 +11,12 @@ from typer.testing import CliRunner
 from loadgen.cli import app
 from loadgen.targets import embedded_server
 
-SHORT = """
-[[classes]]
-name = "short"
-prompt = { dist = "fixed", value = 32 }
-output = { dist = "fixed", value = 12 }
-"""
-
 
 def test_reference_server_grid_with_iterations(tmp_path):
-    (tmp_path / "short.toml").write_text(SHORT)
+    wl = fixed_workload(tmp_path / "short.toml", 32, 12)
     res = CliRunner().invoke(app, [
         "sweep", "--server", "python -m reference_server --port {port} --threads 1 --max-num-seqs {seqs}",
-        "--grid", "seqs=1,2", "--workload", str(tmp_path / "short.toml"), "--concurrency", "2",
+        "--grid", "seqs=1,2", "--workload", str(wl), "--concurrency", "2",
         "--num-requests", "4", "--warmup", "0", "--output-dir", str(tmp_path), "--run-id", "ref",
         "--server-timeout", "180",
     ])  # fmt: skip

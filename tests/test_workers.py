@@ -11,6 +11,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from support.service_models import LIVE
 from support.signals import sigint_default
 
 from backends.openai import OpenAIBackend
@@ -176,14 +177,13 @@ def test_capacity_with_two_workers_finds_the_known_capacity_and_stops_probes_ear
     probe while it runs (the coordinator appends them to its requests.jsonl), so probes split over two
     processes stop as soon as they are decided, and the interval holds the model's capacity, as with one."""
     from loadgen.slo import parse_slos
-    from loadgen.testservers.servicemodel import ServiceModel, ServiceModelProcess, true_capacity
+    from loadgen.testservers.servicemodel import ServiceModelProcess, true_capacity
 
-    model = ServiceModel(slots=8, prefill_base=0.003, prefill_per_token=0.000075, decode_base=0.003, decode_per_seq=0.006)
     slo = "tpot_p50=30ms"  # TPOT = 3 + 6c ms: capacity 4 (as tests/test_capacity_cli.py's live search)
-    truth = true_capacity(model, (60, 8), parse_slos(slo, percentiles=True), "concurrency")
+    truth = true_capacity(LIVE, (60, 8), parse_slos(slo, percentiles=True), "concurrency")
     wl = tmp_path / "fixed.toml"
     wl.write_text('description = "fixed"\n[[classes]]\nname = "fixed"\nprompt = 60\noutput = 8\n')
-    with ServiceModelProcess(model) as url:
+    with ServiceModelProcess(LIVE) as url:
         args = ["capacity", "--url", url, "--slo", slo, "--mode", "concurrency", "--workload", str(wl), "--workers", "2",
                 "--budget", "60", "--max-probe-s", "10", "--max-samples", "400", "--output-dir", str(tmp_path),
                 "--run-id", "w2", "--timeout", "30"]  # fmt: skip
