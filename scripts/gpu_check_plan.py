@@ -34,7 +34,7 @@ class Plan:
 
 GPU_PLAN = Plan("cuda", "smollm2-135m", "llama-1b", ("smollm2-135m", "llama-1b", "llama-8b"), 64, 128, 128, (32, 256), (1, 16, 64, 256), 12.0, 16, 32,
                 PYTEST_FILES)
-REHEARSAL_PLAN = Plan("cpu", "tiny", "tiny-wide", ("tiny", "tiny-wide", "tiny-deep"), 4, 8, 16, (4, 12), (1, 4), 3.0, 4, 8,
+REHEARSAL_PLAN = Plan("cpu", "tiny", "tiny-wide", ("tiny", "tiny-deep"), 4, 8, 16, (4, 12), (1, 4), 1.5, 4, 8,
                       ("tests/test_triton_attention.py::test_rejects_layouts_it_cannot_read",
                        "tests/test_reference_engine.py::test_greedy_same_with_prefix_cache_and_chunked_prefill"))
 

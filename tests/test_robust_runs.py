@@ -287,7 +287,7 @@ def test_second_ctrl_c_exits_at_once(tmp_path, null_server):
     # second signal to land in it
     args = ["run", "--url", null_server, "--concurrency", "16", "--num-requests", "100000", "--output-dir",
             str(tmp_path), "--run-id", "twice", "--poll-hz", "0", "--telemetry-hz", "0",
-            "--extra-body", '{"nullserver": {"itl": 0.01}}']  # fmt: skip
+            "--extra-body", '{"nullserver": {"itl": 0.001}}']  # fmt: skip
     proc = _bench(args, preexec_fn=sigint_default)
     reqs = tmp_path / "twice" / "points" / "c016" / "requests.jsonl"
     _wait_records(reqs, 400, proc)

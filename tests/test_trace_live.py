@@ -58,7 +58,7 @@ def tmux_run(tmp_path_factory):
     (d / "w.toml").write_text(WORKLOAD)
     sock, session = f"servelab-test-{os.getpid()}", "live"
     cmd = (f"SERVELAB_ENGINE_SLEEP_MS=25 {BENCH} sweep --workload {d / 'w.toml'} --concurrency 2,3 "
-           f"--num-requests 8 --warmup 1 --timeout 6 --output-dir {d} --run-id r; echo $? > {d / 'rc'}; sleep 60")  # fmt: skip
+           f"--num-requests 8 --warmup 1 --timeout 3 --output-dir {d} --run-id r; echo $? > {d / 'rc'}; sleep 60")  # fmt: skip
     subprocess.run([tmux, "-L", sock, "new-session", "-d", "-s", session, "-x", "220", "-y", "40", cmd], check=True)
     captures: list[str] = []
     try:
