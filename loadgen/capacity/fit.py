@@ -1,5 +1,6 @@
-"""The evidence of every open-loop probe near the SLO crossing at once: a logistic fit of the misses against
-load (:func:`pooled_fit`)."""
+"""The evidence of every probe near the SLO crossing at once: for open-loop probes a logistic fit of the misses
+against load (:func:`pooled_fit`), for closed-loop ones a fit of each latency SLO's percentile against load
+(:func:`closed_fit`)."""
 
 from __future__ import annotations
 
@@ -17,13 +18,30 @@ from loadgen.slo import SLO
 
 @dataclass
 class Fit:
-    """The capacity from the open-loop probes near the SLO crossing together (:func:`pooled_fit`): each end
-    None when the probed loads do not bound it."""
+    """The capacity from the probes near the SLO crossing together (:func:`pooled_fit`, :func:`closed_fit`):
+    each end None when the probed loads do not bound it."""
 
     lo: float | None
     hi: float | None
     estimate: float
     probes: int  # the probes it pooled
+    basis: str = "the SLO misses"  # what of each probe it fitted (open loop: misses; closed loop: percentiles)
+
+    def within(self, mode: str, lo: float | None, hi: float | None) -> Fit:
+        """The fit inside the confirmed bracket ``[lo, hi]`` (each verdict at the stated confidence): where the two
+        disagree, the confirmed verdict stands. Concurrency: ``hi`` is the fewest sessions that fail."""
+        gap = 1.0 if mode == "concurrency" else 0.0
+        a, b = self.lo, self.hi
+        if a is not None:
+            a = max(a, lo) if lo is not None else a
+            a = min(a, hi - gap) if hi is not None else a
+        if b is not None:
+            b = min(b, hi) if hi is not None else b
+            b = max(b, lo + gap) if lo is not None else b
+        est = self.estimate
+        est = max(est, lo) if lo is not None else est
+        est = min(est, hi - gap) if hi is not None else est
+        return Fit(a, b, est, self.probes, self.basis)
 
 
 def _logistic(u: np.ndarray, k: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
@@ -114,3 +132,99 @@ def pooled_fit(slos: Sequence[SLO], probes: Sequence[Probe], confidence: float, 
             break
         center = fit.estimate
     return fit
+
+
+def closed_fit(slos: Sequence[SLO], probes: Sequence[Probe], confidence: float, width: float = 0.5,
+               least: int = 3) -> Fit | None:
+    """The capacity's interval (whole sessions) from every closed-loop probe, pilot included, at once.
+
+    A closed loop's sessions share batches, so one probe near the capacity holds few independent requests (a
+    wave counts as about one): confirming a pass there takes longer than a probe, while the percentiles of
+    all the probes together trace the latency's rise with load. Per latency SLO, the log of each probe's
+    percentile is fitted against log load within ``±width`` of the crossing (a straight line: the least
+    squares, each probe weighted by its independent requests ``n / tau``, the scale from the probes' scatter
+    about the line), and the crossing's interval is Fieller's for the ratio that places it, at ``confidence``
+    two-sided split over the SLOs, with the t quantile of the fit's degrees of freedom. An SLO whose every
+    percentile is under its limit does not bind. The capacity is the lowest SLO's crossing, rounded down to
+    whole sessions; its interval, as the confirmed bracket's, runs from the most sessions that hold to the
+    fewest that fail. None: no SLO crosses between the probed loads, fewer than ``least`` loads near it, or a
+    percentile that falls with load there (the data say nothing yet). The estimate stays between the highest
+    load under the limit and the lowest over it on their point estimates (a line through a step, a queue that
+    forms at the slot count, can cross far from it)."""
+    latency = [s for s in slos if s.metric != "error_rate"]
+    if not latency:
+        return None
+    q_two = 1 - (1 - confidence) / (2 * len(latency))
+    ends: list[tuple[float, float | None, float | None, int]] = []  # (estimate, lo, hi, probes), log load
+    for slo in latency:
+        checks = ((p, next((c for c in p.checks if c.key == slo.key), None)) for p in probes if p.mode == "concurrency")
+        pts = [(math.log(p.load), math.log(c.value), c.n / max(c.tau, 1.0)) for p, c in checks
+               if c is not None and p.requests and c.value is not None and 0 < c.value < math.inf]  # fmt: skip
+        if not pts:
+            return None
+        x, y, w = (np.asarray(v, dtype=float) for v in zip(*pts, strict=True))
+        target = math.log(slo.limit)
+        if y.max() <= target:  # under the limit at every load probed: it does not bind there
+            continue
+        if y.min() > target:
+            return None  # over it at every load: no crossing to fit (the confirmed verdicts decide)
+        over = x[y > target].min()  # the crossing lies between the lowest load over the limit and the highest under it
+        under = x[(y <= target) & (x < over)]
+        got = _crossing(x, y, w, target, float((over + under.max()) / 2 if under.size else over), width, least, q_two)
+        if got is None:
+            return None
+        ends.append((min(max(got[0], float(under.max()) if under.size else -math.inf), float(over)), *got[1:]))
+    if not ends:
+        return None
+    est = min(e[0] for e in ends)  # the lowest crossing binds; its interval's ends are the lowest ends
+    lo = None if any(e[1] is None for e in ends) else min(e[1] for e in ends if e[1] is not None)
+    hi = min((e[2] for e in ends if e[2] is not None), default=None)
+
+    def whole(v: float) -> float:
+        return max(1.0, float(math.floor(math.exp(v) + 1e-9)))
+
+    # as the confirmed bracket: [the most sessions that hold, the fewest that fail]
+    return Fit(None if lo is None else whole(lo), None if hi is None else whole(hi) + 1, whole(est),
+               max(e[3] for e in ends), "the percentiles")  # fmt: skip
+
+
+def _crossing(x: np.ndarray, y: np.ndarray, w: np.ndarray, target: float, centre: float, width: float, least: int,
+              q_two: float) -> tuple[float, float | None, float | None, int] | None:  # fmt: skip
+    """Where the weighted line of ``y`` on ``x`` near ``centre`` (the window following the estimate) reaches
+    ``target``, with Fieller's interval (None ends: the data do not bound it). The window: ``±log1p(width)``, or
+    as far as the ``least`` nearest distinct ``x`` (a pilot doubles its load: its nearest neighbours are a factor 2
+    away). None when fewer than ``least`` distinct ``x`` or the line does not rise."""
+    got = None
+    loads = np.unique(x)
+    if loads.size < least:
+        return None
+    for _ in range(4):
+        reach = max(math.log1p(width), float(np.sort(np.abs(loads - centre))[least - 1]))
+        near = np.abs(x - centre) <= reach + 1e-12
+        xs, ys, ws = x[near] - centre, y[near], w[near]
+        design = np.column_stack([np.ones_like(xs), xs])
+        info = design.T @ (design * ws[:, None])
+        if np.linalg.cond(info) > 1e12:
+            return got
+        cov = np.linalg.inv(info)
+        a, b = cov @ design.T @ (ws * ys)
+        if b <= 0:
+            return got
+        dof = int(near.sum()) - 2
+        resid = ys - (a + b * xs)
+        cov = cov * max(float((ws * resid * resid).sum()) / dof, 1e-12) if dof > 0 else cov
+        q = t_quantile(q_two, dof) if dof > 0 else math.inf
+        est = centre + (target - a) / b
+        # Fieller: the u where (a + b·u - target)² <= q²·(v00 + 2·u·v01 + u²·v11), a bounded interval only when
+        # the slope is known well enough (b² > q²·v11)
+        quad = b * b - q * q * cov[1, 1]
+        half = (b * (a - target) - q * q * cov[0, 1]) ** 2 - quad * ((a - target) ** 2 - q * q * cov[0, 0])
+        lo = hi = None
+        if quad > 0 and half >= 0:
+            mid = -(b * (a - target) - q * q * cov[0, 1]) / quad
+            lo, hi = centre + mid - math.sqrt(half) / quad, centre + mid + math.sqrt(half) / quad
+        got = (est, lo, hi, int(near.sum()))
+        if abs(est - centre) < 1e-3 or abs(est - centre) > 2 * reach:
+            return got
+        centre = est
+    return got

@@ -102,12 +102,16 @@ def make_result(
         "not_saturated": f"the SLOs still hold at the highest load searched ({fmt_load(lo)} {unit}); raise "
                          f"--max-{'concurrency' if cfg.mode == 'concurrency' else 'rate'}",
     }  # fmt: skip
+    pooled = f"{fit.basis} of the {fit.probes} probes near the crossing, fitted against load together" if fit else ""
     if status == "ok" and fit is not None and (lo, hi) == (fit.lo, fit.hi):
         messages[status] = (f"capacity {fmt_load(lo)} {unit} at {cfg.confidence:.0%}, interval [{fmt_load(lo)}, "
-                            f"{fmt_load(hi)}] {unit} (resolution ±{cfg.resolution:.0%} reached): the SLO misses of the "
-                            f"{fit.probes} probes near the crossing, fitted against load together")  # fmt: skip
+                            f"{fmt_load(hi)}] {unit} (resolution ±{cfg.resolution:.0%} reached): {pooled}")  # fmt: skip
     elif fit is not None and (lo, hi) == (fit.lo, fit.hi):
-        messages[status] += f" (the SLO misses of the {fit.probes} probes near the crossing, fitted against load together)"
+        messages[status] = (f"time budget of {cfg.budget_s:g} probe-seconds ran out: capacity about "
+                            f"{fmt_load(estimate)} {unit}, interval [{fmt_load(lo)}, {fmt_load(hi)}] {unit} at "
+                            f"{cfg.confidence:.0%} ({pooled})") if status == "budget" else f"{messages[status]} ({pooled})"  # fmt: skip
+    if fit is not None and (lo, hi) == (fit.lo, fit.hi):
+        messages[status] += _confirmed(probes, unit)
     if status in ("budget", "unresolved") and fit is None and estimate is not None and estimate > (lo or 0.0):
         messages[status] += (f"; the probes' point estimates put it at {fmt_load(estimate)} {unit} (it passed there, "
                              f"not yet at {cfg.confidence:.0%} confidence)")  # fmt: skip
@@ -140,6 +144,17 @@ def make_result(
         status, cfg.mode, [s.describe() for s in slos], lo, (lo, hi), res_met, goodput, knee(probes, cfg.mode),
         estimate, spent, cfg.budget_s, cfg.confidence, messages[status], probes,
     )  # fmt: skip
+
+
+def _confirmed(probes: Sequence[Probe], unit: str) -> str:
+    """The verdicts at the stated confidence beside a fitted interval: the highest load confirmed to pass and
+    the lowest confirmed to fail."""
+    sure = [p for p in probes if p.phase == "search" and p.confident and p.requests]
+    passed = max((p.load for p in sure if p.verdict == "pass"), default=None)
+    failed = min((p.load for p in sure if p.verdict == "fail"), default=None)
+    said = ([f"passes up to {fmt_load(passed)} {unit}"] if passed is not None else []) + (
+        [f"fails from {fmt_load(failed)} {unit}"] if failed is not None else [])  # fmt: skip
+    return f"; confirmed by single probes: {', '.join(said)}" if said else "; no probe confirmed a pass or a fail on its own"
 
 
 def fmt_load(x: float | None) -> str:

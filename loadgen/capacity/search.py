@@ -31,7 +31,7 @@ import math
 from collections.abc import Sequence
 
 from loadgen.capacity.config import SearchConfig
-from loadgen.capacity.fit import Fit, pooled_fit
+from loadgen.capacity.fit import Fit, closed_fit, pooled_fit
 from loadgen.capacity.probe import Probe, Prober, SearchStopped, pilot_requests
 from loadgen.capacity.result import CapacityResult, converged, make_result
 from loadgen.capacity.sequential import Sequential
@@ -109,15 +109,17 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
     if cfg.mode == "concurrency" and last_ok is not None:
         soft = min(last_ok.load, _reach(cfg, slos, last_ok))
     estimate = x
+    fit: Fit | None = closed_fit(slos, probes, cfg.confidence) if cfg.mode == "concurrency" else None
     if last_ok is None and first_bad is not None:  # fails already one at a time: confirm at the lowest load
         x = lo_bound
+    elif fit is not None:  # the pilot's percentiles cross the SLOs: start where they do
+        x = min(max(fit.estimate, lo_bound), hi_bound)
     elif soft is not None and hi is not None:
         x = _toward(soft, min(hi, _reach(cfg, slos, last_ok) + 1))
 
     # 2. bracket, then bisect; only confident verdicts move the bracket, an undecided probe (the SLO
     # boundary is within its noise) is flanked by probes one resolution step either side
     lo: float | None = None
-    fit: Fit | None = None
     pooled = False
     status = "unreachable" if hi is not None and hi <= lo_bound else "budget"
     while spent < cfg.budget_s and status == "budget":
@@ -131,15 +133,23 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
             hi = x if hi is None else min(hi, x)
         if lo is not None and hi is not None and lo >= hi:  # contradicting verdicts: re-test both ends
             lo, hi = None, None
-        fit = pooled_fit(slos, probes, cfg.confidence) if cfg.mode == "rate" else None
+        fit = pooled_fit(slos, probes, cfg.confidence) if cfg.mode == "rate" else closed_fit(slos, probes, cfg.confidence)
+        if fit is not None and cfg.mode == "concurrency":
+            fit = fit.within(cfg.mode, lo, hi)
         if fit is not None and fit.lo is not None and fit.hi is not None and converged(cfg.mode, fit.lo, fit.hi, cfg.resolution):
             lo, hi, status = fit.lo, fit.hi, "ok"
             break
-        if p.bursty and lo is not None and hi is not None:
+        if cfg.mode == "concurrency" and fit is not None:
+            # a closed loop near its capacity counts about a wave as one request: a probe there seldom confirms
+            # a pass within its time, the percentiles of all the probes together place the crossing: probe
+            # beside it (a probe that decides early still moves the confirmed bracket)
+            x = _beside(fit.estimate, [q.load for q in probes if q.phase == "search"], cfg.resolution)
+            x = min(max(x, lo_bound if lo is None else lo + 1), hi_bound if hi is None else hi - 1)  # inside the bracket
+        elif p.bursty and lo is not None and hi is not None:
             # random arrivals: a probe alone cannot place the crossing within the resolution (the miss share
             # rises slowly through it, and a probe that saw no burst looks confident), the pooled fit does
             near = fit.estimate if fit is not None else _undecided(probes, lo, hi) or math.sqrt(lo * hi)
-            x, pooled = min(max(_beside(near, probes, cfg.resolution), lo_bound), hi_bound), True
+            x, pooled = min(max(_beside(near, [q.load for q in probes if q.pooled], cfg.resolution), lo_bound), hi_bound), True
         elif hi is None and (p.verdict == "pass" or lo is not None):
             if x >= hi_bound:
                 if p.confident and p.verdict == "pass":
@@ -177,8 +187,8 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
             x = nxt
         if cfg.mode == "concurrency":
             x = float(max(1, round(x) if round(x) != round(p.load) else round(p.load) + (1 if x > p.load else -1)))
-    if status == "budget" and p.bursty and fit is not None and fit.lo is not None and fit.hi is not None:
-        lo, hi = fit.lo, fit.hi  # under random arrivals the pooled evidence, not the last probes' verdicts
+    if status == "budget" and (p.bursty or cfg.mode == "concurrency") and fit is not None and fit.lo is not None and fit.hi is not None:
+        lo, hi = fit.lo, fit.hi  # the pooled evidence, not the last probes' verdicts
     if fit is not None:
         estimate = fit.estimate
     elif (crossing := point_crossing([p for p in probes if p.mode == cfg.mode], slos, lo, hi)) is not None:
@@ -265,10 +275,9 @@ def _undecided(probes: Sequence[Probe], lo: float, hi: float) -> float | None:
     return next((p.load for p in reversed(probes) if p.phase == "search" and not p.confident and lo < p.load < hi), None)
 
 
-def _beside(estimate: float, probes: Sequence[Probe], step: float) -> float:
-    """The next pooled probe: one resolution step below or above the estimate of the crossing, on the side with
-    fewer pooled probes (its interval narrows with evidence on both sides)."""
-    near = [p.load for p in probes if p.pooled]
+def _beside(estimate: float, near: Sequence[float], step: float) -> float:
+    """The next probe near the crossing: one resolution step below or above its estimate, on the side with fewer
+    of the loads ``near`` (the fit's probes so far; its interval narrows with evidence on both sides)."""
     return estimate / (1 + step) if 2 * sum(x < estimate for x in near) <= len(near) else estimate * (1 + step)
 
 

@@ -178,13 +178,19 @@ def true_capacity(
     """The model's capacity under ``slos``: the highest concurrency (closed loop, steady state after a
     wave; one job: exact, a mix of jobs: over ``requests / 10`` of them) or the highest rate (open loop;
     Poisson: the exceedance over ``seeds`` × ``requests`` arrivals with common random numbers; constant:
-    exact) at which every SLO holds. Rates to 0.2 %. ``near``: a guess of the rate that saves simulations
-    (the bracket still widens until it holds)."""
+    exact) at which every SLO holds. Rates to 0.2 %. ``near``: a guess of the load that saves simulations
+    (the search still walks or widens until it holds)."""
     if mode == "concurrency":
-        c = 1
-        while c <= max_load:
+
+        def holds_at(c: int) -> bool:
             n = max(requests // 10, 20 * c)
-            if not holds(simulate(model, draw(job, n + 2 * c, np.random.default_rng(0)), concurrency=c)[2 * c :], slos):
+            return holds(simulate(model, draw(job, n + 2 * c, np.random.default_rng(0)), concurrency=c)[2 * c :], slos)
+
+        c = max(1, int(near / 1.1)) if near else 1
+        while c > 1 and not holds_at(c):  # the guess was high
+            c -= 1
+        while c <= max_load:
+            if not holds_at(c):
                 return float(c - 1)
             c += 1
         return math.inf
