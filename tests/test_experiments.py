@@ -2,7 +2,9 @@
 
 from rich.console import Console
 
-from loadgen.experiment import (
+from loadgen.dispatch.loadspec import LoadSpec
+from loadgen.experiments.catalog import EXPERIMENTS, _plans, _workload, batching, chunked_prefill
+from loadgen.experiments.experiment import (
     SPEC,
     Column,
     Config,
@@ -12,8 +14,6 @@ from loadgen.experiment import (
     metric,
     run_experiment,
 )
-from loadgen.experiments import EXPERIMENTS, _plans, _workload, batching, chunked_prefill
-from loadgen.loadspec import LoadSpec
 from workloads.spec import EXPERIMENTS_DIR
 
 
@@ -61,7 +61,7 @@ def test_batching_verdict_follows_the_numbers():
 
 
 def test_quantization_verdict_and_accuracy_columns():
-    from loadgen.experiments import quantization
+    from loadgen.experiments.catalog import quantization
 
     exp = quantization()
     assert [p.point_id for p in exp.traffic(True)] == ["c001", "c016"]

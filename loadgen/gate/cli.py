@@ -9,19 +9,19 @@ from typing import Annotated, Any
 
 import typer
 
+from loadgen.cli.options import command, option
 from loadgen.defaults import RESULTS_ROOT, SUMMARY_FILE
 from loadgen.exitcodes import UsageError, console, exits
 from loadgen.gate.compare import compare
 from loadgen.gate.resultset import load, save_baseline
 from loadgen.gate.rules import GateError, MetricRule
 from loadgen.gate.verdict import GateReport, print_report, to_markdown
-from loadgen.options import command, option
-from loadgen.records import write_json
+from loadgen.records.writer import write_json
 
 
 @dataclass(frozen=True)
 class GateOptions:
-    """What ``bench gate`` was asked; each field is one of its options (:func:`loadgen.options.option`)."""
+    """What ``bench gate`` was asked; each field is one of its options (:func:`loadgen.cli.options.option`)."""
 
     baseline: str = option(help="Baseline result dir or baseline .json (with --ab: server command).")
     candidate: str = option(help="Candidate result dir (with --ab: server command, {port}).")
@@ -96,10 +96,10 @@ def _run_ab(o: GateOptions) -> tuple[str, str]:
     """Run the interleaved trials (``--baseline`` and ``--candidate`` are server commands); returns the two
     result directories."""
     from backends.launcher import LaunchError
-    from loadgen.ab import run_ab
-    from loadgen.loadspec import LoadSpec
-    from loadgen.results import new_run_id
-    from loadgen.targets import load_workload, make_backend
+    from loadgen.cli.targets import load_workload, make_backend
+    from loadgen.dispatch.loadspec import LoadSpec
+    from loadgen.experiments.ab import run_ab
+    from loadgen.records.results import new_run_id
 
     if o.trials < 2 or o.concurrency < 1 or o.num_requests < 1 or o.warmup < 0:
         raise UsageError("--ab needs --trials >= 2, --concurrency >= 1, --num-requests >= 1, --warmup >= 0")
