@@ -25,6 +25,7 @@ from loadgen.capacity.config import MODES, SearchConfig
 from loadgen.capacity.live import LiveProber
 from loadgen.capacity.result import CapacityResult
 from loadgen.capacity.search import search
+from loadgen.cli.exits import console, exits
 from loadgen.cli.options import (
     WorkloadOpt,
     command,
@@ -33,7 +34,7 @@ from loadgen.cli.options import (
 from loadgen.cli.targets import embedded_server, load_workload, make_backend, read_api_key
 from loadgen.dispatch.fleet import Fleet
 from loadgen.dispatch.signals import run_async
-from loadgen.exitcodes import ExitCode, UsageError, console, exits
+from loadgen.exitcodes import ExitCode, UsageError
 from loadgen.metrics.slo import SloError, parse_slos
 from loadgen.records.results import new_run_id
 from loadgen.records.writer import write_json

@@ -12,11 +12,12 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from loadgen.cli.exits import console
 from loadgen.cli.options import CLIENT, OUTPUT_DIR, RUN_ID, command, option, parse_list
 from loadgen.client.http import CLIENT_KINDS
 from loadgen.defaults import RESULTS_ROOT
 from loadgen.dispatch.signals import run_async
-from loadgen.exitcodes import ExitCode, UsageError, console
+from loadgen.exitcodes import ExitCode, UsageError
 from loadgen.experiments.calibrate import EVENTS, SERVER_BUSY, FixedWorkload, calibrate
 from loadgen.records.results import new_run_id
 from workloads.contracts import APIS, Api

@@ -17,6 +17,7 @@ from rich.table import Table
 
 from backends.launcher import GridPoint, sweep_servers
 from backends.profile import profile_of
+from loadgen.cli.exits import console, guard
 from loadgen.cli.live import LiveDisplay
 from loadgen.cli.options import RunOptions, WorkloadOpt, command, param, parse_list
 from loadgen.cli.targets import (
@@ -36,7 +37,7 @@ from loadgen.dispatch.engine import PointOptions
 from loadgen.dispatch.loadspec import LoadSpec
 from loadgen.dispatch.signals import run_async
 from loadgen.dispatch.sweep import PointPlan, loads_from, plan_points, run_seed, run_sweep
-from loadgen.exitcodes import ExitCode, UsageError, console, guard, worst
+from loadgen.exitcodes import ExitCode, UsageError, worst
 from loadgen.metrics import definitions as metrics
 from loadgen.metrics import pointsummary
 from loadgen.records.results import ResultsDir, new_run_id

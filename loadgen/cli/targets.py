@@ -21,8 +21,9 @@ from backends.detect import Detection, ServerUnreachable, detect
 from backends.launcher import LaunchError, ServerProcess, free_port
 from backends.profile import profile_of
 from backends.registry import available, get_backend, server_profiles
+from loadgen.cli.exits import console
 from loadgen.defaults import REQUEST_TIMEOUT_S
-from loadgen.exitcodes import ServerGone, UsageError, console
+from loadgen.exitcodes import ServerGone, UsageError
 from workloads.base import Workload
 
 

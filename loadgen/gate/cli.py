@@ -9,9 +9,10 @@ from typing import Annotated, Any
 
 import typer
 
+from loadgen.cli.exits import console, exits
 from loadgen.cli.options import command, option
 from loadgen.defaults import RESULTS_ROOT, SUMMARY_FILE
-from loadgen.exitcodes import UsageError, console, exits
+from loadgen.exitcodes import UsageError
 from loadgen.gate.compare import compare
 from loadgen.gate.resultset import load, save_baseline
 from loadgen.gate.rules import GateError, MetricRule
