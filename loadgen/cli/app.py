@@ -20,8 +20,7 @@ from loadgen.exitcodes import ExitCode
 from loadgen.experiments.catalog import experiment_command
 from loadgen.experiments.kvbudget import kv_budget_command
 from loadgen.gate.cli import baseline_app, gate
-from loadgen.report.cli import report_command
-from loadgen.report.trace import trace_command
+from loadgen.report.cli import report_command, trace_command
 from workloads.cli import app as workloads_app
 
 app = typer.Typer(

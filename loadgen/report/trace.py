@@ -22,9 +22,7 @@ from __future__ import annotations
 import gzip
 import json
 from pathlib import Path
-from typing import Annotated, Any
-
-import typer
+from typing import Any
 
 from loadgen.defaults import REQUESTS_FILE, RUN_FILE
 from workloads.contracts import read_jsonl
@@ -250,29 +248,3 @@ def write_trace(trace: dict[str, Any], out: Path) -> None:
     data = json.dumps(trace, separators=(",", ":")).encode()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(gzip.compress(data) if out.name.endswith(".gz") else data)
-
-
-def trace_command(
-    results_dir: Annotated[Path, typer.Argument(help="A results directory of bench run / bench sweep.")],
-    output: Annotated[Path | None, typer.Option("-o", "--output", help="Trace file, .json or .json.gz "
-                      "(default: RESULTS_DIR/trace.json).")] = None,
-    point: Annotated[list[str] | None, typer.Option(help="Only this point id (repeat for several).")] = None,
-    tokens: Annotated[bool, typer.Option(help="An instant per streamed chunk (--no-tokens: smaller file for "
-                      "long runs).")] = True,
-) -> None:  # fmt: skip
-    """Write a Perfetto / chrome://tracing timeline of a run: requests, engine steps, server and host series."""
-    out = output or results_dir / "trace.json"
-    if not out.name.endswith((".json", ".json.gz")):
-        typer.echo(f"error: -o must end in .json or .json.gz (Chrome JSON trace format), got {out.name}", err=True)
-        raise typer.Exit(2)
-    try:
-        trace, counts = build_trace(results_dir, point, tokens)
-    except (FileNotFoundError, KeyError) as exc:
-        typer.echo(f"error: {exc.args[0] if exc.args else exc}", err=True)
-        raise typer.Exit(2) from None
-    check(trace)
-    write_trace(trace, out)
-    for pid, c in counts.items():
-        typer.echo(f"{pid}: {c['requests']} requests, {c['tokens']} token events, {c['engine_steps']} engine steps, "
-                   f"{c['server_samples']} server and {c['telemetry_samples']} telemetry values")
-    typer.echo(f"trace: {out} (open in https://ui.perfetto.dev or chrome://tracing)")
