@@ -1,7 +1,5 @@
 """Experiment definitions: traffic from workload files, seeded; verdicts computed from the table."""
 
-from rich.console import Console
-
 from loadgen.dispatch.loadspec import LoadSpec
 from loadgen.experiments.catalog import EXPERIMENTS, _plans, _workload, batching, chunked_prefill
 from loadgen.experiments.experiment import (
@@ -92,7 +90,7 @@ def test_spec_counts_come_from_the_server_poller(tmp_path):
          Column("accepted", metric(f"{SPEC}.accepted"), "{}")],
         lambda _pc, _e: "-", common_args=["--dtype", "fp32", "--max-model-len", "512"],
     )  # fmt: skip
-    c = run_experiment(exp, tmp_path, True, None, Console(quiet=True))
+    c = run_experiment(exp, tmp_path, True, None, lambda _line: None)
     [row] = c["rows"]
     assert row["errors"] == 0
     assert row["drafted"] > 0 and 0 < row["accepted"] <= row["drafted"], row

@@ -11,13 +11,8 @@ import json
 import subprocess
 import sys
 from collections.abc import Callable
-from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-import typer
-from rich.console import Console
-
-from loadgen.defaults import RESULTS_ROOT
 from loadgen.dispatch.loadspec import LoadSpec
 from loadgen.dispatch.sweep import PointPlan
 from loadgen.experiments.experiment import (
@@ -28,11 +23,9 @@ from loadgen.experiments.experiment import (
     Summary,
     greedy_outputs,
     metric,
-    run_experiment,
     scrape_metrics,
     value_at,
 )
-from loadgen.records.results import new_run_id
 from reference_server import metric_names
 from workloads.base import Workload
 from workloads.loader import load_workload
@@ -41,20 +34,6 @@ from workloads.spec import EXPERIMENTS_DIR
 # -- the experiments ---------------------------------------------------------------------------------
 
 EXPERIMENTS: dict[str, Callable[[], Experiment]] = {}
-
-
-def experiment_command(
-    name: Annotated[str, typer.Argument(help="batching, chunked-prefill, scheduling, prefix-cache, speculative or quantization.")],
-    quick: Annotated[bool, typer.Option("--quick", help="Smaller traffic: under 2 minutes.")] = False,
-    out: Annotated[Path | None, typer.Option(help="Results directory (default results/exp-NAME-<id>).")] = None,
-    model: Annotated[Path | None, typer.Option(help="GGUF model (default: the bundled SmolLM2).")] = None,
-) -> None:
-    """Run a named experiment: the reference server in each configuration, the same traffic, one table."""
-    if name not in EXPERIMENTS:
-        Console(stderr=True).print(f"[red]error:[/] unknown experiment {name!r}: choose one of {', '.join(EXPERIMENTS)}")
-        raise typer.Exit(2)
-    exp = EXPERIMENTS[name]()
-    run_experiment(exp, out or RESULTS_ROOT / f"exp-{name}-{new_run_id()}", quick, model, Console())
 
 
 def _plans(workload: Workload, load: LoadSpec, prefix: str | None = None) -> list[PointPlan]:

@@ -3,8 +3,9 @@
 :func:`run_experiment` starts ``python -m reference_server`` once per :class:`Config` (through the
 launcher), runs the experiment's points with the load engine into one results directory per
 configuration (the server-state poller beside each point), then writes ``comparison.json`` /
-``comparison.md`` (the table of its :class:`Column` s and the verdict computed from it) and ``report.html``.
-The experiments themselves are in :mod:`loadgen.experiments.catalog`.
+``comparison.md`` (the table of its :class:`Column` s and the verdict computed from it);
+:func:`write_experiment_report` then writes ``report.html``. The experiments themselves are in
+:mod:`loadgen.experiments.catalog`, the command that runs one and prints its table in :mod:`loadgen.cli.experiment`.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from rich.console import Console
-from rich.table import Table
 
 from backends.launcher import ServerProcess, bundled_model, free_port
 from backends.profile import profile_of
@@ -96,20 +95,20 @@ def greedy_outputs(base_url: str, prompts: list[str], max_tokens: int) -> list[s
 # -- running ----------------------------------------------------------------------------------------
 
 
-def run_experiment(exp: Experiment, out: Path, quick: bool, model: Path | None, console: Console) -> dict[str, Any]:
-    """Run every configuration of ``exp`` into ``out/<label>``; returns the comparison."""
+def run_experiment(exp: Experiment, out: Path, quick: bool, model: Path | None,
+                   say: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
+    """Run every configuration of ``exp`` into ``out/<label>`` (``say``: a line of progress, rich markup);
+    returns the comparison, written as ``comparison.json`` and ``comparison.md``."""
     out.mkdir(parents=True, exist_ok=True)
     model_path = str(model or bundled_model())
     per_config: dict[str, list[Summary]] = {}
     extras: dict[str, dict[str, Any]] = {}
-    dirs: list[Path] = []
     for cfg in exp.configs:
         port = free_port()
         argv = [sys.executable, "-m", "reference_server", "--model", model_path, "--port", str(port),
                 *exp.common_args, *cfg.server_args]  # fmt: skip
         run_dir = out / cfg.label
-        dirs.append(run_dir)
-        console.print(f"[bold]{exp.name}[/] / {cfg.label}: {' '.join(argv[3:])}")
+        say(f"[bold]{exp.name}[/] / {cfg.label}: {' '.join(argv[3:])}")
         with ServerProcess(argv, port, run_dir / "server.log") as srv:
             served = httpx.get(srv.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
             backend = get_backend("openai")(srv.base_url, model=served)
@@ -128,15 +127,19 @@ def run_experiment(exp: Experiment, out: Path, quick: bool, model: Path | None, 
     comparison = _comparison(exp, per_config, extras, quick)
     write_json(out / "comparison.json", comparison)
     (out / "comparison.md").write_text(_markdown(comparison))
-    _print(comparison, console)
+    return comparison
+
+
+def write_experiment_report(exp: Experiment, out: Path, comparison: dict[str, Any], say: Callable[[str], None]) -> None:
+    """``out/report.html`` of every configuration's run (its path then in ``comparison["report"]``); a
+    failure is said, not raised: the table is the result, and a report failure must not lose it."""
     try:
         from loadgen.report import write_report
 
-        write_report(dirs, out / REPORT_FILE)
+        write_report([out / cfg.label for cfg in exp.configs], out / REPORT_FILE)
         comparison["report"] = str(out / REPORT_FILE)
     except Exception as exc:  # the table is the result; a report failure must not lose it
-        console.print(f"[yellow]report not written: {type(exc).__name__}: {exc}[/]")
-    return comparison
+        say(f"[yellow]report not written: {type(exc).__name__}: {exc}[/]")
 
 
 def _comparison(exp: Experiment, per_config: dict[str, list[Summary]], extras: dict[str, dict[str, Any]],
@@ -156,7 +159,7 @@ def _comparison(exp: Experiment, per_config: dict[str, list[Summary]], extras: d
     }  # fmt: skip
 
 
-def _cell(value: Any, fmt: str) -> str:
+def cell(value: Any, fmt: str) -> str:
     if value is None:
         return "-"
     if isinstance(value, float | int) and not isinstance(value, bool):
@@ -169,16 +172,6 @@ def _markdown(c: dict[str, Any]) -> str:
     lines = [f"# experiment {c['experiment']}", "", c["claim"], "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]  # fmt: skip
     for r in c["rows"]:
-        lines.append("| " + " | ".join(_cell(r[k], c["formats"].get(k, "{}")) for k in cols) + " |")
+        lines.append("| " + " | ".join(cell(r[k], c["formats"].get(k, "{}")) for k in cols) + " |")
     lines += ["", f"**verdict**: {c['verdict']}", ""]
     return "\n".join(lines)
-
-
-def _print(c: dict[str, Any], console: Console) -> None:
-    table = Table(title=f"{c['experiment']}: {c['claim']}")
-    for col in c["columns"]:
-        table.add_column(col, justify="left" if col in ("config", "point") else "right")
-    for r in c["rows"]:
-        table.add_row(*(_cell(r[k], c["formats"].get(k, "{}")) for k in c["columns"]))
-    console.print(table)
-    console.print(f"[bold]verdict:[/] {c['verdict']}")
