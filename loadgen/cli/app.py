@@ -16,9 +16,9 @@ import typer
 from loadgen.capacity.cli import capacity_command
 from loadgen.cli.calibrate import calibrate_command
 from loadgen.cli.experiment import experiment_command
+from loadgen.cli.kvbudget import kv_budget_command
 from loadgen.cli.run import run, sweep
 from loadgen.exitcodes import ExitCode
-from loadgen.experiments.kvbudget import kv_budget_command
 from loadgen.gate.cli import baseline_app, gate
 from loadgen.report.cli import report_command, trace_command
 from workloads.cli import app as workloads_app
