@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.console import Console
+from rich.table import Table
 
 from loadgen.cli.exits import console, exits
 from loadgen.cli.options import command, option
@@ -16,7 +18,7 @@ from loadgen.exitcodes import UsageError
 from loadgen.gate.compare import compare
 from loadgen.gate.resultset import load, save_baseline
 from loadgen.gate.rules import GateError, MetricRule
-from loadgen.gate.verdict import GateReport, print_report, to_markdown
+from loadgen.gate.verdict import GateReport, fmt_ci, fmt_value, to_markdown
 from loadgen.records.writer import write_json
 
 
@@ -160,3 +162,29 @@ def baseline_save(
             note = "" if len(pts) >= 5 else "  [yellow](fewer than 5 trials: the gate will say inconclusive)[/]"
             console.print(f"{pid}: {len(pts)} trial(s){note}")
         console.print(f"baseline of run {doc.get('run_id')} written to {out}")
+
+
+def print_report(rep: GateReport) -> None:
+    """The verdict table on the terminal."""
+    console = Console()
+    if not console.is_terminal:  # CI logs: no terminal width to fit, keep the table readable
+        console.width = 120
+    style = {"pass": "green", "regression": "bold red", "inconclusive": "yellow", "invalid": "bold red"}
+    if rep.checks:
+        table = Table(title=f"gate: {rep.baseline} -> {rep.candidate}")
+        for col in ("point", "rule", "baseline", "candidate", "ratio", f"{rep.confidence:.0%} CI", "n", "verdict"):
+            table.add_column(col, justify="right" if col in ("baseline", "candidate", "ratio", "n") else "left")
+        for c in rep.checks:
+            table.add_row(
+                c.point, c.rule, fmt_value(c.baseline_mean), fmt_value(c.candidate_mean), fmt_value(c.ratio), fmt_ci(c),
+                f"{c.n_baseline}/{c.n_candidate}", f"[{style[c.verdict]}]{c.verdict}[/]",
+            )  # fmt: skip
+        console.print(table)
+        for c in rep.checks:
+            if c.verdict != "pass":
+                console.print(f"  {c.point} {c.metric}: {c.reason}")
+    for e in rep.errors:
+        console.print(f"[bold red]error:[/] {e}")
+    for w in rep.warnings:
+        console.print(f"[yellow]warning:[/] {w}")
+    console.print(f"verdict: [{style[rep.verdict]}]{rep.verdict}[/] (exit {rep.exit_code})")
