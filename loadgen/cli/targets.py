@@ -23,6 +23,7 @@ from backends.profile import profile_of
 from backends.registry import available, get_backend, server_profiles
 from loadgen.cli.exits import console
 from loadgen.defaults import REQUEST_TIMEOUT_S
+from loadgen.dispatch.sweep import RESET_TIMEOUT_S
 from loadgen.exitcodes import ServerGone, UsageError
 from workloads.base import Workload
 
@@ -64,9 +65,6 @@ def read_api_key(api_key_env: str | None) -> str | None:
     return api_key
 
 
-RESET_TIMEOUT_S = 30.0  # a prefix-cache reset's answer (vLLM and SGLang empty it in the engine first)
-
-
 def reset_cache_path(backend: Backend) -> str:
     """The path whose ``POST`` empties the server's prefix cache (``--reset-cache``), found by trying the
     backend's own, then every known server's, on the server itself (so the first reset happens here)."""
@@ -86,16 +84,6 @@ def reset_cache_path(backend: Backend) -> str:
         "serves POST /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1 set; SGLang has POST /flush_cache; "
         "llama-server has none. Without it, each point's fresh prompts (the default) already miss the cache."
     )
-
-
-async def reset_cache(backend: Backend, path: str) -> dict[str, Any]:
-    """Empty the server's prefix cache before a point; what happened, for the point's summary."""
-    try:
-        async with httpx.AsyncClient(timeout=RESET_TIMEOUT_S, trust_env=False, headers=backend.auth_headers()) as client:
-            status = (await client.post(backend.base_url + path)).status_code
-    except httpx.HTTPError as exc:
-        return {"path": path, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
-    return {"path": path, "ok": 200 <= status < 300, "status": status}
 
 
 def detect_server(url: str, api_key: str | None) -> Detection:

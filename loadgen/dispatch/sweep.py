@@ -21,8 +21,9 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import httpx
+
 from backends.base import Backend
-from loadgen.cli.targets import reset_cache
 from loadgen.client.http import probe
 from loadgen.dispatch.engine import DEFAULT_OPTIONS, PointOptions, run_point
 from loadgen.dispatch.loadspec import LoadSpec
@@ -31,6 +32,18 @@ from loadgen.dispatch.signals import interrupted_by
 from loadgen.records.results import ResultsDir
 from loadgen.timing.clock import RunClock, Sidecar
 from workloads.base import Workload
+
+RESET_TIMEOUT_S = 30.0  # a prefix-cache reset's answer (vLLM and SGLang empty it in the engine first)
+
+
+async def reset_cache(backend: Backend, path: str) -> dict[str, Any]:
+    """Empty the server's prefix cache before a point; what happened, for the point's summary."""
+    try:
+        async with httpx.AsyncClient(timeout=RESET_TIMEOUT_S, trust_env=False, headers=backend.auth_headers()) as client:
+            status = (await client.post(backend.base_url + path)).status_code
+    except httpx.HTTPError as exc:
+        return {"path": path, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+    return {"path": path, "ok": 200 <= status < 300, "status": status}
 
 
 @dataclass
