@@ -238,3 +238,26 @@ def test_no_private_name_is_imported_across_modules():
                if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in PACKAGES
                for a in node.names if a.name.startswith("_")]  # fmt: skip
     assert not private, "\n".join(private)
+
+
+def _is_cli(path: Path) -> bool:
+    """A command-line module: in ``loadgen/cli/``, or a package's command module (``<package>/cli.py``)."""
+    return path.name == "cli.py" or path.parent == ROOT / "loadgen" / "cli"
+
+
+def test_only_cli_modules_import_typer_or_rich():
+    """The command line alone talks to the terminal: typer (options, exit) and rich (tables, live display)
+    are imported by the cli modules and by no module of the pipeline they drive."""
+    bad = [f"{p.relative_to(ROOT)}:{line} imports {name}" for p in _modules("loadgen") if not _is_cli(p)
+           for line, name in _imports(p) if name.split(".")[0] in ("typer", "rich")]  # fmt: skip
+    assert not bad, "\n".join(bad)
+    assert any(name.split(".")[0] == "rich" for p in _modules("loadgen") if _is_cli(p) for _, name in _imports(p))
+
+
+def test_the_config_modules_load_nothing_heavy():
+    """``loadgen.defaults`` (the defaults, defined once) and ``loadgen.exitcodes`` (the exit-code table) are
+    read by every layer: importing them loads no other project module and no heavy package."""
+    code = "import sys; import loadgen.defaults, loadgen.exitcodes; print(' '.join(sorted(sys.modules)))"
+    loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split())
+    assert {m for m in loaded if m.split(".")[0] in PACKAGES} == {"loadgen", "loadgen.defaults", "loadgen.exitcodes"}
+    assert not {"typer", "rich", "httpx", "aiohttp", "numpy", "pandas", "torch"} & loaded

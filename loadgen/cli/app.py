@@ -1,9 +1,11 @@
 """The ``bench`` command: one sub-command per module, registered here and nowhere else.
 
-Each command lives with what it drives (``run_cli``: run and sweep; ``calibrate_cli``; ``capacity.cli``;
-``gate.cli``; ``report.cli``; ``trace``; ``kvbudget``; ``experiments``; ``workloads.cli``); their shared
-options are :mod:`loadgen.cli.options`, their targets :mod:`loadgen.cli.targets`, their exit codes
-:mod:`loadgen.exitcodes`. Nothing imports this module but the entry point.
+Each command lives in a command-line module beside the others (:mod:`loadgen.cli`: ``run`` for run and
+sweep, ``calibrate``, ``experiment``, ``kvbudget``) or in its package's ``cli`` (``capacity.cli``,
+``gate.cli``, ``report.cli`` for report and trace; ``workloads.cli``); their shared options are
+:mod:`loadgen.cli.options`, their targets :mod:`loadgen.cli.targets`, their exit codes
+:mod:`loadgen.exitcodes` (through :mod:`loadgen.cli.exits`). Nothing imports this module but the entry point
+(``bench``, ``python -m loadgen.cli``).
 """
 
 from __future__ import annotations
