@@ -42,7 +42,7 @@ LLAMACPP_PROFILE = ServerProfile(
 
 _FINISH = {"limit": "length", "eos": "stop", "word": "stop"}
 # One connection per request. llama-server closes kept-alive connections after a stream while the client
-# may already reuse them; the client's retry (loadgen/client.py) makes that harmless for any backend, but
+# may already reuse them; the client's retry (loadgen/client/http.py) makes that harmless for any backend, but
 # keep-alive still measured slower against llama-server: c=16, 3 interleaved rounds of 64 x 128-token
 # requests (scripts/keepalive_ab.py), median 54 vs 68 output tok/s, TTFT p50 5.2 vs 3.2 s (docs/backends.md).
 NO_KEEPALIVE = {"Connection": "close"}

@@ -1,18 +1,14 @@
 """Exit codes of every ``bench`` command: the one table (documented in README.md and docs/architecture.md),
-and the one place that turns a command's errors into them (:func:`exits`, :func:`guard`).
+and the errors that end a command with one (:class:`UsageError`, :class:`ServerGone`); the one place that
+turns a command's errors into them is :mod:`loadgen.cli.exits`.
 
 A script can trust them: 0 only when the run did what was asked and met its checks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from enum import IntEnum
-from typing import Any
-
-import typer
-from rich.console import Console
 
 
 class ExitCode(IntEnum):
@@ -42,35 +38,3 @@ class UsageError(Exception):
 
 class ServerGone(Exception):
     """The target cannot be reached: printed as a one-line error, exit status 3."""
-
-
-# Every command prints its errors and progress here (stdout carries only results).
-console = Console(stderr=True)
-
-
-@contextmanager
-def exits(interrupted: str | None = None) -> Iterator[None]:
-    """The one mapping from a command's exceptions to its exit code: a :class:`UsageError` prints one line
-    and exits 2, a :class:`ServerGone` 3; with ``interrupted`` (what the user keeps), Ctrl-C prints it and
-    exits 130."""
-    try:
-        yield
-    except UsageError as exc:
-        console.print(f"[red]error[/]: {exc}")
-        raise typer.Exit(ExitCode.USAGE) from None
-    except ServerGone as exc:
-        console.print(f"[red]error[/]: {exc}")
-        raise typer.Exit(ExitCode.SERVER_GONE) from None
-    except KeyboardInterrupt:
-        if interrupted is None:
-            raise
-        console.print(f"[yellow]interrupted[/]: {interrupted}")
-        raise typer.Exit(ExitCode.INTERRUPTED) from None
-
-
-def guard(fn: Callable[..., ExitCode | int | None], **kwargs: Any) -> None:
-    """Run a command body under :func:`exits`; a non-zero code it returns ends bench with that code."""
-    with exits():
-        code = fn(**kwargs)
-    if code:
-        raise typer.Exit(int(code))

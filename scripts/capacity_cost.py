@@ -18,13 +18,13 @@ from tempfile import TemporaryDirectory
 import numpy as np
 
 from backends.openai import OpenAIBackend
-from loadgen.calibrate import FixedWorkload
 from loadgen.capacity.config import SearchConfig
 from loadgen.capacity.live import LiveProber
 from loadgen.capacity.search import linear_sweep, search
 from loadgen.capacity.sequential import Sequential
-from loadgen.signals import run_async
-from loadgen.slo import parse_slos
+from loadgen.dispatch.signals import run_async
+from loadgen.experiments.calibrate import FixedWorkload
+from loadgen.metrics.slo import parse_slos
 from loadgen.testservers.servicemodel import ServiceModel, ServiceModelProcess, SimProber, true_capacity
 
 CASES = [("concurrency", "closed", "tpot_p90=9.5ms"), ("concurrency", "closed", "ttft_p99=40ms"),

@@ -102,7 +102,8 @@ serve.main(p.parse_args(sys.argv[1:]))
 """
 BENCH_DRIVER = GATE + """
 import sys
-from loadgen import cli, dispatch
+from loadgen.cli import app as cli
+from loadgen.dispatch import dispatcher as dispatch
 if gate:  # the closed loop's slots start here, the point set up (its rates count from the first send)
     closed = dispatch.Dispatch.closed
     async def wait_then_run(self):

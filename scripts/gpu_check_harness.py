@@ -58,7 +58,7 @@ def check_sweep(ctx: Context) -> Record:
                         f'name = "fixed"\nprompt = {plan.prompt}\noutput = 128\nignore_eos = true\ntemperature = 0.0\n')
     server = (f"{sys.executable} -m reference_server --model {ctx.big_path} --port {{port}} "
               f"--max-num-seqs {max(plan.sweep)} --device {plan.device}")
-    cmd = [sys.executable, "-c", "from loadgen.cli import main; main()", "sweep", "--server", server, "--workload", str(workload),
+    cmd = [sys.executable, "-c", "from loadgen.cli.app import main; main()", "sweep", "--server", server, "--workload", str(workload),
            "--concurrency", ",".join(map(str, plan.sweep)), "--duration", str(plan.sweep_s),
            "--tokenizer", str(ctx.big_path), "--output-dir", str(ctx.work), "--run-id", "sweep", "--warmup", "4"]
     env = child_env()

@@ -19,10 +19,10 @@ from pathlib import Path
 from backends.base import HttpCall
 from backends.launcher import ServerProcess, free_port, render_command
 from backends.llamacpp import NO_KEEPALIVE, LlamaCppBackend
-from loadgen.clock import RunClock
-from loadgen.engine import PointOptions, run_point
-from loadgen.loadspec import LoadSpec
-from loadgen.signals import run_async
+from loadgen.dispatch.engine import PointOptions, run_point
+from loadgen.dispatch.loadspec import LoadSpec
+from loadgen.dispatch.signals import run_async
+from loadgen.timing.clock import RunClock
 from workloads.contracts import GenRequest, read_jsonl
 from workloads.loader import load_workload
 

@@ -12,15 +12,15 @@ this order, under one time budget (``--budget``; a part that would start past it
   ``nvidia-smi --query-gpu=timestamp,utilization.gpu -lms 100`` reads it beside; per step, the mean
   utilisation of each over the step (its first second left out: the counter averages over a window) and
   their difference. Without a GPU, ``nvidia-smi`` or CUDA it is recorded as not run, with the reason.
-- **open_loop**: :func:`loadgen.calibrate.open_loop`, Poisson arrivals at ``--rate`` for ``--duration``
+- **open_loop**: :func:`loadgen.experiments.calibrate.open_loop`, Poisson arrivals at ``--rate`` for ``--duration``
   seconds over ``--open-workers`` workers: achieved rate, schedule lag, errors.
-- **scaling**: :func:`loadgen.calibrate.scaling`, ``bench calibrate``'s closed-loop ceiling (c =
+- **scaling**: :func:`loadgen.experiments.calibrate.scaling`, ``bench calibrate``'s closed-loop ceiling (c =
   ``--concurrency`` streams of ``--events`` events) per ``--workers`` count, each point ending after
   ``--requests`` requests or ``--max-point-s`` seconds; beside each count, :func:`machine_speed`: how fast
   one core runs with that many busy (the ceiling of any client's efficiency on this machine).
 
-Both load parts run against one :class:`loadgen.calibrate.NullTarget`: ``--servers`` null-server processes on
-one port (default :func:`loadgen.calibrate.servers_for` the largest worker count); every point reports its
+Both load parts run against one :class:`loadgen.experiments.calibrate.NullTarget`: ``--servers`` null-server processes on
+one port (default :func:`loadgen.experiments.calibrate.servers_for` the largest worker count); every point reports its
 busiest server process, and the ``servers_not_limit`` verdict says none passed half a core.
 
 Writes ``DIR/scale_check.json`` (machine, configuration, each part's result, the acceptance verdicts of
@@ -50,9 +50,9 @@ from typing import Any
 from scale_check_nvml import DUTY, nvml_part
 from scale_check_report import OPEN_RATE, Budget, Report, log, table
 
-from loadgen.calibrate import NullTarget, open_loop, scaling, servers_for
+from loadgen.dispatch.signals import run_async
+from loadgen.experiments.calibrate import NullTarget, open_loop, scaling, servers_for
 from loadgen.sidecars.gpu import host_gpus
-from loadgen.signals import run_async
 
 SIZES = {  # --full: the 16-core GPU machine, ~3.5 min in all; rehearsal: small counts for any machine
     "full": {"workers": "1,2,4,8,16", "requests": None, "max_point_s": 6.0, "concurrency": 512, "events": 200,

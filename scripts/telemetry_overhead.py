@@ -19,8 +19,8 @@ from pathlib import Path
 
 import psutil
 
-from loadgen.clock import RunClock
 from loadgen.sidecars.telemetry import TelemetrySampler
+from loadgen.timing.clock import RunClock
 
 
 def cpu_share(seconds: float, hz: float | None, server_pid: int) -> dict[str, float]:

@@ -1,13 +1,13 @@
-"""The dispatcher's wake-ups (loadgen.alarm): never before their instant, in order, with or without a timerfd."""
+"""The dispatcher's wake-ups (loadgen.timing.alarm): never before their instant, in order, with or without a timerfd."""
 
 import asyncio
 import random
 
 import pytest
 
-from loadgen import alarm as alarm_mod
-from loadgen.alarm import Alarm
-from loadgen.clock import RunClock
+from loadgen.timing import alarm as alarm_mod
+from loadgen.timing.alarm import Alarm
+from loadgen.timing.clock import RunClock
 
 
 @pytest.fixture(params=["timerfd", "loop timer"])

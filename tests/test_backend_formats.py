@@ -268,7 +268,7 @@ def test_streamed_tool_calls_are_output():
 def test_reasoning_tokens_the_server_counted_are_used():
     """``usage.completion_tokens_details.reasoning_tokens`` (OpenAI's field, vLLM's): the server's own count of
     the thinking tokens goes into the record and the point's count, over the events it streamed."""
-    from loadgen import metrics
+    from loadgen.metrics import definitions as metrics
 
     final = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 30,
                                       "completion_tokens_details": {"reasoning_tokens": 21}}}  # fmt: skip

@@ -15,13 +15,13 @@ from support.service_models import LIVE
 from support.signals import sigint_default
 
 from backends.openai import OpenAIBackend
-from loadgen.calibrate import FixedWorkload
 from loadgen.capacity.config import SearchConfig
 from loadgen.capacity.live import LiveProber
 from loadgen.capacity.search import search
+from loadgen.dispatch.signals import run_async
 from loadgen.exitcodes import ExitCode
-from loadgen.signals import run_async
-from loadgen.slo import parse_slos
+from loadgen.experiments.calibrate import FixedWorkload
+from loadgen.metrics.slo import parse_slos
 from loadgen.testservers.servicemodel import ServiceModel, ServiceModelProcess, true_capacity
 
 LIVE_WL = FixedWorkload(max_tokens=8, prompt="w " * 60)
@@ -48,7 +48,7 @@ def test_live_search_finds_the_known_capacity(tmp_path, mode, process, slo):
 
 
 def _bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-c", "from loadgen.cli import main; main()", *args]
+    cmd = [sys.executable, "-c", "from loadgen.cli.app import main; main()", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 
@@ -114,7 +114,7 @@ def test_cli_sigint_stops_the_search_and_keeps_the_probes(tmp_path):
     wl = tmp_path / "fixed.toml"
     wl.write_text('description = "fixed"\n[[classes]]\nname = "fixed"\nprompt = 60\noutput = 8\n')
     with ServiceModelProcess(LIVE) as url:
-        cmd = [sys.executable, "-c", "from loadgen.cli import main; main()", "capacity", "--url", url, "--slo",
+        cmd = [sys.executable, "-c", "from loadgen.cli.app import main; main()", "capacity", "--url", url, "--slo",
                "tpot_p50=30ms", "--mode", "concurrency", "--workload", str(wl), "--output-dir", str(tmp_path),
                "--run-id", "int"]  # fmt: skip
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -16,8 +16,8 @@ from loadgen.capacity.live import LiveProber
 from loadgen.capacity.probe import ProbeJudge
 from loadgen.capacity.sequential import Sequential
 from loadgen.capacity.stats import Samples, check, lognormal_upper, samples_to_hold
-from loadgen.signals import run_async
-from loadgen.slo import SloError, parse_slos
+from loadgen.dispatch.signals import run_async
+from loadgen.metrics.slo import SloError, parse_slos
 from loadgen.testservers.servicemodel import ServiceModel, SimProber, simulate, true_capacity
 
 

@@ -11,9 +11,9 @@ from support.browser import find_chromium, inspect_report_sync
 
 from loadgen.capacity.config import SearchConfig
 from loadgen.capacity.search import search
+from loadgen.dispatch.signals import run_async
+from loadgen.metrics.slo import parse_slos
 from loadgen.report.capacity import write_report
-from loadgen.signals import run_async
-from loadgen.slo import parse_slos
 from loadgen.testservers.servicemodel import ServiceModel, SimProber
 
 pytestmark = pytest.mark.browser

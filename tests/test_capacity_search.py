@@ -19,9 +19,9 @@ from loadgen.capacity.result import _probe_time_hint
 from loadgen.capacity.search import _reach, judge_s, linear_sweep, point_crossing, search
 from loadgen.capacity.sequential import Sequential
 from loadgen.capacity.stats import SloCheck
+from loadgen.dispatch.signals import run_async
+from loadgen.metrics.slo import parse_slos
 from loadgen.report.capacity import write_report
-from loadgen.signals import run_async
-from loadgen.slo import parse_slos
 from loadgen.testservers.servicemodel import ServiceModel, SimProber, simulate, true_capacity
 
 

@@ -6,11 +6,11 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from loadgen.calibrate import FixedWorkload
-from loadgen.cli import app
+from loadgen.cli.app import app
+from loadgen.cli.options import parse_slo
 from loadgen.exitcodes import UsageError
-from loadgen.options import parse_slo
-from loadgen.slo import SloError, parse_slos
+from loadgen.experiments.calibrate import FixedWorkload
+from loadgen.metrics.slo import SloError, parse_slos
 from workloads.contracts import GenRequest, read_jsonl
 
 runner = CliRunner()
@@ -49,7 +49,7 @@ def test_parse_slo_units():
 
 
 def test_one_slo_grammar_and_each_command_says_which_form_it_takes():
-    """Goodput's per-request limits and capacity's percentiles are one grammar (loadgen/slo.py); a key in the
+    """Goodput's per-request limits and capacity's percentiles are one grammar (loadgen/metrics/slo.py); a key in the
     other command's form is an error that shows how to write it here."""
     with pytest.raises(UsageError, match="write ttft=1s"):
         parse_slo("ttft_p99=1s")

@@ -7,8 +7,8 @@ import pytest
 
 from backends.base import ParseState
 from backends.openai import OpenAIBackend
-from loadgen.clock import RunClock
-from loadgen.streamreader import StreamReader
+from loadgen.client.streamreader import StreamReader
+from loadgen.timing.clock import RunClock
 from workloads.contracts import GenRequest, RequestRecord
 
 
@@ -98,7 +98,7 @@ def test_plain_texts_takes_the_leading_run_of_plain_events_only():
 
 
 def test_stream_cost_benchmark_reads_every_event():
-    from loadgen.calibrate import stream_cost
+    from loadgen.experiments.calibrate import stream_cost
 
     assert 0 < stream_cost(events=20, read_size=7, repeat=3) < 1  # raises if a null stream were misread
 
@@ -109,7 +109,7 @@ def test_a_run_freezes_what_survives_a_young_pass_and_the_settings_come_back_aft
     two overlapping runs ends."""
     import gc
 
-    from loadgen.gcpolicy import GC_YOUNG, _freeze_survivors, run_gc
+    from loadgen.dispatch.gcpolicy import GC_YOUNG, _freeze_survivors, run_gc
 
     before = gc.get_threshold()
     a, b = run_gc(), run_gc()

@@ -6,7 +6,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from loadgen.cli import app
+from loadgen.cli.app import app
 from workloads.datasets import DEFAULT_OUTPUT, DatasetWorkload
 from workloads.loader import load_workload
 from workloads.text import builder_for

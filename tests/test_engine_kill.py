@@ -13,11 +13,11 @@ SCRIPT = """
 import sys
 from pathlib import Path
 from backends.openai import OpenAIBackend
-from loadgen.calibrate import FixedWorkload
-from loadgen.clock import RunClock
-from loadgen.engine import run_point
-from loadgen.loadspec import LoadSpec
-from loadgen.signals import run_async
+from loadgen.experiments.calibrate import FixedWorkload
+from loadgen.timing.clock import RunClock
+from loadgen.dispatch.engine import run_point
+from loadgen.dispatch.loadspec import LoadSpec
+from loadgen.dispatch.signals import run_async
 wl = FixedWorkload(max_tokens=5, extra_bodies=[{"nullserver": {"itl": 0.01}}])
 run_async(run_point(OpenAIBackend(sys.argv[1], model="null"), wl, LoadSpec("closed", concurrency=4,
           num_requests=100000), Path(sys.argv[2]), RunClock()))

@@ -9,10 +9,10 @@ import pytest
 from support.points import ns, point
 
 from backends.openai import OpenAIBackend
-from loadgen.calibrate import FixedWorkload
-from loadgen.clock import RunClock
-from loadgen.engine import run_point
-from loadgen.loadspec import LoadSpec
+from loadgen.dispatch.engine import run_point
+from loadgen.dispatch.loadspec import LoadSpec
+from loadgen.experiments.calibrate import FixedWorkload
+from loadgen.timing.clock import RunClock
 from workloads.base import ArrivalSpec, Session, SingleShot, Workload
 from workloads.contracts import GenRequest, read_jsonl
 
@@ -53,7 +53,7 @@ async def test_open_loop_constant_schedule(null_server, tmp_path):
 
 def test_open_loop_never_sends_early_under_uvloop(null_server, tmp_path):
     """uvloop timers wake up to ~1 ms early; every request must still go out at or after its intended time."""
-    from loadgen.signals import run_async
+    from loadgen.dispatch.signals import run_async
 
     load = LoadSpec("poisson", rate=400.0, num_requests=200, seed=3)
     run_async(run_point(OpenAIBackend(null_server, model="null"), FixedWorkload(max_tokens=2), load,
@@ -277,7 +277,7 @@ async def test_a_client_that_cannot_keep_up_marks_the_point(null_server, tmp_pat
     says so in its summary and in the results table, so that its latencies are not read as the server's."""
     from rich.console import Console
 
-    from loadgen.run_cli import summary_table
+    from loadgen.cli.run import summary_table
 
     load = LoadSpec("poisson", rate=20_000.0, duration=0.5, drain=5.0, seed=2)
     s, recs = await point(null_server, tmp_path, load, FixedWorkload(max_tokens=2))

@@ -8,7 +8,7 @@ import pytest
 from backends.base import ParseState
 from backends.openai import OpenAIBackend
 from backends.registry import get_backend
-from loadgen.results import ResultsDir, environment, fingerprint, scrub, sweep_row
+from loadgen.records.results import ResultsDir, environment, fingerprint, scrub, sweep_row
 from workloads.contracts import GenRequest
 
 

@@ -9,11 +9,11 @@ from support.points import ns, point
 
 from backends.launcher import free_port
 from backends.openai import OpenAIBackend
-from loadgen import metrics
-from loadgen.calibrate import FixedWorkload
-from loadgen.client import execute, make_client
-from loadgen.clock import RunClock
-from loadgen.loadspec import LoadSpec
+from loadgen.client.http import execute, make_client
+from loadgen.dispatch.loadspec import LoadSpec
+from loadgen.experiments.calibrate import FixedWorkload
+from loadgen.metrics import definitions as metrics
+from loadgen.timing.clock import RunClock
 from workloads.contracts import GenRequest, RequestRecord
 
 FAULTS = [
@@ -112,7 +112,7 @@ async def test_spec_decode_counts_reach_the_record_and_the_point(null_server, tm
 async def test_a_stream_held_open_after_done_is_complete_not_a_stall(null_server, tmp_path):
     """Reading stops at [DONE]: a server (or proxy) that keeps the finished stream open costs at most
     DONE_GRACE_S, never a stall error, and the answer's latency ends at its last token."""
-    from loadgen.client import DONE_GRACE_S
+    from loadgen.client.http import DONE_GRACE_S
 
     wl = FixedWorkload(max_tokens=8, extra_bodies=[ns(fault="linger", itl=0.005)])
     s, recs = await point(null_server, tmp_path, LoadSpec("closed", concurrency=2, num_requests=4, stall_timeout=5), wl)
@@ -163,7 +163,7 @@ async def test_a_thinking_models_reasoning_is_timed_and_counted_apart(null_serve
     gap = s["latency"]["ttfo"]["p50"] - s["latency"]["ttft"]["p50"]
     assert 0.025 < gap < 0.1, gap
     assert 0.008 < s["latency"]["tpot"]["p50"] < 0.03
-    from loadgen.run_cli import notes
+    from loadgen.cli.run import notes
 
     assert any("18 reasoning tokens (38% of the output)" in line for line in notes(s))
     plain, recs = await point(null_server, tmp_path / "plain", LoadSpec("closed", concurrency=2, num_requests=4),

@@ -1,8 +1,8 @@
 """Experiment definitions: traffic from workload files, seeded; verdicts computed from the table."""
 
-from rich.console import Console
-
-from loadgen.experiment import (
+from loadgen.dispatch.loadspec import LoadSpec
+from loadgen.experiments.catalog import EXPERIMENTS, _plans, _workload, batching, chunked_prefill
+from loadgen.experiments.experiment import (
     SPEC,
     Column,
     Config,
@@ -12,8 +12,6 @@ from loadgen.experiment import (
     metric,
     run_experiment,
 )
-from loadgen.experiments import EXPERIMENTS, _plans, _workload, batching, chunked_prefill
-from loadgen.loadspec import LoadSpec
 from workloads.spec import EXPERIMENTS_DIR
 
 
@@ -61,7 +59,7 @@ def test_batching_verdict_follows_the_numbers():
 
 
 def test_quantization_verdict_and_accuracy_columns():
-    from loadgen.experiments import quantization
+    from loadgen.experiments.catalog import quantization
 
     exp = quantization()
     assert [p.point_id for p in exp.traffic(True)] == ["c001", "c016"]
@@ -92,7 +90,7 @@ def test_spec_counts_come_from_the_server_poller(tmp_path):
          Column("accepted", metric(f"{SPEC}.accepted"), "{}")],
         lambda _pc, _e: "-", common_args=["--dtype", "fp32", "--max-model-len", "512"],
     )  # fmt: skip
-    c = run_experiment(exp, tmp_path, True, None, Console(quiet=True))
+    c = run_experiment(exp, tmp_path, True, None, lambda _line: None)
     [row] = c["rows"]
     assert row["errors"] == 0
     assert row["drafted"] > 0 and 0 < row["accepted"] <= row["drafted"], row

@@ -12,7 +12,7 @@ from loadgen.gate.compare import compare
 from loadgen.gate.resultset import load, save_baseline
 from loadgen.gate.rules import GateError, MetricRule, metric_path
 from loadgen.gate.verdict import to_markdown
-from loadgen.quantiles import t_quantile
+from loadgen.metrics.quantiles import t_quantile
 
 FP = {"workload": {"name": "chat-short", "seed": 0}, "load": {"process": "closed", "concurrency": 4}}
 ENV = {"cpu_model": "AMD EPYC", "gpus": [], "server_version": "0.1.0"}
@@ -240,7 +240,7 @@ def test_config_fingerprint_ignores_url_and_repeat_but_not_traffic(tmp_path):
 def _bench(*args: str):
     from typer.testing import CliRunner
 
-    from loadgen.cli import app
+    from loadgen.cli.app import app
 
     result = CliRunner().invoke(app, list(args))
     result.text = " ".join(result.output.split())  # rich wraps long lines

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from backends.openai import OpenAIBackend
-from loadgen.ab import abba, run_ab
-from loadgen.calibrate import FixedWorkload
+from loadgen.dispatch.loadspec import LoadSpec
+from loadgen.experiments.ab import abba, run_ab
+from loadgen.experiments.calibrate import FixedWorkload
 from loadgen.gate.compare import compare
 from loadgen.gate.resultset import load
 from loadgen.gate.rules import MetricRule
-from loadgen.loadspec import LoadSpec
 
 NULL = 'python -m loadgen.testservers.null --port {port} --behaviour \'{{"itl": %s, "ttft": 0.005}}\''
 RULES = [MetricRule.parse("output_tok_s:-20%"), MetricRule.parse("e2e_p50:+25%")]

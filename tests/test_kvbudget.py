@@ -8,7 +8,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from loadgen.kvbudget import ModelShape, kv_budget, kv_budget_command, parse_size, shape_from_gguf
+from loadgen.cli.kvbudget import kv_budget_command
+from loadgen.experiments.kvbudget import ModelShape, kv_budget, parse_size, shape_from_gguf
 
 # A Llama-2-70B-like shape: 80 layers, 64 query heads, 8 KV heads, head dim 128.
 L70 = ModelShape(layers=80, heads=64, kv_heads=8, head_dim=128)

@@ -23,8 +23,8 @@ from backends.launcher import (
     sweep_servers,
 )
 from backends.llamacpp import LLAMACPP_PROFILE
-from loadgen.clock import RunClock
 from loadgen.sidecars.poller import ServerStatePoller
+from loadgen.timing.clock import RunClock
 
 
 def test_grid_product_and_labels():
@@ -178,7 +178,7 @@ def test_sweep_servers_records_failures_and_goes_on(tmp_path):
 def test_cli_rejects_bad_server_sweeps(tmp_path):
     from typer.testing import CliRunner
 
-    from loadgen.cli import app
+    from loadgen.cli.app import app
 
     runner = CliRunner()
     cases = [

@@ -27,12 +27,12 @@ from backends.launcher import (
 from backends.llamacpp import LlamaCppBackend, LlamaCppNativeBackend
 from backends.openai import OpenAIBackend
 from backends.profile import profile_of
-from loadgen.cli import app
-from loadgen.clock import RunClock
-from loadgen.engine import run_point
-from loadgen.loadspec import LoadSpec
+from loadgen.cli.app import app
+from loadgen.dispatch.engine import run_point
+from loadgen.dispatch.loadspec import LoadSpec
+from loadgen.dispatch.signals import run_async
 from loadgen.sidecars.poller import ServerStatePoller
-from loadgen.signals import run_async
+from loadgen.timing.clock import RunClock
 from workloads.base import SingleShot, Workload
 from workloads.contracts import GenRequest, read_jsonl
 

@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from loadgen import metrics, percentiles, pointsummary
+from loadgen.metrics import definitions as metrics
+from loadgen.metrics import percentiles, pointsummary
 
 
 def rec(sent, events, end, out=None, intended=None, cls="a", warmup=False, error=None, prompt=10):
@@ -163,7 +164,7 @@ def test_prefix_cache_hits_from_responses_else_server_counters_and_the_warning()
 def test_the_medians_interval_covers_it_and_a_wide_one_is_said():
     """stats' p50_lo..p50_hi (order statistics, no distribution assumed) holds the true median in at least
     95 % of samples; the run table's notes say when a TTFT p50 is too uncertain to repeat within 10 %."""
-    from loadgen.run_cli import notes
+    from loadgen.cli.run import notes
 
     rng = np.random.default_rng(1)
     for n in (6, 16, 100, 2000):

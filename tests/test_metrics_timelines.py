@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 
 from backends.profile import ServerProfile
-from loadgen import metrics, percentiles, pointsummary
-from loadgen.arrivals import arrival_times
+from loadgen.metrics import definitions as metrics
+from loadgen.metrics import percentiles, pointsummary
 from loadgen.report import series
 from loadgen.report.load import requests_from_records
 from loadgen.sidecars import telemetry
 from loadgen.sidecars.poller import reconcile
+from loadgen.timing.arrivals import arrival_times
 
 TOL = 0.02  # steady figures within 2 % of the true rates wherever the window is valid
 
@@ -215,7 +216,7 @@ def test_poller_and_telemetry_use_the_one_percentile_method():
 def test_cli_table_shows_incomplete_and_marks_a_run_without_steady_state():
     from rich.console import Console
 
-    from loadgen.run_cli import notes, summary_table
+    from loadgen.cli.run import notes, summary_table
 
     cancelled = {"kind": "cancelled", "message": "run interrupted"}
     recs = [req(i * 0.019 / 63, 0.4, 5.0, 128) for i in range(64)] + [req(0.02, 0.4, 6.0, 50, error=cancelled)]

@@ -3,11 +3,11 @@
 import pytest
 
 from backends.openai import OpenAIBackend
-from loadgen.calibrate import FixedWorkload
-from loadgen.clock import RunClock
-from loadgen.engine import PointOptions, run_point
-from loadgen.fleet import Fleet
-from loadgen.loadspec import LoadSpec
+from loadgen.dispatch.engine import PointOptions, run_point
+from loadgen.dispatch.fleet import Fleet
+from loadgen.dispatch.loadspec import LoadSpec
+from loadgen.experiments.calibrate import FixedWorkload
+from loadgen.timing.clock import RunClock
 from workloads.contracts import read_jsonl
 
 pytestmark = pytest.mark.ray  # not in the default run (pyproject addopts): run with -m ray after pip install '.[ray]'

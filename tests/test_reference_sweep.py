@@ -8,8 +8,8 @@ from support.cli import cli_point, fixed_workload
 from test_robust_runs import default_cli_run  # tests/ is on sys.path
 from typer.testing import CliRunner
 
-from loadgen.cli import app
-from loadgen.targets import embedded_server
+from loadgen.cli.app import app
+from loadgen.cli.targets import embedded_server
 
 
 def test_reference_server_grid_with_iterations(tmp_path):
@@ -113,7 +113,7 @@ def test_the_servers_own_count_is_asked_before_the_run(reference_url, tmp_path):
     named before any load, prompts cut with its own are not."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from loadgen.targets import make_backend, server_counts
+    from loadgen.cli.targets import make_backend, server_counts
     from workloads.loader import load_workload
 
     words = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))

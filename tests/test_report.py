@@ -12,10 +12,10 @@ from html.parser import HTMLParser
 import pytest
 from support.synthetic import SimConfig, write_synthetic_results
 
+from loadgen.records.results import leaves
 from loadgen.report import ReportInputError, sweep_chart, timeline, write_report
 from loadgen.report.builder import cell
 from loadgen.report.load import load_run, read_jsonl
-from loadgen.results import leaves
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def test_report_is_self_contained(report_html):
 def test_report_with_plotly_from_the_cdn(run_dir, tmp_path):
     from typer.testing import CliRunner
 
-    from loadgen.cli import app
+    from loadgen.cli.app import app
     from loadgen.report.builder import PLOTLY_CDN
 
     page = write_report([run_dir], tmp_path / "cdn.html", plotly="cdn").read_text()
@@ -178,7 +178,7 @@ def test_torn_last_record_is_dropped(run_dir, tmp_path):
 def test_bench_report_cli(run_dir, tmp_path):
     from typer.testing import CliRunner
 
-    from loadgen.cli import app
+    from loadgen.cli.app import app
     from loadgen.report.cli import auto_report
 
     out = tmp_path / "sub" / "r.html"

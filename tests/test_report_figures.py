@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from support.synthetic import SimConfig, write_synthetic_results
 
-from loadgen import metrics
+from loadgen.metrics import definitions as metrics
 from loadgen.report import series, server_series, sweep_chart, timeline
 from loadgen.report.load import load_run, read_jsonl, requests_from_records
 

@@ -17,13 +17,13 @@ import pytest
 from support.signals import sigint_default
 
 from backends.openai import OpenAIBackend
-from loadgen.calibrate import FixedWorkload
-from loadgen.clock import RunClock
-from loadgen.engine import PointOptions, run_point
+from loadgen.dispatch.engine import PointOptions, run_point
+from loadgen.dispatch.loadspec import LoadSpec
+from loadgen.dispatch.signals import run_async
 from loadgen.exitcodes import ExitCode
-from loadgen.loadspec import LoadSpec
-from loadgen.signals import run_async
+from loadgen.experiments.calibrate import FixedWorkload
 from loadgen.testservers.null import NullServerProcess
+from loadgen.timing.clock import RunClock
 from workloads.contracts import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +46,7 @@ def default_cli_run(
     n = n or max(48, 4 * concurrency)
     from typer.testing import CliRunner
 
-    from loadgen.cli import app
+    from loadgen.cli.app import app
 
     (tmp_path / "waves.toml").write_text(WAVES)
     rid = f"waves-c{concurrency}"
@@ -160,7 +160,7 @@ def test_server_that_dies_mid_run_aborts_the_point(tmp_path, process):
 
 
 def _bench(args: list[str], **kw) -> subprocess.Popen[bytes]:
-    code = "from loadgen.cli import main; main()"
+    code = "from loadgen.cli.app import main; main()"
     return subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, **kw)  # fmt: skip
 
@@ -237,7 +237,7 @@ def test_report_and_gate_accept_a_run_without_summary(tmp_path, null_server):
     requests.jsonl and say so."""
     from typer.testing import CliRunner
 
-    from loadgen.cli import app
+    from loadgen.cli.app import app
 
     proc = _bench(["run", "--url", null_server, "--concurrency", "2", "--num-requests", "100000", "--output-dir",
                    str(tmp_path), "--run-id", "killed", "--poll-hz", "0", "--telemetry-hz", "0",
@@ -263,8 +263,8 @@ def test_error_rate_above_the_limit_fails_with_the_top_kinds(tmp_path, null_serv
     message names the error kinds; a run where every request fails exits FAILED from the CLI."""
     from typer.testing import CliRunner
 
-    from loadgen.cli import app
-    from loadgen.run_cli import point_outcome
+    from loadgen.cli.app import app
+    from loadgen.cli.run import point_outcome
 
     s, recs = run(null_server, tmp_path / "half", "aiohttp", n=40, bodies=[{}, {"nullserver": {"fault": "500"}}])
     assert s["counts"]["errors"] == 20 and s["status"] == "complete"
@@ -311,7 +311,7 @@ def test_sweep_stops_at_a_dead_server_and_exits_with_the_worst_point(tmp_path):
     by default), and the sweep exits SERVER_GONE, the worst of its points."""
     from typer.testing import CliRunner
 
-    from loadgen.cli import app
+    from loadgen.cli.app import app
     from loadgen.exitcodes import worst
 
     assert worst([ExitCode.OK, ExitCode.FAILED, ExitCode.SERVER_GONE]) == ExitCode.SERVER_GONE
@@ -333,7 +333,7 @@ def test_sweep_waits_for_the_server_with_wait_for_server(tmp_path):
 
     from typer.testing import CliRunner
 
-    from loadgen.cli import app
+    from loadgen.cli.app import app
 
     first = NullServerProcess(die_after=16, itl=0.01)
     url = first.start()

@@ -1,6 +1,6 @@
 import pytest
 
-from loadgen.sse import SSEError, SSEEvent, SSEParser
+from loadgen.client.sse import SSEError, SSEEvent, SSEParser
 
 
 def feed_all(chunks):

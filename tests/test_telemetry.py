@@ -12,12 +12,12 @@ import pynvml
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from loadgen.clock import RunClock
-from loadgen.pointsummary import add_energy_per_token, joules_per_output_token
-from loadgen.results import environment
+from loadgen.metrics.pointsummary import add_energy_per_token, joules_per_output_token
+from loadgen.records.results import environment
 from loadgen.sidecars.exporters import exporter_record
 from loadgen.sidecars.gpu import NO_GPU_LINE, GpuProbe, gpu_inventory, open_gpus
 from loadgen.sidecars.telemetry import RemoteTelemetry, TelemetrySampler, summarize
+from loadgen.timing.clock import RunClock
 
 
 def _nvml_available() -> bool:

@@ -2,7 +2,7 @@
 
 * the live display, captured mid-run from the pane: progress bar, point i/n, live TTFT/ITL, errors by kind;
 * ``bench trace`` on its results: the trace parses as the Chrome JSON trace format, passes
-  :func:`loadgen.trace.check`, and holds one request slice per record, one token instant per streamed chunk,
+  :func:`loadgen.report.trace.check`, and holds one request slice per record, one token instant per streamed chunk,
   one engine-step slice per ``/v1/iterations`` record and the counter series, at the recorded run-clock times.
 
 Perfetto's own trace processor (``trace_processor_shell``) cannot be had from PyPI/Debian/npm here (the
@@ -24,13 +24,13 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from loadgen.cli import app
-from loadgen.clock import RunClock
-from loadgen.live import LiveDisplay
-from loadgen.loadspec import LoadSpec
-from loadgen.progress import Progress
-from loadgen.sweep import PointPlan
-from loadgen.trace import US, build_trace, check
+from loadgen.cli.app import app
+from loadgen.cli.live import LiveDisplay
+from loadgen.dispatch.loadspec import LoadSpec
+from loadgen.dispatch.progress import Progress
+from loadgen.dispatch.sweep import PointPlan
+from loadgen.report.trace import US, build_trace, check
+from loadgen.timing.clock import RunClock
 from workloads.contracts import RequestRecord
 
 # "short" requests finish; "long" ones (with a slowed engine) run past --timeout: errors show up live

@@ -18,11 +18,11 @@ from test_robust_runs import default_cli_run
 from backends.launcher import ServerProcess, free_port
 from backends.profile import profile_of
 from backends.vllm import VLLMBackend
-from loadgen.clock import RunClock
-from loadgen.engine import run_point
-from loadgen.loadspec import LoadSpec
+from loadgen.dispatch.engine import run_point
+from loadgen.dispatch.loadspec import LoadSpec
+from loadgen.dispatch.signals import run_async
 from loadgen.sidecars.poller import ServerStatePoller
-from loadgen.signals import run_async
+from loadgen.timing.clock import RunClock
 from workloads.contracts import read_jsonl
 
 pytestmark = pytest.mark.vllm

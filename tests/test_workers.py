@@ -15,15 +15,15 @@ from support.service_models import LIVE
 from support.signals import sigint_default
 
 from backends.openai import OpenAIBackend
-from loadgen import pointsummary
-from loadgen.calibrate import SERVER_BUSY, FixedWorkload
-from loadgen.clock import RunClock
-from loadgen.engine import PointOptions, run_point
+from loadgen.cli.run import point_outcome
+from loadgen.cli.targets import load_workload
+from loadgen.dispatch.engine import PointOptions, run_point
+from loadgen.dispatch.fleet import Fleet
+from loadgen.dispatch.loadspec import LoadSpec, Share
 from loadgen.exitcodes import ExitCode
-from loadgen.fleet import Fleet
-from loadgen.loadspec import LoadSpec, Share
-from loadgen.run_cli import point_outcome
-from loadgen.targets import load_workload
+from loadgen.experiments.calibrate import SERVER_BUSY, FixedWorkload
+from loadgen.metrics import pointsummary
+from loadgen.timing.clock import RunClock
 from workloads.contracts import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,7 +118,7 @@ def test_bench_run_summary_is_the_one_recomputed_from_the_merged_records(null_se
     """`bench run --workers 2`: one summary, equal to the metrics recomputed from the merged requests.jsonl."""
     args = ["run", "--url", null_server, "--rate", "120", "--num-requests", "90", "--workers", "2", "--seed", "3",
             "--output-dir", str(tmp_path), "--run-id", "w2", "--poll-hz", "0", "--telemetry-hz", "0"]  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", "from loadgen.cli import main; main()", *args], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-c", "from loadgen.cli.app import main; main()", *args], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     (s,) = json.loads((tmp_path / "w2" / "summary.json").read_text())["points"]
@@ -139,7 +139,7 @@ def test_ctrl_c_stops_every_worker_and_leaves_one_summary(null_server, tmp_path)
     args = ["run", "--url", null_server, "--concurrency", "4", "--num-requests", "100000", "--workers", "2",
             "--output-dir", str(tmp_path), "--run-id", "sig", "--poll-hz", "0", "--telemetry-hz", "0",
             "--extra-body", '{"nullserver": {"itl": 0.01}}']  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-c", "from loadgen.cli import main; main()", *args], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-c", "from loadgen.cli.app import main; main()", *args], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=sigint_default)  # fmt: skip
     point_dir = tmp_path / "sig" / "points" / "c004"
     deadline = time.monotonic() + 120
@@ -159,7 +159,7 @@ def test_ctrl_c_stops_every_worker_and_leaves_one_summary(null_server, tmp_path)
 
 
 async def test_calibrate_reports_the_ceiling_per_worker_count(tmp_path):
-    from loadgen.calibrate import calibrate
+    from loadgen.experiments.calibrate import calibrate
 
     res = await calibrate(tmp_path, concurrency=8, events=4, num_requests=200, rate=40, duration=1, workers=(1, 2))
     rows = res["scaling"]
@@ -176,7 +176,7 @@ def test_capacity_with_two_workers_finds_the_known_capacity_and_stops_probes_ear
     """`bench capacity --workers 2` against the known-answer service model: the workers' records reach each
     probe while it runs (the coordinator appends them to its requests.jsonl), so probes split over two
     processes stop as soon as they are decided, and the interval holds the model's capacity, as with one."""
-    from loadgen.slo import parse_slos
+    from loadgen.metrics.slo import parse_slos
     from loadgen.testservers.servicemodel import ServiceModelProcess, true_capacity
 
     slo = "tpot_p50=30ms"  # TPOT = 3 + 6c ms: capacity 4 (as tests/test_capacity_cli.py's live search)
@@ -187,7 +187,7 @@ def test_capacity_with_two_workers_finds_the_known_capacity_and_stops_probes_ear
         args = ["capacity", "--url", url, "--slo", slo, "--mode", "concurrency", "--workload", str(wl), "--workers", "2",
                 "--budget", "60", "--max-probe-s", "10", "--max-samples", "400", "--output-dir", str(tmp_path),
                 "--run-id", "w2", "--timeout", "30"]  # fmt: skip
-        out = subprocess.run([sys.executable, "-c", "from loadgen.cli import main; main()", *args], cwd=ROOT,
+        out = subprocess.run([sys.executable, "-c", "from loadgen.cli.app import main; main()", *args], cwd=ROOT,
                              capture_output=True, text=True, timeout=400)  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     doc = json.loads((tmp_path / "w2" / "capacity.json").read_text())
@@ -237,9 +237,9 @@ def test_null_server_processes_share_one_port():
 
 
 async def test_scaling_caps_each_point_and_starts_no_count_past_its_deadline(tmp_path):
-    """`loadgen.calibrate.scaling` (the scale check's): a point ends at `max_s` when its request count would take
+    """`loadgen.experiments.calibrate.scaling` (the scale check's): a point ends at `max_s` when its request count would take
     longer, and a deadline already past starts no count at all."""
-    from loadgen.calibrate import NullTarget, scaling
+    from loadgen.experiments.calibrate import NullTarget, scaling
 
     with NullTarget(4, "aiohttp", 1) as target:
         (row,) = await scaling(target, tmp_path, 4, 10**6, (1,), max_s=1.0)

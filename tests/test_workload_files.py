@@ -132,7 +132,7 @@ def test_trace_table_in_a_workload_file(tmp_path):
 
 
 def test_bench_run_rejects_a_malformed_workload_file(tmp_path):
-    from loadgen.cli import app as bench
+    from loadgen.cli.app import app as bench
 
     p = write(
         tmp_path, '[[classes]]\nname = "x"\nprompt = { dist = "lognormal", median = 100, sigma = "wide" }\n'

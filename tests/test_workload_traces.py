@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from backends.openai import OpenAIBackend
-from loadgen.clock import RunClock
-from loadgen.engine import run_point
-from loadgen.loadspec import LoadSpec
+from loadgen.dispatch.engine import run_point
+from loadgen.dispatch.loadspec import LoadSpec
+from loadgen.timing.clock import RunClock
 from workloads.contracts import read_jsonl
 from workloads.loader import load_workload
 from workloads.text import DATA, load_tokenizer

@@ -224,12 +224,12 @@ def test_shipped_text_avoids_the_known_pre_tokenizer_divergence():
 
 
 def test_the_points_of_a_sweep_send_fresh_prompts_and_keep_a_shared_prefix_within_each(tok):
-    """Each point and trial of a sweep gets its own seed (loadgen.sweep.point_seed), so a point's prompts are
+    """Each point and trial of a sweep gets its own seed (loadgen.dispatch.sweep.point_seed), so a point's prompts are
     not another's (a server's prefix cache would answer them: with one seed every point re-sent the first's
     24), while shared-system-prompt's requests still share their prefix within each point. Prompts start at
     a corpus sentence, so two of 144 can begin alike by chance (one 32-token start here)."""
-    from loadgen.loadspec import LoadSpec
-    from loadgen.sweep import loads_from, plan_points
+    from loadgen.dispatch.loadspec import LoadSpec
+    from loadgen.dispatch.sweep import loads_from, plan_points
 
     wl = load_workload("chat-short")
     plans = plan_points([wl], loads_from(LoadSpec(concurrency=1, num_requests=24, seed=7), concurrency=[1, 4, 16]), repeat=2)

@@ -25,19 +25,20 @@ from loadgen.capacity.config import MODES, SearchConfig
 from loadgen.capacity.live import LiveProber
 from loadgen.capacity.result import CapacityResult
 from loadgen.capacity.search import search
-from loadgen.clock import RunClock
-from loadgen.exitcodes import ExitCode, UsageError, console, exits
-from loadgen.fleet import Fleet
-from loadgen.options import (
+from loadgen.cli.exits import console, exits
+from loadgen.cli.options import (
     WorkloadOpt,
     command,
     param,
 )
-from loadgen.records import write_json
-from loadgen.results import new_run_id
-from loadgen.signals import run_async
-from loadgen.slo import SloError, parse_slos
-from loadgen.targets import embedded_server, load_workload, make_backend, read_api_key
+from loadgen.cli.targets import embedded_server, load_workload, make_backend, read_api_key
+from loadgen.dispatch.fleet import Fleet
+from loadgen.dispatch.signals import run_async
+from loadgen.exitcodes import ExitCode, UsageError
+from loadgen.metrics.slo import SloError, parse_slos
+from loadgen.records.results import new_run_id
+from loadgen.records.writer import write_json
+from loadgen.timing.clock import RunClock
 
 EXIT = {"unreachable": ExitCode.SLO_UNREACHABLE, "not_saturated": ExitCode.NOT_SATURATED, "server_gone": ExitCode.SERVER_GONE}
 

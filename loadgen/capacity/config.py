@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from loadgen.capacity.probe import Probe
 from loadgen.capacity.stats import units_to_see
-from loadgen.slo import SLO
+from loadgen.metrics.slo import SLO
 
 MODES = ("rate", "concurrency")
 DEFAULT_PROBE_S = 60.0

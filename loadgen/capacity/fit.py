@@ -12,8 +12,8 @@ from statistics import NormalDist
 import numpy as np
 
 from loadgen.capacity.probe import Probe
-from loadgen.quantiles import t_quantile
-from loadgen.slo import SLO
+from loadgen.metrics.quantiles import t_quantile
+from loadgen.metrics.slo import SLO
 
 
 @dataclass

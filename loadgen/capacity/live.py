@@ -1,4 +1,4 @@
-"""The live prober: probes a server with :func:`loadgen.engine.run_point`, judging the probe's records as
+"""The live prober: probes a server with :func:`loadgen.dispatch.engine.run_point`, judging the probe's records as
 they are written."""
 
 from __future__ import annotations
@@ -12,17 +12,17 @@ from typing import Any
 
 import numpy as np
 
-from loadgen import metrics
 from loadgen.capacity.probe import Probe, ProbeJudge, SearchStopped, pilot_requests, probe_result
 from loadgen.capacity.sequential import Decision, Sequential
 from loadgen.capacity.stats import Samples
-from loadgen.clock import RunClock
 from loadgen.defaults import REQUEST_TIMEOUT_S, REQUESTS_FILE
-from loadgen.engine import PointOptions, run_point
-from loadgen.fleet import ONE_PROCESS, Fleet
-from loadgen.loadspec import LoadSpec
-from loadgen.progress import Progress
-from loadgen.slo import SLO
+from loadgen.dispatch.engine import PointOptions, run_point
+from loadgen.dispatch.fleet import ONE_PROCESS, Fleet
+from loadgen.dispatch.loadspec import LoadSpec
+from loadgen.dispatch.progress import Progress
+from loadgen.metrics import definitions as metrics
+from loadgen.metrics.slo import SLO
+from loadgen.timing.clock import RunClock
 from workloads.contracts import read_jsonl
 
 
@@ -31,7 +31,7 @@ def _load_label(mode: str, load: float) -> str:
 
 
 class LiveProber:
-    """Probes a server with :func:`loadgen.engine.run_point`: rate mode with ``process`` arrivals (Poisson by
+    """Probes a server with :func:`loadgen.dispatch.engine.run_point`: rate mode with ``process`` arrivals (Poisson by
     default), concurrency mode closed loop. The probe's records are read as they are written (with
     ``fleet``'s workers, as the coordinator receives them); the probe is stopped (in-flight requests
     cancelled) as soon as it is decided."""

@@ -13,7 +13,7 @@ import numpy as np
 
 from loadgen.capacity.sequential import Backlog, Decision, Sequential
 from loadgen.capacity.stats import Samples, SloCheck, check, over_slo
-from loadgen.slo import SLO
+from loadgen.metrics.slo import SLO
 
 
 @dataclass

@@ -15,7 +15,7 @@ from loadgen.capacity.fit import Fit
 from loadgen.capacity.probe import Probe
 from loadgen.capacity.sequential import Sequential
 from loadgen.capacity.stats import samples_to_hold, wilson_eff
-from loadgen.slo import SLO
+from loadgen.metrics.slo import SLO
 
 
 @dataclass

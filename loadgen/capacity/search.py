@@ -20,7 +20,7 @@ the interval is within ``±resolution`` (or for concurrency adjacent integers), 
 out (it says so and reports the bracket it holds), when the SLOs fail at the lowest load (unreachable)
 or hold at the highest (not saturated).
 
-Probers: :class:`loadgen.capacity.live.LiveProber` runs :func:`loadgen.engine.run_point` against a
+Probers: :class:`loadgen.capacity.live.LiveProber` runs :func:`loadgen.dispatch.engine.run_point` against a
 server; :class:`loadgen.testservers.servicemodel.SimProber` runs the known-answer service model in virtual
 time (tests and the cost comparison with a linear sweep, :func:`linear_sweep`).
 """
@@ -36,7 +36,7 @@ from loadgen.capacity.probe import Probe, Prober, SearchStopped, pilot_requests
 from loadgen.capacity.result import CapacityResult, converged, make_result
 from loadgen.capacity.sequential import Sequential
 from loadgen.capacity.stats import over_slo, units_to_see
-from loadgen.slo import SLO
+from loadgen.metrics.slo import SLO
 
 
 async def search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig) -> CapacityResult:

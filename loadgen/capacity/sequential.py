@@ -11,7 +11,7 @@ from statistics import NormalDist
 import numpy as np
 
 from loadgen.capacity.stats import Samples, SloCheck, backlog_growth, check, correlation_time, over_slo
-from loadgen.slo import SLO
+from loadgen.metrics.slo import SLO
 
 
 @dataclass

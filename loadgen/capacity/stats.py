@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from loadgen import metrics
-from loadgen.quantiles import f_lower
-from loadgen.slo import SLO
+from loadgen.metrics import definitions as metrics
+from loadgen.metrics.quantiles import f_lower
+from loadgen.metrics.slo import SLO
 
 
 def wilson_eff(k: int, n: int, z: float, tau: float) -> tuple[float, float]:
@@ -71,7 +71,7 @@ def design_effect(x: np.ndarray, m: int, z: float) -> float:
     loop's wave of sessions, in send order) share part of their latency: ``1 + (m - 1)·ICC``, the
     intra-class correlation at its upper confidence bound at ``z`` from a one-way ANOVA of ``x`` (Searle's
     interval: the between- over within-group mean squares against the F distribution's lower quantile,
-    :func:`loadgen.quantiles.f_lower`). Sessions that run together share a prefill step or a decode batch, but each also has
+    :func:`loadgen.metrics.quantiles.f_lower`). Sessions that run together share a prefill step or a decode batch, but each also has
     its own prompt and answer; the data say how much is shared. Between 1 and ``m``, and ``m`` (a wave
     counts once) where the data cannot tell: fewer than 2 groups, or no spread within them."""
     g = x.size // m
@@ -108,7 +108,7 @@ class Samples:
         self.end.append(end)
 
     def add_record(self, r: dict[str, Any]) -> None:
-        """A ``requests.jsonl`` record, with the metric definitions of :mod:`loadgen.metrics`."""
+        """A ``requests.jsonl`` record, with the metric definitions of :mod:`loadgen.metrics.definitions`."""
         ok = r["error"] is None
         self.add(metrics.ttft(r) if ok else None, metrics.tpot(r) if ok else None, metrics.e2e(r) if ok else None,
                  not ok, r["sent"], r["end"])  # fmt: skip

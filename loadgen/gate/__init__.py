@@ -2,5 +2,6 @@
 
 ``rules``: the ``NAME:±X%`` rules and the metric names they use; ``resultset``: each side read from a
 result or a baseline file, and ``bench baseline save``; ``compare``: the bootstrap comparison (the method is
-in its docstring and docs/ci-gate.md); ``verdict``: the verdict and how it is shown; ``cli``: the commands.
+in its docstring and docs/ci-gate.md); ``verdict``: the verdict and its Markdown summary; ``cli``: the commands
+and the terminal table.
 """

@@ -8,20 +8,23 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.console import Console
+from rich.table import Table
 
+from loadgen.cli.exits import console, exits
+from loadgen.cli.options import command, option
 from loadgen.defaults import RESULTS_ROOT, SUMMARY_FILE
-from loadgen.exitcodes import UsageError, console, exits
+from loadgen.exitcodes import UsageError
 from loadgen.gate.compare import compare
 from loadgen.gate.resultset import load, save_baseline
 from loadgen.gate.rules import GateError, MetricRule
-from loadgen.gate.verdict import GateReport, print_report, to_markdown
-from loadgen.options import command, option
-from loadgen.records import write_json
+from loadgen.gate.verdict import GateReport, fmt_ci, fmt_value, to_markdown
+from loadgen.records.writer import write_json
 
 
 @dataclass(frozen=True)
 class GateOptions:
-    """What ``bench gate`` was asked; each field is one of its options (:func:`loadgen.options.option`)."""
+    """What ``bench gate`` was asked; each field is one of its options (:func:`loadgen.cli.options.option`)."""
 
     baseline: str = option(help="Baseline result dir or baseline .json (with --ab: server command).")
     candidate: str = option(help="Candidate result dir (with --ab: server command, {port}).")
@@ -96,10 +99,10 @@ def _run_ab(o: GateOptions) -> tuple[str, str]:
     """Run the interleaved trials (``--baseline`` and ``--candidate`` are server commands); returns the two
     result directories."""
     from backends.launcher import LaunchError
-    from loadgen.ab import run_ab
-    from loadgen.loadspec import LoadSpec
-    from loadgen.results import new_run_id
-    from loadgen.targets import load_workload, make_backend
+    from loadgen.cli.targets import load_workload, make_backend
+    from loadgen.dispatch.loadspec import LoadSpec
+    from loadgen.experiments.ab import run_ab
+    from loadgen.records.results import new_run_id
 
     if o.trials < 2 or o.concurrency < 1 or o.num_requests < 1 or o.warmup < 0:
         raise UsageError("--ab needs --trials >= 2, --concurrency >= 1, --num-requests >= 1, --warmup >= 0")
@@ -159,3 +162,29 @@ def baseline_save(
             note = "" if len(pts) >= 5 else "  [yellow](fewer than 5 trials: the gate will say inconclusive)[/]"
             console.print(f"{pid}: {len(pts)} trial(s){note}")
         console.print(f"baseline of run {doc.get('run_id')} written to {out}")
+
+
+def print_report(rep: GateReport) -> None:
+    """The verdict table on the terminal."""
+    console = Console()
+    if not console.is_terminal:  # CI logs: no terminal width to fit, keep the table readable
+        console.width = 120
+    style = {"pass": "green", "regression": "bold red", "inconclusive": "yellow", "invalid": "bold red"}
+    if rep.checks:
+        table = Table(title=f"gate: {rep.baseline} -> {rep.candidate}")
+        for col in ("point", "rule", "baseline", "candidate", "ratio", f"{rep.confidence:.0%} CI", "n", "verdict"):
+            table.add_column(col, justify="right" if col in ("baseline", "candidate", "ratio", "n") else "left")
+        for c in rep.checks:
+            table.add_row(
+                c.point, c.rule, fmt_value(c.baseline_mean), fmt_value(c.candidate_mean), fmt_value(c.ratio), fmt_ci(c),
+                f"{c.n_baseline}/{c.n_candidate}", f"[{style[c.verdict]}]{c.verdict}[/]",
+            )  # fmt: skip
+        console.print(table)
+        for c in rep.checks:
+            if c.verdict != "pass":
+                console.print(f"  {c.point} {c.metric}: {c.reason}")
+    for e in rep.errors:
+        console.print(f"[bold red]error:[/] {e}")
+    for w in rep.warnings:
+        console.print(f"[yellow]warning:[/] {w}")
+    console.print(f"verdict: [{style[rep.verdict]}]{rep.verdict}[/] (exit {rep.exit_code})")

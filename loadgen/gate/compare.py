@@ -30,8 +30,8 @@ import numpy as np
 from loadgen.gate.resultset import ResultSet, differences, trial_index
 from loadgen.gate.rules import MetricRule, metric_path
 from loadgen.gate.verdict import Check, GateReport
-from loadgen.quantiles import t_quantile
-from loadgen.results import lookup
+from loadgen.metrics.quantiles import t_quantile
+from loadgen.records.results import lookup
 
 
 def expanded_alpha(alpha: float, n: int) -> float:

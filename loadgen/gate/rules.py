@@ -6,10 +6,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from loadgen.metrics import LATENCIES
-from loadgen.percentiles import STAT_KEYS
+from loadgen.metrics.definitions import LATENCIES
+from loadgen.metrics.percentiles import STAT_KEYS
 
-# Short metric names -> path in a PointSummary (loadgen.pointsummary); any dotted path is accepted too.
+# Short metric names -> path in a PointSummary (loadgen.metrics.pointsummary); any dotted path is accepted too.
 _THROUGHPUT = {"output_tok_s": "output_tok_per_s", "total_tok_s": "total_tok_per_s", "req_s": "req_per_s"}
 
 

@@ -1,5 +1,5 @@
 """The gate's verdict: one :class:`Check` per point and rule, the :class:`GateReport` with its exit code, and
-how it is shown (:func:`print_report` on the terminal, :func:`to_markdown` for CI summaries).
+how it is shown: :func:`to_markdown` for CI summaries (on the terminal: :func:`loadgen.gate.cli.print_report`).
 
 Exit codes: 0 pass, 1 regression, 2 inconclusive or invalid comparison."""
 
@@ -47,13 +47,13 @@ class GateReport:
         return d
 
 
-def _fmt(v: float | None) -> str:
+def fmt_value(v: float | None) -> str:
     if v is None:
         return "-"
     return f"{v:.4g}" if abs(v) < 1000 else f"{v:,.0f}"
 
 
-def _ci(c: Check) -> str:
+def fmt_ci(c: Check) -> str:
     return f"[{c.ci[0]:.3f}, {c.ci[1]:.3f}]" if c.ci else "-"
 
 
@@ -81,8 +81,8 @@ def to_markdown(rep: GateReport) -> str:
         ]
         for c in rep.checks:
             lines.append(
-                f"| {c.point} | {c.metric} | `{c.rule}` | {_fmt(c.baseline_mean)} | {_fmt(c.candidate_mean)} | "
-                f"{_fmt(c.ratio)} | {_ci(c)} | {c.n_baseline}/{c.n_candidate} | {_ICON[c.verdict]} |"
+                f"| {c.point} | {c.metric} | `{c.rule}` | {fmt_value(c.baseline_mean)} | {fmt_value(c.candidate_mean)} | "
+                f"{fmt_value(c.ratio)} | {fmt_ci(c)} | {c.n_baseline}/{c.n_candidate} | {_ICON[c.verdict]} |"
             )
         notes = [f"- {c.point} {c.metric}: {c.reason}" for c in rep.checks if c.verdict != "pass"]
         if notes:
@@ -90,32 +90,3 @@ def to_markdown(rep: GateReport) -> str:
     lines += [f"- ⛔ {e}" for e in rep.errors]
     lines += [f"- ⚠️ {w}" for w in rep.warnings]
     return "\n".join(lines) + "\n"
-
-
-def print_report(rep: GateReport) -> None:
-    """The verdict table on the terminal."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    if not console.is_terminal:  # CI logs: no terminal width to fit, keep the table readable
-        console.width = 120
-    style = {"pass": "green", "regression": "bold red", "inconclusive": "yellow", "invalid": "bold red"}
-    if rep.checks:
-        table = Table(title=f"gate: {rep.baseline} -> {rep.candidate}")
-        for col in ("point", "rule", "baseline", "candidate", "ratio", f"{rep.confidence:.0%} CI", "n", "verdict"):
-            table.add_column(col, justify="right" if col in ("baseline", "candidate", "ratio", "n") else "left")
-        for c in rep.checks:
-            table.add_row(
-                c.point, c.rule, _fmt(c.baseline_mean), _fmt(c.candidate_mean), _fmt(c.ratio), _ci(c),
-                f"{c.n_baseline}/{c.n_candidate}", f"[{style[c.verdict]}]{c.verdict}[/]",
-            )  # fmt: skip
-        console.print(table)
-        for c in rep.checks:
-            if c.verdict != "pass":
-                console.print(f"  {c.point} {c.metric}: {c.reason}")
-    for e in rep.errors:
-        console.print(f"[bold red]error:[/] {e}")
-    for w in rep.warnings:
-        console.print(f"[yellow]warning:[/] {w}")
-    console.print(f"verdict: [{style[rep.verdict]}]{rep.verdict}[/] (exit {rep.exit_code})")

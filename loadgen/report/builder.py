@@ -20,11 +20,11 @@ from typing import Any
 import jinja2
 import numpy as np
 
-from loadgen.pointsummary import reasoning_note
+from loadgen.metrics.pointsummary import reasoning_note
+from loadgen.records.results import leaves
 from loadgen.report import cdf, sweep_chart, timeline
 from loadgen.report.load import RunData, load_run
 from loadgen.report.server_series import missing_series
-from loadgen.results import leaves
 
 SIG_DIGITS = 6  # chart data only; tables show summary.json's numbers verbatim
 

@@ -1,4 +1,5 @@
-"""``bench report RESULTS_DIR... [-o report.html]`` and the report written after every run/sweep."""
+"""``bench report RESULTS_DIR... [-o report.html]`` and the report written after every run/sweep; ``bench trace``
+(the timeline itself: :mod:`loadgen.report.trace`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from rich.console import Console
 from loadgen.defaults import REPORT_FILE, SUMMARY_FILE
 from loadgen.report.builder import PLOTLY_MODES, write_report
 from loadgen.report.load import ReportInputError
+from loadgen.report.trace import build_trace, check, write_trace
 
 console = Console(stderr=True)
 
@@ -57,3 +59,29 @@ def auto_report(run_dir: Path) -> str:
         return f"report: {write_report([run_dir], run_dir / 'report.html')}"
     except Exception as exc:  # the results are already safe on disk: say why and go on
         return f"[yellow]warning[/]: no report ({type(exc).__name__}: {exc}); retry with `bench report {run_dir}`"
+
+
+def trace_command(
+    results_dir: Annotated[Path, typer.Argument(help="A results directory of bench run / bench sweep.")],
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Trace file, .json or .json.gz "
+                      "(default: RESULTS_DIR/trace.json).")] = None,
+    point: Annotated[list[str] | None, typer.Option(help="Only this point id (repeat for several).")] = None,
+    tokens: Annotated[bool, typer.Option(help="An instant per streamed chunk (--no-tokens: smaller file for "
+                      "long runs).")] = True,
+) -> None:  # fmt: skip
+    """Write a Perfetto / chrome://tracing timeline of a run: requests, engine steps, server and host series."""
+    out = output or results_dir / "trace.json"
+    if not out.name.endswith((".json", ".json.gz")):
+        typer.echo(f"error: -o must end in .json or .json.gz (Chrome JSON trace format), got {out.name}", err=True)
+        raise typer.Exit(2)
+    try:
+        trace, counts = build_trace(results_dir, point, tokens)
+    except (FileNotFoundError, KeyError) as exc:
+        typer.echo(f"error: {exc.args[0] if exc.args else exc}", err=True)
+        raise typer.Exit(2) from None
+    check(trace)
+    write_trace(trace, out)
+    for pid, c in counts.items():
+        typer.echo(f"{pid}: {c['requests']} requests, {c['tokens']} token events, {c['engine_steps']} engine steps, "
+                   f"{c['server_samples']} server and {c['telemetry_samples']} telemetry values")
+    typer.echo(f"trace: {out} (open in https://ui.perfetto.dev or chrome://tracing)")

@@ -1,7 +1,7 @@
 """Read result directories (docs/architecture.md layout) into plain, array-friendly structures.
 
 Only ``points/<id>/requests.jsonl`` is required (without ``summary.json`` the summary is recomputed from
-the records: :func:`loadgen.results.read_summary`); every other series is optional
+the records: :func:`loadgen.records.results.read_summary`); every other series is optional
 and simply absent from the report when its file is missing or empty.
 """
 
@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from loadgen import metrics
 from loadgen.defaults import REQUESTS_FILE, RUN_FILE, SUMMARY_FILE
-from loadgen.results import read_summary
+from loadgen.metrics import definitions as metrics
+from loadgen.records.results import read_summary
 from workloads import contracts
 
 
@@ -37,9 +37,9 @@ class Requests:
     output_tokens: np.ndarray  # float, NaN when unknown
     error: np.ndarray  # object array: error kind or None
     event_t: np.ndarray  # all events, flattened
-    event_tokens: np.ndarray  # as loadgen.metrics counts them (an unresolved count is one token)
+    event_tokens: np.ndarray  # as loadgen.metrics.definitions counts them (an unresolved count is one token)
     event_req: np.ndarray  # index of the request each event belongs to
-    # per-request latencies of loadgen.metrics (NaN where undefined), and the ITL samples with their request
+    # per-request latencies of loadgen.metrics.definitions (NaN where undefined), and the ITL samples with their request
     ttft: np.ndarray
     e2e: np.ndarray
     tpot: np.ndarray
@@ -95,7 +95,7 @@ def _num(v: Any) -> float:
 
 def requests_from_records(records: list[dict[str, Any]]) -> Requests:
     """Arrays of the non-warm-up records (warm-up requests are excluded from every chart, like metrics);
-    every latency comes from :mod:`loadgen.metrics`, so the charts show the summary's definitions."""
+    every latency comes from :mod:`loadgen.metrics.definitions`, so the charts show the summary's definitions."""
     recs = [_normal(r) for r in records if not r.get("warmup")]
     n = len(recs)
     ev_t: list[float] = []

@@ -62,7 +62,7 @@ def binned_mean(times: np.ndarray, values: np.ndarray, edges: np.ndarray) -> np.
 
 def latencies(req: Requests) -> dict[str, np.ndarray]:
     """Per-request TTFT, E2E and TPOT of the successful requests, and their token-weighted ITL samples:
-    the values :mod:`loadgen.metrics` computed when the records were read (one definition everywhere)."""
+    the values :mod:`loadgen.metrics.definitions` computed when the records were read (one definition everywhere)."""
     ok = np.array([k is None for k in req.error], dtype=bool) & np.isfinite(req.first)
     keep = ok[req.itl_req] if req.itl_req.size else np.zeros(0, dtype=bool)
     return {

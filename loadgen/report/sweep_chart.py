@@ -6,10 +6,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from loadgen.records.results import leaves
 from loadgen.report import series
 from loadgen.report.load import RunData
 from loadgen.report.plot import PALETTE, Fig, axis, subplots
-from loadgen.results import leaves
 
 
 def _find(flat: dict[str, Any], patterns: tuple[str, ...]) -> tuple[str, float] | None:
@@ -22,7 +22,7 @@ def _find(flat: dict[str, Any], patterns: tuple[str, ...]) -> tuple[str, float] 
     return None
 
 
-# PointSummary keys (loadgen.pointsummary.summarize / loadgen.engine.run_point), most specific first.
+# PointSummary keys (loadgen.metrics.pointsummary.summarize / loadgen.dispatch.engine.run_point), most specific first.
 LOAD_KEYS = (r"load\.concurrency", r"load\.rate", r"load\.speedup")
 THROUGHPUT_KEYS = (r"throughput\.steady\.output_tok_per_s", r"throughput\.whole\.output_tok_per_s")
 GOODPUT_KEYS = (r"goodput\.req_per_s", r"goodput\.req_per_s_whole")

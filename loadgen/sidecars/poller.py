@@ -19,10 +19,10 @@ import httpx
 
 from backends.profile import DEFAULT_PROFILE, PrefixCounters, ServerProfile
 from backends.registry import server_profiles
-from loadgen.clock import RunClock
-from loadgen.percentiles import stats
+from loadgen.metrics.percentiles import stats
 from loadgen.sidecars.prometheus import parse_metrics
 from loadgen.sidecars.sampler import ThreadedSampler
+from loadgen.timing.clock import RunClock
 
 
 def _compact_slot(slot: dict[str, Any]) -> dict[str, Any]:
@@ -115,7 +115,7 @@ def reconcile(
 
 
 class ServerStatePoller(ThreadedSampler):
-    """A :class:`loadgen.clock.Sidecar` that samples a server's ``/metrics`` (and ``/slots``)."""
+    """A :class:`loadgen.timing.clock.Sidecar` that samples a server's ``/metrics`` (and ``/slots``)."""
 
     name = "server"
     filename = "server_state.jsonl"

@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from loadgen.clock import RunClock
+from loadgen.timing.clock import RunClock
 
 Record = dict[str, Any]
 

@@ -24,12 +24,12 @@ from urllib.parse import urlsplit
 import httpx
 import psutil
 
-from loadgen import percentiles
-from loadgen.clock import RunClock
+from loadgen.metrics import percentiles
 from loadgen.sidecars import gpu as gpu_probes
 from loadgen.sidecars.exporters import exporter_record
 from loadgen.sidecars.prometheus import parse_metrics
 from loadgen.sidecars.sampler import Record, ThreadedSampler
+from loadgen.timing.clock import RunClock
 
 
 class HostProbe:
@@ -90,7 +90,7 @@ class _Telemetry(ThreadedSampler):
 
 
 class TelemetrySampler(_Telemetry):
-    """Local sampler (a :class:`loadgen.clock.Sidecar`): NVML GPUs if any, plus the host.
+    """Local sampler (a :class:`loadgen.timing.clock.Sidecar`): NVML GPUs if any, plus the host.
 
     ``header`` is the line for the run header, known after construction.
     """
@@ -129,7 +129,7 @@ class TelemetrySampler(_Telemetry):
 
 
 def _stats(values: list[float]) -> dict[str, float] | None:
-    """Mean and max of a series (``None``/NaN samples skipped), from :func:`loadgen.percentiles.stats`."""
+    """Mean and max of a series (``None``/NaN samples skipped), from :func:`loadgen.metrics.percentiles.stats`."""
     vals = [v for v in values if v is not None and not math.isnan(v)]
     if not vals:
         return None
@@ -151,7 +151,7 @@ def _energy(points: list[tuple[float, Record]]) -> float | None:
 def summarize(records: list[Record], window: tuple[float, float] | None) -> dict[str, Any]:
     """Mean/max of host and per-GPU series inside ``window`` (all records when None).
 
-    ``gpu_energy_j`` (summed over GPUs) is what :func:`loadgen.pointsummary.joules_per_output_token` divides.
+    ``gpu_energy_j`` (summed over GPUs) is what :func:`loadgen.metrics.pointsummary.joules_per_output_token` divides.
     """
     lo, hi = window if window is not None else (-math.inf, math.inf)
     sel = [r for r in records if lo <= r["t"] <= hi]

@@ -36,7 +36,7 @@ import numpy as np
 from loadgen.capacity.probe import Probe, ProbeJudge, pilot_requests, probe_result
 from loadgen.capacity.sequential import Decision, Sequential
 from loadgen.capacity.stats import Samples, check
-from loadgen.slo import SLO
+from loadgen.metrics.slo import SLO
 from loadgen.testservers.null import Conn, NullServerProcess, serve
 from loadgen.testservers.stream import Behaviour, Stream, http_chunk
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from loadgen.cli import app
+from loadgen.cli.app import app
 
 
 def fixed_workload(path: Path, prompt: int, output: int) -> Path:

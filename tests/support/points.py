@@ -1,9 +1,9 @@
 """One load point against the null/fault server (``tests/test_engine_*.py``)."""
 
 from backends.openai import OpenAIBackend
-from loadgen.calibrate import FixedWorkload
-from loadgen.clock import RunClock
-from loadgen.engine import run_point
+from loadgen.dispatch.engine import run_point
+from loadgen.experiments.calibrate import FixedWorkload
+from loadgen.timing.clock import RunClock
 from workloads.contracts import read_jsonl
 
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from loadgen import pointsummary
-from loadgen.loadspec import LoadSpec
+from loadgen.dispatch.loadspec import LoadSpec
+from loadgen.metrics import pointsummary
 
 SLO = {"ttft": 0.5, "tpot": 0.05}
 

@@ -1,4 +1,4 @@
-"""A worker object for :func:`loadgen.fleet.serve` in a spawned process (importable there by name): its event
+"""A worker object for :func:`loadgen.dispatch.fleet.serve` in a spawned process (importable there by name): its event
 loop notes the time every few milliseconds, and one call replies with a body larger than a pipe holds."""
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ class Ticker:
 
 
 def serve(conn: object) -> None:
-    from loadgen.fleet import serve as fleet_serve
-    from loadgen.signals import run_async
+    from loadgen.dispatch.fleet import serve as fleet_serve
+    from loadgen.dispatch.signals import run_async
 
     async def orphaned() -> None:
         return None

@@ -1,0 +1,210 @@
+"""What a command runs against: the workload it loads, the server it finds or starts, the backend for it.
+
+Shared by ``bench run``/``sweep``, ``capacity`` and ``gate --ab``; every failure is a
+:class:`~loadgen.exitcodes.UsageError` (exit 2) or :class:`~loadgen.exitcodes.ServerGone` (exit 3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from backends.base import Backend
+from backends.detect import Detection, ServerUnreachable, detect
+from backends.launcher import LaunchError, ServerProcess, free_port
+from backends.profile import profile_of
+from backends.registry import available, get_backend, server_profiles
+from loadgen.cli.exits import console
+from loadgen.defaults import REQUEST_TIMEOUT_S
+from loadgen.dispatch.sweep import RESET_TIMEOUT_S
+from loadgen.exitcodes import ServerGone, UsageError
+from workloads.base import Workload
+
+
+def load_workload(name: str, tokenizer: str | None = None, field: str | None = None) -> Workload:
+    from workloads.loader import load_workload as _load
+
+    try:
+        return _load(name, tokenizer=tokenizer, field=field)
+    except (FileNotFoundError, KeyError, ValueError) as exc:
+        raise UsageError(f"workload {name!r}: {exc}") from None
+
+
+def check_tokenizer(spec: str | None) -> None:
+    """``--tokenizer``: a tokenizer that loads (a file, a model folder, a Hugging Face id), checked before
+    anything starts."""
+    if spec is None:
+        return
+    from workloads.text import load_tokenizer
+
+    try:
+        load_tokenizer(spec)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--tokenizer: {exc}") from None
+
+
+def is_finite(workload: Workload) -> bool:
+    """A trace or a dataset ends by itself; synthetic workloads are infinite."""
+    return workload.finite
+
+
+def read_api_key(api_key_env: str | None) -> str | None:
+    """The API key from the environment variable named by --api-key-env (the key itself is never stored)."""
+    if not api_key_env:
+        return None
+    api_key = os.environ.get(api_key_env)
+    if not api_key:
+        raise UsageError(f"--api-key-env {api_key_env}: that environment variable is not set")
+    return api_key
+
+
+def reset_cache_path(backend: Backend) -> str:
+    """The path whose ``POST`` empties the server's prefix cache (``--reset-cache``), found by trying the
+    backend's own, then every known server's, on the server itself (so the first reset happens here)."""
+    paths = dict.fromkeys(p for p in (profile_of(backend).reset_cache, *(q.reset_cache for q in server_profiles())) if p)
+    tried: list[str] = []
+    with httpx.Client(timeout=RESET_TIMEOUT_S, trust_env=False, headers=backend.auth_headers()) as client:
+        for path in paths:
+            try:
+                status = client.post(backend.base_url + path).status_code
+            except httpx.HTTPError as exc:
+                raise ServerGone(f"--reset-cache: POST {path}: {type(exc).__name__}: {exc}") from None
+            if 200 <= status < 300:
+                return path
+            tried.append(f"POST {path}: {status}")
+    raise UsageError(
+        f"--reset-cache: the server at {backend.base_url} offers no prefix-cache reset ({'; '.join(tried)}). vLLM "
+        "serves POST /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1 set; SGLang has POST /flush_cache; "
+        "llama-server has none. Without it, each point's fresh prompts (the default) already miss the cache."
+    )
+
+
+def detect_server(url: str, api_key: str | None) -> Detection:
+    """What the server at ``url`` is (backends.detect); an unreachable one is :class:`ServerGone`."""
+    try:
+        return detect(url, api_key)
+    except ServerUnreachable as exc:
+        raise ServerGone(f"{exc}\n  is the server running? (bench run without --url starts the bundled one)") from None
+
+
+def make_backend(
+    name: str, url: str, model: str | None, api: str | None, api_key: str | None, continuous_usage: bool,
+    extra_body: str | None,
+) -> Backend:  # fmt: skip
+    """The backend ``name`` for ``url``; ``auto`` asks the server (:func:`detect_server`)."""
+    if name == "auto":
+        name = detect_server(url, api_key).backend
+    try:
+        extra = json.loads(extra_body) if extra_body else {}
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--extra-body is not valid JSON: {exc}") from None
+    if not isinstance(extra, dict):
+        raise UsageError("--extra-body must be a JSON object")
+    try:
+        cls = get_backend(name)
+    except KeyError:
+        raise UsageError(f"unknown backend {name!r}; available: auto, {', '.join(available())}") from None
+    opts: dict[str, Any] = {"api": api, "extra_body": extra}
+    if continuous_usage:
+        opts["continuous_usage"] = True
+    try:
+        return cls(url, model=model or _first_model(url, api_key), api_key=api_key, **opts)  # type: ignore[call-arg]
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"backend {name!r}: {exc}") from None
+
+
+TOKENIZE_TIMEOUT_S = 10.0  # a tokenize endpoint's answer, asked before any load
+
+
+def server_counts(backend: Backend, workloads: Sequence[Workload], seed: int) -> list[str]:
+    """Before any load: the first completions prompt of each workload counted by the server's own tokenizer
+    (its tokenize endpoint: the backend's, else the first known server's that answers) against the length the
+    workload meant; a warning for each past :data:`loadgen.metrics.definitions.PROMPT_MISMATCH` (every run compares all its
+    prompts with the server's usage afterwards; this says it before the run is spent). None without an endpoint."""
+    from loadgen.metrics.definitions import PROMPT_MISMATCH
+
+    firsts = []
+    for wl in workloads:
+        req = next(iter(wl.sessions(seed)), None)
+        first = req.first() if req is not None else None
+        if first is not None and isinstance(first.prompt, str) and first.prompt_tokens:
+            firsts.append((wl.name, first))
+    ways = dict.fromkeys(t for t in (profile_of(backend).tokenize, *(p.tokenize for p in server_profiles())) if t)
+    out: list[str] = []
+    with httpx.Client(base_url=backend.base_url, timeout=TOKENIZE_TIMEOUT_S, trust_env=False,
+                      headers=backend.auth_headers()) as c:  # fmt: skip
+        for path, key in ways:
+            counted = [_count(c, path, {key: first.prompt, "model": backend.model}) for _, first in firsts]
+            if firsts and None not in counted:
+                for (name, first), n in zip(firsts, counted, strict=True):
+                    if abs(n / first.prompt_tokens - 1) > PROMPT_MISMATCH:  # type: ignore[operator]
+                        out.append(f"the server counts {n} tokens in {name}'s first prompt, cut to {first.prompt_tokens}: "
+                                   "the prompts are not the lengths asked (pass the served model's --tokenizer)")  # fmt: skip
+                break
+    return out
+
+
+def _count(client: httpx.Client, path: str, body: dict[str, Any]) -> int | None:
+    """A tokenize endpoint's token count (``count``, a ``tokens`` list, or a list); None when it has none."""
+    try:
+        r = client.post(path, json=body)
+        data = r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    if isinstance(data, dict) and isinstance(data.get("count"), int):
+        return data["count"]
+    tokens = data.get("tokens") if isinstance(data, dict) else data
+    return len(tokens) if isinstance(tokens, list) else None
+
+
+def served_tokenizer(url: str, api_key: str | None) -> str | None:
+    """``--tokenizer`` left out: the served model's own, where its id (GET /v1/models) names one this machine has
+    (a model folder, a tokenizer file, or a Hugging Face id already in the cache: nothing is downloaded
+    for it); None: the bundled one. Prompts cut with another model's tokenizer are not the lengths asked
+    (each run compares them with the server's counts)."""
+    from workloads.text import load_tokenizer
+
+    model = _first_model(url, api_key)
+    if model is None:
+        return None
+    try:
+        load_tokenizer(model, offline=True)
+    except (OSError, ValueError):
+        return None
+    return model
+
+
+def _first_model(url: str, api_key: str | None) -> str | None:
+    """The server's first model from GET /v1/models; None when it has no such endpoint."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(url.rstrip("/") + "/v1/models", headers=headers, timeout=10, trust_env=False)
+        data = r.json().get("data") or []
+        return str(data[0]["id"]) if r.status_code == 200 and data else None
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+@contextmanager
+def embedded_server(log_path: Path, timeout: float = REQUEST_TIMEOUT_S) -> Iterator[str]:
+    """Start the bundled reference server on a free loopback port (the one :class:`ServerProcess`, in its
+    own session: a terminal's Ctrl-C is bench's to handle); yields its URL; stops it after."""
+    port = free_port()
+    srv = ServerProcess([sys.executable, "-m", "reference_server", "--host", "127.0.0.1", "--port", str(port)],
+                        port, log_path, health_timeout_s=timeout, stop_grace_s=15.0)  # fmt: skip
+    console.print(f"[dim]starting the reference server on {srv.base_url} (log: {log_path})[/]")
+    try:
+        srv.start()
+    except LaunchError as exc:
+        raise UsageError(f"the reference server did not start: {exc}\n  see {log_path}") from None
+    try:
+        yield srv.base_url
+    finally:
+        srv.stop()

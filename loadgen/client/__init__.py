@@ -1,0 +1,1 @@
+"""The HTTP client: one request sent and its stream read into its record."""

@@ -1,0 +1,1 @@
+"""The experiments, A/B, the KV budget and the client's calibration."""

@@ -1,0 +1,1 @@
+"""The metric definitions and the statistics of a point."""

@@ -1,0 +1,1 @@
+"""What a run writes: the record writer, the one atomic JSON writer and the results directory."""

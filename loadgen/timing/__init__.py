@@ -1,0 +1,1 @@
+"""The run clock, send times and the timer that keeps them."""
