@@ -17,7 +17,8 @@ from loadgen.capacity.probe import ProbeJudge
 from loadgen.capacity.sequential import Sequential
 from loadgen.capacity.stats import Samples, check, lognormal_upper, samples_to_hold
 from loadgen.dispatch.signals import run_async
-from loadgen.metrics.slo import SloError, parse_slos
+from loadgen.metrics import definitions as metrics
+from loadgen.metrics.slo import SloError, metric_of, parse_slos
 from loadgen.testservers.servicemodel import ServiceModel, SimProber, simulate, true_capacity
 
 
@@ -31,6 +32,17 @@ def test_parse_slos_and_malformed_keys_are_named():
                        ("ttft_p99=1s,ttft_p99=2s", "ttft_p99")]:  # fmt: skip
         with pytest.raises(SloError, match=named):
             parse_slos(bad, percentiles=True)
+
+
+def test_each_slo_key_is_a_registry_metric_shown_in_its_unit():
+    """An SLO key names the registry's metric (its percentile or per-request limit alike); its description and
+    the capacity tables show a latency in that metric's shown unit."""
+    slos = parse_slos("ttft_p99=250ms,tpot_p90.5=2s,e2e_p50=800us,error_rate=1%", percentiles=True)
+    assert [metric_of(s.key) for s in slos] == [s.definition for s in slos] == [
+        metrics.TTFT, metrics.TPOT, metrics.E2E, metrics.ERROR_RATE]  # fmt: skip
+    assert [metric_of(s.key) for s in parse_slos("ttft=1s,e2e=9s", percentiles=False)] == [metrics.TTFT, metrics.E2E]
+    assert [s.describe() for s in slos] == ["ttft_p99 <= 250 ms", "tpot_p90.5 <= 2 s", "e2e_p50 <= 0.8 ms",
+                                            "error_rate <= 1.00%"]  # fmt: skip
 
 
 def _lognormal_waves(share_over: float, wave: int, scale: float = 1.0, icc: float = 0.99):

@@ -303,3 +303,43 @@ def test_paired_trials_pair_by_index_and_drop_incomplete_pairs(tmp_path):
     assert check.n_baseline == check.n_candidate == 5
     assert check.ratio == pytest.approx(0.8) and check.ci == pytest.approx((0.8, 0.8))
     assert check.verdict == "regression"
+
+
+def _summarized(path: Path, delay: float) -> Path:
+    """A result of three trials, each a PointSummary made from records (a prefix cache hit and an SLO, so every
+    optional figure is there), the server ``delay`` s slower on every event."""
+    from loadgen.metrics import pointsummary
+
+    def rec(i: int, trial: int) -> dict:
+        t0 = 0.1 * i
+        events = [[t0 + 0.2 + delay, 1], [t0 + 0.3 + delay, 2], [t0 + 0.5 + delay + 0.01 * trial, 1]]
+        return {"id": str(i), "cls": "a", "warmup": False, "intended": t0, "sent": t0 + 0.001, "headers": {},
+                "end": events[-1][0] + 0.01, "status": 200, "error": None, "events": events, "prompt_tokens": 10,
+                "prompt_tokens_source": "usage", "output_tokens": 4, "output_tokens_source": "usage",
+                "cached_tokens": 4 + trial}  # fmt: skip
+
+    points = [{"point_id": f"c004/t{k}", **pointsummary.summarize([rec(i, k) for i in range(20)], load=FP["load"],
+                                                                  slo={"ttft": 0.5})} for k in range(3)]  # fmt: skip
+    path.mkdir(parents=True, exist_ok=True)
+    doc = {"run_id": path.name, "fingerprint": FP, "environment": ENV, "points": points}
+    (path / "summary.json").write_text(json.dumps(doc))
+    return path
+
+
+def test_every_registry_tag_is_a_gate_metric_found_in_real_summaries(tmp_path):
+    """Each tag of the metric registry (a distribution's with every stat) is a gate name, and the gate finds
+    its values at the registry's path in PointSummaries made from records; the names an unknown one is told
+    to use are names the gate takes."""
+    from loadgen.metrics import definitions as metrics
+    from loadgen.metrics.percentiles import STAT_KEYS
+
+    names = [(f"{t}_{st}" if m.distribution else t, m) for t, m in metrics.REGISTRY.items()
+             for st in (STAT_KEYS if m.distribution else ("",))]  # fmt: skip
+    rules = [MetricRule.parse(f"{n}:{'-' if m.higher_is_better else '+'}50%") for n, m in names]
+    rep = compare(load(_summarized(tmp_path / "b", 0.0)), load(_summarized(tmp_path / "c", 0.001)), rules)
+    assert rep.errors == [] and [c.metric for c in rep.checks] == [n for n, _ in names]
+    with pytest.raises(GateError, match="unknown metric 'ttft'") as err:  # a distribution needs its stat
+        metric_path("ttft")
+    suggested = str(err.value).split("use e.g. ")[1].split(", or a dotted")[0].split(", ")
+    assert "output_tok_s" in suggested and "ttft_p99" in suggested
+    assert all(metric_path(n) for n in suggested)

@@ -1,3 +1,5 @@
+import io
+
 import numpy as np
 import pytest
 
@@ -190,3 +192,48 @@ def test_prompt_lengths_compare_the_intended_with_the_servers_count():
     off = pointsummary.summarize([r(100, 107), r(100, 107)])
     assert off["prompt_lengths"]["ratio"] == pytest.approx(1.07) and "+7.0%" in off["prompt_lengths"]["warning"]
     assert "prompt_lengths" not in pointsummary.summarize([r(None, 50)])
+
+
+def test_every_registry_metric_is_at_its_path_in_a_summary_made_from_records():
+    """Each registry metric names a figure where a PointSummary made from records holds it (a distribution's
+    every stat), its tag resolves to it, and its formula is the one docs/metrics.md gives."""
+    from pathlib import Path
+
+    recs = [{**rec(0.1 * i, [(0.1 * i + 0.1 * (1 + i % 2), 1), (0.1 * i + 0.3, 2), (0.1 * i + 0.5, 1)], 0.1 * i + 0.6,
+                   intended=0.1 * i - 0.001), "cached_tokens": 4} for i in range(20)]  # fmt: skip
+    s = pointsummary.summarize(recs, load={"process": "closed", "concurrency": 4}, slo={"ttft": 0.15})
+    docs = " ".join((Path(__file__).parents[1] / "docs" / "metrics.md").read_text().replace("`", "").split())
+    for tag, m in metrics.REGISTRY.items():
+        for stat in percentiles.STAT_KEYS if m.distribution else (None,):
+            assert isinstance(m.of(s, stat), float), (tag, stat)
+            assert metrics.resolve(f"{tag}_{stat}" if stat else tag) == (m, stat)
+        assert m.doc in docs, tag
+        assert m.unit in metrics.UNIT_WORDS
+    assert set(metrics.LATENCIES) == set(s["latency"])  # every latency the summary computes, and no other
+    assert metrics.GOODPUT.of(s) == pytest.approx(metrics.REQ_S.of(s) / 2)  # half of them are over the TTFT SLO
+    with pytest.raises(KeyError):
+        metrics.resolve("output_tok_s_p99")  # a scalar has no stats
+
+
+def test_the_run_table_shows_the_registrys_labels_scales_and_units():
+    """The run table's headings are the registry's labels (a label changed there changes the table), its
+    latencies its shown unit (ms)."""
+    from rich.console import Console
+
+    from loadgen.cli.run import summary_table
+
+    s = pointsummary.summarize([rec(0.0, [(0.25, 1), (0.5, 1)], 0.5)], load={"process": "closed", "concurrency": 1})
+
+    def render() -> str:
+        out = io.StringIO()
+        Console(file=out, width=300).print(summary_table([{**s, "point_id": "c001"}]))
+        return out.getvalue()
+
+    before = render()
+    assert "TTFT p50" in before and "250.0" in before and "latencies in ms" in before
+    object.__setattr__(metrics.TTFT, "label", "first token")  # the registry is frozen: only a test relabels it
+    try:
+        after = render()
+    finally:
+        object.__setattr__(metrics.TTFT, "label", "TTFT")
+    assert "first token p50" in after and "first token p99" in after and "TTFT" not in after

@@ -190,3 +190,28 @@ def test_bench_report_cli(run_dir, tmp_path):
     assert res.exit_code == 2 and "is not a directory" in " ".join(res.output.split())
     assert auto_report(tmp_path / "missing").startswith("[yellow]warning[/]: no report")
     assert auto_report(run_dir) == f"report: {run_dir / 'report.html'}"
+
+
+def test_the_answer_table_and_the_distributions_take_the_registrys_labels(run_dir):
+    """The answer table's headings and the CDF panels' axis titles are the metric registry's: a label changed
+    there changes both."""
+    from loadgen.metrics import definitions as metrics
+    from loadgen.report import cdf
+    from loadgen.report.builder import answer_first
+
+    run = load_run(run_dir)
+
+    def shown() -> tuple[list[str], list[str]]:
+        layout = cdf.distributions(run.points[0])["layout"]
+        return answer_first([run])["table"].header, [v["title"]["text"] for k, v in layout.items() if k.startswith("xaxis")]
+
+    header, panels = shown()
+    assert header[3:8] == ["out tok/s", "req/s", "TTFT p50 / p99 (ms)", "ITL p50 / p99 (ms)", "E2E p50 / p99 (ms)"]
+    assert panels == ["time to first token, TTFT (s)", "inter-token latency, ITL (s)", "time per output token, TPOT (s)",
+                      "end-to-end latency, E2E (s)"]  # fmt: skip
+    object.__setattr__(metrics.TTFT, "label", "first token")  # the registry is frozen: only a test relabels it
+    try:
+        header, panels = shown()
+    finally:
+        object.__setattr__(metrics.TTFT, "label", "TTFT")
+    assert header[5] == "first token p50 / p99 (ms)" and panels[0] == "time to first token, first token (s)"

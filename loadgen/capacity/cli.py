@@ -35,7 +35,8 @@ from loadgen.cli.targets import embedded_server, load_workload, make_backend, re
 from loadgen.dispatch.fleet import Fleet
 from loadgen.dispatch.signals import run_async
 from loadgen.exitcodes import ExitCode, UsageError
-from loadgen.metrics.slo import SloError, parse_slos
+from loadgen.metrics import definitions as metrics
+from loadgen.metrics.slo import SloError, metric_of, parse_slos
 from loadgen.records.results import new_run_id
 from loadgen.records.writer import write_json
 from loadgen.timing.clock import RunClock
@@ -51,10 +52,10 @@ def probe_table(res: CapacityResult, title: str) -> Table:
     for p in res.probes:
         cells = []
         for c in p.checks:
-            if c.key == "error_rate":
+            if (m := metric_of(c.key)) is metrics.ERROR_RATE:
                 cells.append(f"{c.misses}/{c.n}")
             else:
-                cells.append(f"{_ms(c.value)} [{_ms(c.value_lo)}, {_ms(c.value_hi)}]")
+                cells.append(f"{_shown(m, c.value)} [{_shown(m, c.value_lo)}, {_shown(m, c.value_hi)}]")
         verdict = p.verdict + ("" if p.confident else "?")
         colour = "green" if p.verdict == "pass" else "red"
         load = f"{int(p.load)}" if p.phase == "pilot" or res.mode == "concurrency" else f"{p.load:.3g}"
@@ -63,8 +64,8 @@ def probe_table(res: CapacityResult, title: str) -> Table:
     return t
 
 
-def _ms(v: float | None) -> str:
-    return "∞" if v is None else f"{v * 1e3:,.1f}"
+def _shown(m: metrics.Metric, v: float | None) -> str:
+    return "∞" if v is None else f"{v * m.scale:,.1f}"
 
 
 def _check_reachable(url: str) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from loadgen.capacity.probe import Probe
 from loadgen.capacity.stats import units_to_see
-from loadgen.metrics.slo import SLO
+from loadgen.metrics.slo import ERROR_RATE, SLO
 
 MODES = ("rate", "concurrency")
 DEFAULT_PROBE_S = 60.0
@@ -49,7 +49,7 @@ class SearchConfig:
         if self.max_probe_s is not None or self.mode != "rate" or pooled:
             return self.fixed_probe_s
         tau = max([2.0] + [c.tau for c in (last.checks if last is not None else [])])
-        need = max([0.0] + [units_to_see(s, self.confidence) for s in slos if s.metric != "error_rate"])
+        need = max([0.0] + [units_to_see(s, self.confidence) for s in slos if s.metric != ERROR_RATE])
         return max(DEFAULT_PROBE_S, min(self.budget_s / PROBES_IN_BUDGET, PROBE_MARGIN * need * tau / load))
 
     @property

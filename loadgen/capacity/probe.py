@@ -13,7 +13,8 @@ import numpy as np
 
 from loadgen.capacity.sequential import Backlog, Decision, Sequential
 from loadgen.capacity.stats import Samples, SloCheck, check, over_slo
-from loadgen.metrics.slo import SLO
+from loadgen.metrics import definitions as metrics
+from loadgen.metrics.slo import ERROR_RATE, SLO
 
 
 @dataclass
@@ -59,7 +60,7 @@ def probe_result(
 ) -> Probe:  # fmt: skip
     checks = seq.checks(samples) if seq is not None else [check(samples, s, NormalDist().inv_cdf(0.975)) for s in slos]
     failed = np.asarray(samples.failed, dtype=bool)
-    e2e = np.asarray(samples.values["e2e"], dtype=float)[~failed] if len(samples) else np.empty(0)
+    e2e = np.asarray(samples.values[metrics.E2E.tag], dtype=float)[~failed] if len(samples) else np.empty(0)
     good = sum(1 for i in range(len(samples)) if not samples.failed[i] and _meets(samples, i, slos))
     return Probe(
         index, phase, mode, load, decision.verdict, decision.confident, decision.reason, seconds, len(samples),
@@ -71,7 +72,7 @@ def probe_result(
 
 def _meets(samples: Samples, i: int, slos: Sequence[SLO]) -> bool:
     for s in slos:
-        if s.metric != "error_rate":
+        if s.metric != ERROR_RATE:
             v = samples.values[s.metric][i]
             if not math.isnan(v) and v > s.limit:
                 return False

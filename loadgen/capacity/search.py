@@ -36,7 +36,7 @@ from loadgen.capacity.probe import Probe, Prober, SearchStopped, pilot_requests
 from loadgen.capacity.result import CapacityResult, converged, make_result
 from loadgen.capacity.sequential import Sequential
 from loadgen.capacity.stats import over_slo, units_to_see
-from loadgen.metrics.slo import SLO
+from loadgen.metrics.slo import ERROR_RATE, SLO
 
 
 async def search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig) -> CapacityResult:
@@ -208,7 +208,7 @@ def _reach(cfg: SearchConfig, slos: Sequence[SLO], probe: Probe | None) -> float
     budget, reach = probe.throughput * cfg.fixed_probe_s, math.inf
     for s in slos:
         c = next((c for c in probe.checks if c.key == s.key), None)
-        if s.metric == "error_rate" or c is None:
+        if s.metric == ERROR_RATE or c is None:
             continue
         icc = min(1.0, max(0.0, (c.tau - 1) / (probe.load - 1))) if probe.load > 1 else 1.0
         need = units_to_see(s, cfg.confidence)  # (need·(1 + (x - 1)·icc) + x) requests <= budget, solved for x

@@ -14,7 +14,7 @@ import numpy as np
 
 from loadgen.metrics import definitions as metrics
 from loadgen.metrics.quantiles import f_lower
-from loadgen.metrics.slo import SLO
+from loadgen.metrics.slo import ERROR_RATE, SLO
 
 
 def wilson_eff(k: int, n: int, z: float, tau: float) -> tuple[float, float]:
@@ -176,7 +176,7 @@ def check(samples: Samples, slo: SLO, z: float, confidence: float = 0.95) -> Slo
     share of requests missed it, and the probe holds enough independent requests that a slow mode hitting
     the allowed share would have shown itself at ``confidence`` (:func:`units_to_see`)."""
     failed = np.asarray(samples.failed, dtype=bool)
-    if slo.metric == "error_rate":
+    if slo.metric == ERROR_RATE:
         miss, vals = failed, np.empty(0)
         value, vlo, vhi = (float(miss.mean()) if miss.size else None), None, None
     else:
@@ -190,7 +190,7 @@ def check(samples: Samples, slo: SLO, z: float, confidence: float = 0.95) -> Slo
     # (log) latency that the data show in common, or wholly when a request failed (a failure shared by
     # overlapping requests shows in the failures' own correlation time)
     finite = vals[np.isfinite(vals)]
-    if slo.metric == "error_rate":
+    if slo.metric == ERROR_RATE:
         wave = 1.0
     elif samples.rate is None and finite.size == n:
         wave = design_effect(np.log(finite) if n and finite.min() > 0 else finite, samples.wave, z)
@@ -198,7 +198,7 @@ def check(samples: Samples, slo: SLO, z: float, confidence: float = 0.95) -> Slo
         wave = samples.overlap()
     tau = max(correlation_time(miss), correlation_time(finite) if finite.size == n else 1.0, wave)
     lo, hi = wilson_eff(k, n, z, tau)
-    if slo.metric == "error_rate":
+    if slo.metric == ERROR_RATE:
         holds = hi <= slo.allowed
     else:
         value, vlo = _quantile_lower(vals, slo.q, z, tau)
@@ -253,7 +253,7 @@ def _rank(s: np.ndarray, r: int) -> float | None:
 def samples_to_hold(slo: SLO, z: float, confidence: float) -> int:
     """The fewest independent requests, none missing, that can confirm ``slo``: for error_rate its Wilson
     bound (error_rate=1% at 95 % needs several hundred), for a latency SLO :func:`units_to_see`."""
-    if slo.metric != "error_rate":
+    if slo.metric != ERROR_RATE:
         return math.ceil(units_to_see(slo, confidence))
     return math.ceil(z * z * (1 - slo.allowed) / slo.allowed)
 

@@ -23,6 +23,7 @@ from rich.text import Text
 from loadgen.dispatch.progress import Progress
 from loadgen.dispatch.sweep import PointPlan
 from loadgen.metrics import percentiles
+from loadgen.metrics.definitions import ITL, OUTPUT_TOK_S, TTFT, Metric
 from loadgen.timing.clock import RunClock
 
 
@@ -48,8 +49,8 @@ class Status:
         total = f"/{self.total}" if self.total is not None else ""
         left = f" left {_dur(self.left_s)}" if self.left_s is not None else ""
         return (f"{self.where}  done {self.done}{total}{pct}  elapsed {_dur(self.elapsed_s)}{left}  "
-                f"in-flight {self.inflight}  {self.out_tok_s:,.0f} out tok/s  TTFT p50/p99 {_pair(self.ttft_ms)} ms  "
-                f"ITL p50/p99 {_pair(self.itl_ms)} ms  errors {_errors(self.errors)}")  # fmt: skip
+                f"in-flight {self.inflight}  {self.out_tok_s:,.0f} {OUTPUT_TOK_S.label}  {_pair(TTFT, self.ttft_ms)}  "
+                f"{_pair(ITL, self.itl_ms)}  errors {_errors(self.errors)}")  # fmt: skip
 
 
 def _dur(s: float) -> str:
@@ -57,17 +58,18 @@ def _dur(s: float) -> str:
     return f"{m}:{sec:02d}"
 
 
-def _pair(v: tuple[float, float] | None) -> str:
-    return "-/-" if v is None else f"{v[0]:,.1f}/{v[1]:,.1f}"
+def _pair(m: Metric, v: tuple[float, float] | None) -> str:
+    """``TTFT p50/p99 12.5/40.1 ms``: the p50 and p99 of :func:`_p50_p99`, in the metric's shown unit."""
+    return f"{m.label} p50/p99 {'-/-' if v is None else f'{v[0]:,.1f}/{v[1]:,.1f}'} {m.shown_unit}"
 
 
 def _errors(kinds: dict[str, int]) -> str:
     return ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())) if kinds else "0"
 
 
-def _p50_p99(values: Sequence[float]) -> tuple[float, float] | None:
+def _p50_p99(m: Metric, values: Sequence[float]) -> tuple[float, float] | None:
     s = percentiles.stats(values)
-    return None if s["p50"] is None else (float(s["p50"]) * 1e3, float(s["p99"] or 0) * 1e3)
+    return None if s["p50"] is None else (float(s["p50"]) * m.scale, float(s["p99"] or 0) * m.scale)
 
 
 def status(plan: PointPlan, p: Progress, now: float, where: str) -> Status:
@@ -88,7 +90,7 @@ def status(plan: PointPlan, p: Progress, now: float, where: str) -> Status:
     return Status(
         where=where, done=measured, total=total, elapsed_s=elapsed, left_s=left, fraction=fraction,
         inflight=p.inflight, out_tok_s=p.output_tokens / elapsed if elapsed > 0 else 0.0,
-        ttft_ms=_p50_p99(p.ttft), itl_ms=_p50_p99(p.itl()), errors=dict(p.error_kinds),
+        ttft_ms=_p50_p99(TTFT, p.ttft), itl_ms=_p50_p99(ITL, p.itl()), errors=dict(p.error_kinds),
     )  # fmt: skip
 
 
@@ -111,8 +113,8 @@ class _Panel:
         )  # fmt: skip
         err_style = "red" if s.errors else "green"
         numbers = Text.assemble(
-            f"in-flight {s.inflight}   ", (f"{s.out_tok_s:,.0f}", "bold"), " out tok/s   ",
-            f"TTFT p50/p99 {_pair(s.ttft_ms)} ms   ITL p50/p99 {_pair(s.itl_ms)} ms   ",
+            f"in-flight {s.inflight}   ", (f"{s.out_tok_s:,.0f}", "bold"), f" {OUTPUT_TOK_S.label}   ",
+            f"{_pair(TTFT, s.ttft_ms)}   {_pair(ITL, s.itl_ms)}   ",
             (f"errors {_errors(s.errors)}", err_style),
         )  # fmt: skip
         return Group(bar, numbers)

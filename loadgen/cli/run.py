@@ -217,34 +217,46 @@ def _fmt(v: float | None, scale: float = 1e3, digits: int = 1) -> str:
     return "-" if v is None else f"{v * scale:,.{digits}f}"
 
 
+# The table's metric columns: a registry metric, its stat (a distribution's) and the digits shown.
+COLUMNS: tuple[tuple[metrics.Metric, str | None, int], ...] = (
+    (metrics.REQ_S, None, 2), (metrics.OUTPUT_TOK_S, None, 0),
+    *((m, stat, 1) for m in (metrics.TTFT, metrics.TPOT, metrics.ITL, metrics.E2E) for stat in ("p50", "p99")),
+    (metrics.SCHEDULE_LAG, "p99", 2), (metrics.CACHE_HIT_RATE, None, 0),
+)  # fmt: skip
+
+
+def _cell(s: dict[str, Any], m: metrics.Metric, stat: str | None, digits: int) -> str:
+    """A metric's cell: scaled to its shown unit; a throughput over the whole run (no steady state) marked ``*``."""
+    v = m.of(s, stat)
+    if m is metrics.CACHE_HIT_RATE:  # no prefix_cache: "-"; one without a hit rate: "-%"
+        return _fmt(v, m.scale, digits) + m.shown_unit if s.get("prefix_cache") else "-"
+    mark = "*" if m.path[0] == "throughput" and not s["throughput"]["steady"].get("valid", True) else ""
+    return _fmt(v, m.scale, digits) + mark
+
+
 def summary_table(summaries: list[dict[str, Any]]) -> Table:
-    t = Table(title="results (latencies in ms; throughput over the steady-state window, * = whole run: no steady state; "
-                    "! = the client may be limiting the point: its warning follows; cached = prompt tokens the server's "
-                    "prefix cache served)")  # fmt: skip
-    for col in ("point", "ok", "err", "inc", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
-                "ITL p50", "ITL p99", "E2E p50", "E2E p99", "lag p99", "cached"):  # fmt: skip
+    t = Table(title=f"results (latencies in {metrics.TTFT.shown_unit}; throughput over the steady-state window, * = "
+                    "whole run: no steady state; ! = the client may be limiting the point: its warning follows; "
+                    f"{metrics.CACHE_HIT_RATE.label} = prompt tokens the server's prefix cache served)")  # fmt: skip
+    for col in ("point", "ok", "err", "inc", *(f"{m.label} {stat}" if stat else m.label for m, stat, _ in COLUMNS)):
         t.add_column(col, justify="left" if col == "point" else "right")
     for s in summaries:
-        lat, thr, n = s["latency"], s["throughput"]["steady"], s["counts"]
-        mark = "" if thr.get("valid", True) else "*"
-        t.add_row(
-            s["point_id"] + (" !" if s["client"]["limited"] else ""), str(n["ok"]), str(n["errors"]), str(n.get("incomplete", 0)),
-            _fmt(thr["req_per_s"], 1, 2) + mark, _fmt(thr["output_tok_per_s"], 1, 0) + mark,
-            _fmt(lat["ttft"]["p50"]), _fmt(lat["ttft"]["p99"]), _fmt(lat["tpot"]["p50"]), _fmt(lat["tpot"]["p99"]),
-            _fmt(lat["itl"]["p50"]), _fmt(lat["itl"]["p99"]), _fmt(lat["e2e"]["p50"]), _fmt(lat["e2e"]["p99"]),
-            _fmt(s["client"]["schedule_lag"]["p99"], 1e3, 2), _fmt((s.get("prefix_cache") or {}).get("hit_rate"), 100, 0) + "%" if s.get("prefix_cache") else "-",
-        )  # fmt: skip
+        n = s["counts"]
+        t.add_row(s["point_id"] + (" !" if s["client"]["limited"] else ""), str(n["ok"]), str(n["errors"]),
+                  str(n.get("incomplete", 0)), *(_cell(s, m, stat, digits) for m, stat, digits in COLUMNS))  # fmt: skip
     return t
 
 
 def _wide_median(st: dict[str, Any]) -> str | None:
-    """Why a rerun's TTFT p50 may differ by more than :data:`metrics.RERUN_SPREAD`: its 95 % interval is wider."""
+    """Why a rerun's TTFT p50 may differ by more than :data:`metrics.RERUN_SPREAD`: its 95 % interval is wider
+    (``st``: the point's TTFT stats)."""
     p50, lo, hi = st["p50"], st.get("p50_lo"), st.get("p50_hi")
     if not p50 or lo is None or hi is None or (1 - metrics.RERUN_SPREAD) * p50 <= lo <= hi <= (1 + metrics.RERUN_SPREAD) * p50:
         return None
-    return (f"TTFT p50 {p50 * 1e3:,.1f} ms rests on {st['count']} requests: its 95 % interval is {lo * 1e3:,.1f}-"
-            f"{hi * 1e3:,.1f} ms, so a rerun may differ by more than {metrics.RERUN_SPREAD:.0%}; more requests "
-            "(--num-requests) narrow it")  # fmt: skip
+    m, k = metrics.TTFT, metrics.TTFT.scale
+    return (f"{m.label} p50 {p50 * k:,.1f} {m.shown_unit} rests on {st['count']} requests: its 95 % interval is "
+            f"{lo * k:,.1f}-{hi * k:,.1f} {m.shown_unit}, so a rerun may differ by more than {metrics.RERUN_SPREAD:.0%}; "
+            "more requests (--num-requests) narrow it")  # fmt: skip
 
 
 def notes(s: dict[str, Any]) -> list[str]:

@@ -21,11 +21,13 @@ from loadgen.experiments.experiment import (
     Config,
     Experiment,
     Summary,
+    figure,
     greedy_outputs,
     metric,
     scrape_metrics,
     value_at,
 )
+from loadgen.metrics.definitions import E2E, ITL, OUTPUT_TOK_S, REQ_S, TPOT, TTFT
 from reference_server import metric_names
 from workloads.base import Workload
 from workloads.loader import load_workload
@@ -57,7 +59,9 @@ def _first(per_config: dict[str, list[Summary]], label: str, path: str) -> Any:
     return value_at(per_config[label][0], path)
 
 
-OUT_TPS = "throughput.whole.output_tok_per_s"
+OUT_TPS = ".".join(OUTPUT_TOK_S.whole())  # the experiments compare whole-run rates
+OUT_TOK_S = Column(OUTPUT_TOK_S.label, metric(OUT_TPS))
+REQ_S_WHOLE = Column(REQ_S.label, metric(".".join(REQ_S.whole())), "{:.2f}")
 
 
 def batching() -> Experiment:
@@ -81,10 +85,7 @@ def batching() -> Experiment:
         [Config("static", ["--batching", "static"]), Config("dynamic", ["--batching", "dynamic"]),
          Config("continuous", ["--batching", "continuous"])],  # fmt: skip
         traffic,
-        [Column("out tok/s", metric(OUT_TPS)), Column("req/s", metric("throughput.whole.req_per_s"), "{:.2f}"),
-         Column("e2e p50 s", metric("latency.e2e.p50"), "{:.2f}"), Column("e2e p99 s", metric("latency.e2e.p99"), "{:.2f}"),
-         Column("ttft p99 s", metric("latency.ttft.p99"), "{:.2f}"),
-         Column("short e2e p99 s", metric("per_class.short.latency.e2e.p99"), "{:.2f}")],  # fmt: skip
+        [OUT_TOK_S, REQ_S_WHOLE, figure(E2E, "p50"), figure(E2E, "p99"), figure(TTFT, "p99"), figure(E2E, "p99", "short")],
         verdict,
         common_args=["--max-num-seqs", "16", "--batch-size", "16", "--num-kv-blocks", "192", "--max-model-len", "512"],
     )
@@ -110,18 +111,11 @@ def chunked_prefill() -> Experiment:
         [Config("unchunked", ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "4096"]),
          Config("chunked", ["--max-num-batched-tokens", "128"])],
         traffic,
-        [Column("decode ITL p50 ms", lambda s, _e: _ms(value_at(s, "per_class.decode.latency.itl.p50"))),
-         Column("decode ITL p99 ms", lambda s, _e: _ms(value_at(s, "per_class.decode.latency.itl.p99"))),
-         Column("decode ITL max ms", lambda s, _e: _ms(value_at(s, "per_class.decode.latency.itl.max"))),
-         Column("long TTFT p50 s", metric("per_class.long-prompt.latency.ttft.p50"), "{:.2f}"),
-         Column("out tok/s", metric(OUT_TPS))],  # fmt: skip
+        [*(figure(ITL, stat, "decode", shown=True, fmt="{:.1f}") for stat in ("p50", "p99", "max")),
+         figure(TTFT, "p50", "long-prompt"), OUT_TOK_S],  # fmt: skip
         verdict,
         common_args=["--no-enable-prefix-caching"],
     )
-
-
-def _ms(v: float | None) -> float | None:
-    return None if v is None else v * 1000
 
 
 def scheduling() -> Experiment:
@@ -137,10 +131,7 @@ def scheduling() -> Experiment:
         return (f"mean e2e fifo {mean['fifo']:.2f}s, sjf {mean['sjf']:.2f}s; urgent mean e2e fifo "
                 f"{urgent['fifo']:.2f}s, priority {urgent['priority']:.2f}s")  # fmt: skip
 
-    cols = [Column("e2e mean s", metric("latency.e2e.mean"), "{:.2f}"), Column("e2e p99 s", metric("latency.e2e.p99"), "{:.2f}")]
-    for c in ("short", "long", "urgent"):
-        cols += [Column(f"{c} mean s", metric(f"per_class.{c}.latency.e2e.mean"), "{:.2f}"),
-                 Column(f"{c} p99 s", metric(f"per_class.{c}.latency.e2e.p99"), "{:.2f}")]  # fmt: skip
+    cols = [figure(E2E, stat, c) for c in (None, "short", "long", "urgent") for stat in ("mean", "p99")]
     return Experiment(
         "scheduling", "SJF lowers mean latency; priority serves urgent work first",
         [Config(p, ["--policy", p]) for p in ("fifo", "sjf", "priority")], traffic, cols, verdict,
@@ -162,8 +153,7 @@ def prefix_cache() -> Experiment:
     return Experiment(
         "prefix-cache", "prefix caching multiplies effective capacity for shared prompts",
         [Config("cache-off", ["--no-enable-prefix-caching"]), Config("cache-on", [])], traffic,
-        [Column("ttft p50 s", metric("latency.ttft.p50"), "{:.3f}"), Column("ttft p99 s", metric("latency.ttft.p99"), "{:.3f}"),
-         Column("out tok/s", metric(OUT_TPS)), Column("req/s", metric("throughput.whole.req_per_s"), "{:.2f}")],  # fmt: skip
+        [figure(TTFT, "p50", fmt="{:.3f}"), figure(TTFT, "p99", fmt="{:.3f}"), OUT_TOK_S, REQ_S_WHOLE],
         verdict,
     )
 
@@ -199,7 +189,7 @@ def speculative() -> Experiment:
         [Config("off", []), Config("ngram", ["--spec", "ngram", "--spec-k", "8"]),
          Config("self", ["--spec", "self", "--spec-k", "4", "--self-draft-layers", "20"])],  # fmt: skip
         traffic,
-        [Column("out tok/s", metric(OUT_TPS)), Column("tpot ms", lambda s, _e: _ms(value_at(s, "latency.tpot.mean"))),
+        [OUT_TOK_S, figure(TPOT, "mean", shown=True, fmt="{:.1f}"),
          Column("acceptance", metric(f"{SPEC}.acceptance_rate"), "{:.0%}"),
          Column("drafted", metric(f"{SPEC}.drafted"), "{:.0f}")],  # fmt: skip
         verdict,
@@ -257,8 +247,7 @@ def quantization() -> Experiment:
          Config("int4", ["--quantization", "int4"]),
          Config("kv-int8", ["--quantization", "none", "--kv-cache-dtype", "int8"])],  # fmt: skip
         traffic,
-        [Column("out tok/s", metric(OUT_TPS)), Column("ttft p50 ms", lambda s, _e: _ms(value_at(s, "latency.ttft.p50"))),
-         Column("tpot p50 ms", lambda s, _e: _ms(value_at(s, "latency.tpot.p50"))),
+        [OUT_TOK_S, figure(TTFT, "p50", shown=True, fmt="{:.1f}"), figure(TPOT, "p50", shown=True, fmt="{:.1f}"),
          Column("KV tokens", acc("kv_tokens"), "{:,.0f}"), Column("top-1 vs fp32", acc("top1_agreement"), "{:.1%}"),
          Column("mean |logit err|", acc("mean_logit_error"), "{:.3f}"),
          Column("greedy identical", acc("greedy_identical"), "{:.0%}")],  # fmt: skip

@@ -25,6 +25,7 @@ from backends.registry import get_backend
 from loadgen.defaults import REPORT_FILE
 from loadgen.dispatch.signals import run_async
 from loadgen.dispatch.sweep import PointPlan, run_sweep
+from loadgen.metrics.definitions import Metric
 from loadgen.records.results import ResultsDir, lookup
 from loadgen.records.writer import write_json
 from loadgen.sidecars.poller import ServerStatePoller
@@ -70,6 +71,19 @@ def value_at(d: dict[str, Any], path: str) -> Any:
 
 def metric(path: str) -> Callable[[Summary, dict[str, Any]], Any]:
     return lambda s, _extra: value_at(s, path)
+
+
+def figure(m: Metric, stat: str, cls: str | None = None, shown: bool = False, fmt: str = "{:.2f}") -> Column:
+    """A column of a registry distribution at ``stat``: in seconds as ``summary.json`` has it (``E2E p99 s``) or,
+    with ``shown``, in its shown unit (``TPOT p50 ms``); of workload class ``cls`` (``short E2E p99 s``)."""
+    path = ".".join((*(("per_class", cls) if cls else ()), *m.path, stat))
+    scale, unit = (m.scale, m.shown_unit) if shown else (1.0, m.unit)
+
+    def get(s: Summary, _extra: dict[str, Any]) -> float | None:
+        v = value_at(s, path)
+        return None if v is None else v * scale
+
+    return Column(" ".join(x for x in (cls, m.label, stat, unit) if x), get, fmt)
 
 
 # -- scraping the reference server ------------------------------------------------------------------

@@ -19,6 +19,7 @@ from loadgen.gate.compare import compare
 from loadgen.gate.resultset import load, save_baseline
 from loadgen.gate.rules import GateError, MetricRule
 from loadgen.gate.verdict import GateReport, fmt_ci, fmt_value, to_markdown
+from loadgen.metrics.definitions import OUTPUT_TOK_S
 from loadgen.records.writer import write_json
 
 
@@ -124,10 +125,8 @@ def _run_ab(o: GateOptions) -> tuple[str, str]:
     rid = o.run_id or f"gate-{new_run_id()}"
 
     def progress(k: int, side: str, s: dict) -> None:  # type: ignore[type-arg]
-        thr = s["throughput"]["steady"]["output_tok_per_s"]
-        console.print(
-            f"[dim]trial {k} {side:9s} {thr or 0:8.1f} out tok/s  errors {s['counts']['errors']}[/]"
-        )
+        console.print(f"[dim]trial {k} {side:9s} {OUTPUT_TOK_S.of(s) or 0:8.1f} {OUTPUT_TOK_S.label}  "
+                      f"errors {s['counts']['errors']}[/]")  # fmt: skip
 
     console.print(f"A/B: {o.trials} interleaved trials per side, c={o.concurrency}, {o.num_requests} requests each")
     try:

@@ -1,16 +1,12 @@
-"""The gate's rules: ``NAME:-X%`` / ``NAME:+X%`` (:class:`MetricRule`), the short metric names they may use
-and the PointSummary path each stands for (:func:`metric_path`)."""
+"""The gate's rules: ``NAME:-X%`` / ``NAME:+X%`` (:class:`MetricRule`), NAME a tag of the metric registry
+(:data:`loadgen.metrics.definitions.REGISTRY`) or a dotted PointSummary path (:func:`metric_path`)."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
-from loadgen.metrics.definitions import LATENCIES
-from loadgen.metrics.percentiles import STAT_KEYS
-
-# Short metric names -> path in a PointSummary (loadgen.metrics.pointsummary); any dotted path is accepted too.
-_THROUGHPUT = {"output_tok_s": "output_tok_per_s", "total_tok_s": "total_tok_per_s", "req_s": "req_per_s"}
+from loadgen.metrics import definitions as metrics
 
 
 class GateError(ValueError):
@@ -18,24 +14,17 @@ class GateError(ValueError):
 
 
 def metric_path(name: str) -> tuple[str, ...]:
-    """``output_tok_s`` -> throughput.steady.output_tok_per_s, ``ttft_p99`` -> latency.ttft.p99, a dotted
-    path -> itself."""
-    if name in _THROUGHPUT:
-        return ("throughput", "steady", _THROUGHPUT[name])
-    if name == "error_rate":
-        return ("errors", "rate")
-    if name == "goodput":
-        return ("goodput", "req_per_s")
+    """A registry tag (:data:`loadgen.metrics.definitions.REGISTRY`) -> its PointSummary path: ``output_tok_s`` ->
+    throughput.steady.output_tok_per_s, ``ttft_p99`` -> latency.ttft.p99; a dotted path -> itself."""
     if name == "capacity":  # a `bench capacity` result: loadgen.capacity.gate.gate_capacity compares it
         return ("capacity",)
-    for lat in LATENCIES:
-        for st in STAT_KEYS:
-            if name == f"{lat}_{st}":
-                return ("latency", lat, st)
     if "." in name:
         return tuple(name.split("."))
-    known = sorted([*_THROUGHPUT, "error_rate", "goodput"]) + [f"{lat}_p99" for lat in LATENCIES[:3]]
-    raise GateError(f"unknown metric {name!r}: use e.g. {', '.join(known)}, or a dotted summary path")
+    try:
+        m, stat = metrics.resolve(name)
+    except KeyError:
+        raise GateError(f"unknown metric {name!r}: use e.g. {', '.join(metrics.examples())}, or a dotted summary path") from None
+    return (*m.path, stat) if stat else m.path
 
 
 @dataclass(frozen=True)

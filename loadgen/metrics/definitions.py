@@ -18,14 +18,110 @@ A point's summary of them is :func:`loadgen.metrics.pointsummary.summarize`; eve
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from loadgen.metrics.percentiles import STAT_KEYS
+
 Record = dict[str, Any]
-LATENCIES = ("ttft", "ttfo", "tpot", "itl", "chunk_gap", "e2e", "tail", "ttft_from_intended", "e2e_from_intended")
-SLO_KEYS = ("ttft", "tpot", "e2e")
+UNIT_WORDS = {"s": "s", "tok/s": "tokens/s", "req/s": "requests/s", "ratio": "share"}  # a unit as titles spell it
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One figure of a PointSummary: the name users type, where it lives, and how tables and charts show it."""
+
+    tag: str  # the short name users type (bench gate --metric, --slo): ttft, output_tok_s
+    path: tuple[str, ...]  # where a PointSummary holds it
+    unit: str  # of the value in summary.json: a key of UNIT_WORDS
+    label: str  # a table's heading: TTFT, out tok/s
+    name: str  # a title's words: time to first token
+    doc: str  # its formula in one line, as docs/metrics.md gives it
+    higher_is_better: bool
+    distribution: bool = False  # the path holds stats() of it (STAT_KEYS), named tag_stat: ttft_p99
+    scale: float = 1.0  # shown as value × scale in `shown`: seconds as ms
+    shown: str = ""  # the unit shown, where not `unit`
+    words: str = ""  # the unit in a title's words, where not UNIT_WORDS[unit]
+
+    @property
+    def shown_unit(self) -> str:
+        return self.shown or self.unit
+
+    @property
+    def unit_words(self) -> str:
+        return self.words or UNIT_WORDS[self.unit]
+
+    def title(self, scope: str = "") -> str:
+        """An axis title: ``time to first token, TTFT (s)``, ``output throughput, steady state (tokens/s)``."""
+        qualifier = f", {scope}" if scope else f", {self.label}" if self.distribution else ""
+        return f"{self.name}{qualifier} ({self.unit_words})"
+
+    def whole(self) -> tuple[str, ...]:
+        """Where a steady-state rate's whole-point twin lives (docs/metrics.md, Throughput and Goodput)."""
+        if self.path[:2] == ("throughput", "steady"):
+            return ("throughput", "whole", *self.path[2:])
+        return (*self.path[:-1], self.path[-1] + "_whole")
+
+    def of(self, summary: Mapping[str, Any], stat: str | None = None) -> Any:
+        """Its value in ``summary`` (a distribution's at ``stat``); None where the summary has none."""
+        v: Any = summary
+        for key in (*self.path, stat) if stat else self.path:
+            v = v.get(key) if isinstance(v, Mapping) else None
+        return v
+
+
+def _latency(tag: str, label: str, name: str, doc: str) -> Metric:
+    return Metric(tag, ("latency", tag), "s", label, name, doc, False, True, 1e3, "ms")
+
+
+TTFT = _latency("ttft", "TTFT", "time to first token", "events[0].t − sent")
+TTFO = _latency("ttfo", "TTFO", "time to first output token", "events[first_output].t − sent")
+TPOT = _latency("tpot", "TPOT", "time per output token", "(last − first content event) / (output_tokens − k₁)")
+ITL = _latency("itl", "ITL", "inter-token latency", "for each later read with k > 0 tokens, a time g after the previous "
+               "read that carried tokens (or the first read): k values g/k")  # fmt: skip
+CHUNK_GAP = _latency("chunk_gap", "chunk gap", "gap between reads", "tᵢ − tᵢ₋₁ over reads")
+E2E = _latency("e2e", "E2E", "end-to-end latency", "last content event − sent")
+TAIL = _latency("tail", "tail", "tail after the answer", "end − last content event")
+TTFT_INTENDED = _latency("ttft_from_intended", "TTFT from intended", "time to first token from the intended send",
+                         "events[0].t − intended")  # fmt: skip
+E2E_INTENDED = _latency("e2e_from_intended", "E2E from intended", "end-to-end latency from the intended send",
+                        "last content event − intended")  # fmt: skip
+SCHEDULE_LAG = Metric("schedule_lag", ("client", "schedule_lag"), "s", "lag", "schedule lag", "sent − intended", False,
+                      True, 1e3, "ms")  # fmt: skip
+OUTPUT_TOK_S = Metric("output_tok_s", ("throughput", "steady", "output_tok_per_s"), "tok/s", "out tok/s",
+                      "output throughput", "Σ f · out / (b − a)", True)  # fmt: skip
+TOTAL_TOK_S = Metric("total_tok_s", ("throughput", "steady", "total_tok_per_s"), "tok/s", "total tok/s",
+                     "total throughput", "Σ f · (out + prompt) / (b − a)", True)  # fmt: skip
+REQ_S = Metric("req_s", ("throughput", "steady", "req_per_s"), "req/s", "req/s", "request throughput",
+               "Σ f / (b − a)", True)  # fmt: skip
+ERROR_RATE = Metric("error_rate", ("errors", "rate"), "ratio", "error rate", "error rate", "errors / (ok + errors)",
+                    False)  # fmt: skip
+GOODPUT = Metric("goodput", ("goodput", "req_per_s"), "req/s", "goodput", "goodput",
+                 "steady req_per_s × good / successful", True, words="requests/s within SLOs")  # fmt: skip
+CACHE_HIT_RATE = Metric("cache_hit_rate", ("prefix_cache", "hit_rate"), "ratio", "cached", "prefix-cache hits",
+                        "cached_tokens / prompt_tokens", True, scale=100, shown="%")  # fmt: skip
+REGISTRY = {m.tag: m for m in (TTFT, TTFO, TPOT, ITL, CHUNK_GAP, E2E, TAIL, TTFT_INTENDED, E2E_INTENDED, SCHEDULE_LAG,
+                               OUTPUT_TOK_S, TOTAL_TOK_S, REQ_S, ERROR_RATE, GOODPUT, CACHE_HIT_RATE)}  # fmt: skip
+LATENCIES = tuple(tag for tag, m in REGISTRY.items() if m.path[0] == "latency")
+SLO_KEYS = (TTFT.tag, TPOT.tag, E2E.tag)  # what a request's --slo limits (meets_slo)
+
+
+def resolve(name: str) -> tuple[Metric, str | None]:
+    """A tag (``output_tok_s``), or a distribution's tag with a stat (``ttft_p99``): its metric and stat."""
+    if (m := REGISTRY.get(name)) is not None and not m.distribution:
+        return m, None
+    tag, _, stat = name.rpartition("_")
+    if (m := REGISTRY.get(tag)) is not None and m.distribution and stat in STAT_KEYS:
+        return m, stat
+    raise KeyError(name)
+
+
+def examples() -> list[str]:
+    """The names a message suggests: every scalar tag, and p99 of the first three latencies."""
+    return sorted(t for t, m in REGISTRY.items() if not m.distribution) + [f"{t}_p99" for t in LATENCIES[:3]]
 SLO_FROM = ("sent", "intended")
 INCOMPLETE_KINDS = ("cancelled",)  # ended by the harness (end of a duration-bound run, Ctrl-C), not the server
 # The thresholds the summary (loadgen.metrics.pointsummary), the run table and capacity probes warn at.

@@ -15,10 +15,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from loadgen.metrics import definitions as metrics
 from loadgen.metrics.definitions import SLO_KEYS
 
 UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
-ERROR_RATE = "error_rate"
+ERROR_RATE = metrics.ERROR_RATE.tag
 
 
 class SloError(ValueError):
@@ -33,6 +34,10 @@ class SLO:
     metric: str
     quantile: float | None
     limit: float
+
+    @property
+    def definition(self) -> metrics.Metric:
+        return metrics.REGISTRY[self.metric]
 
     @property
     def key(self) -> str:
@@ -53,7 +58,13 @@ class SLO:
     def describe(self) -> str:
         if self.metric == ERROR_RATE:
             return f"{ERROR_RATE} <= {self.limit:.2%}"
-        return f"{self.key} <= {self.limit * 1e3:g} ms" if self.limit < 1 else f"{self.key} <= {self.limit:g} s"
+        m = self.definition
+        return f"{self.key} <= {self.limit * m.scale:g} {m.shown_unit}" if self.limit < 1 else f"{self.key} <= {self.limit:g} {m.unit}"
+
+
+def metric_of(key: str) -> metrics.Metric:
+    """The registry's metric an SLO key limits: ``ttft_p99`` and ``ttft`` -> TTFT, ``error_rate`` -> the error rate."""
+    return metrics.REGISTRY[key if key == ERROR_RATE else key.rpartition("_p")[0] or key]
 
 
 def parse_slos(text: str | None, percentiles: bool) -> list[SLO]:

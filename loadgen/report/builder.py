@@ -20,6 +20,7 @@ from typing import Any
 import jinja2
 import numpy as np
 
+from loadgen.metrics.definitions import CACHE_HIT_RATE, E2E, GOODPUT, ITL, OUTPUT_TOK_S, REQ_S, TTFT, Metric
 from loadgen.metrics.pointsummary import reasoning_note
 from loadgen.records.results import leaves
 from loadgen.report import cdf, sweep_chart, timeline
@@ -122,6 +123,10 @@ def _meta_table(run: RunData) -> Table:
     return Table(["field", "value"], [[k, cell(v)] for k, v in flat.items()], "meta")
 
 
+# The sweep rows' figures the diff compares, by the registry metric each is (p50, p99: E2E, else TTFT: both latencies).
+DIFF_METRICS = {"throughput": OUTPUT_TOK_S, "goodput": GOODPUT, "p50": E2E, "p99": E2E}
+
+
 def diff_table(runs: list[RunData]) -> Table | None:
     """Key sweep metrics of each run beside the first (baseline), matched by point id, with the change;
     None when no point id is shared."""
@@ -134,7 +139,7 @@ def diff_table(runs: list[RunData]) -> Table | None:
     for pid, b in base.items():
         if not any(pid in other for other in per_run[1:]):
             continue
-        for m in ("throughput", "goodput", "p50", "p99"):
+        for m in DIFF_METRICS:
             if b[m] is None:
                 continue
             row: list[Cell] = [pid, b[m + "_key"], f"{b[m]:.5g}"]
@@ -144,7 +149,7 @@ def diff_table(runs: list[RunData]) -> Table | None:
                     row += ["", ""]
                     continue
                 pct = (o - b[m]) / b[m] * 100 if b[m] else math.nan
-                better = (pct > 0) == (m in ("throughput", "goodput"))
+                better = (pct > 0) == DIFF_METRICS[m].higher_is_better
                 row += [f"{o:.5g}", Span(f"{pct:+.1f}", "down" if better else "up") if math.isfinite(pct) else ""]
             rows.append(row)
     return Table(header, rows, "diff") if rows else None
@@ -166,8 +171,8 @@ def _point_views(r: int, run: RunData, figs: dict[str, Any]) -> list[dict[str, A
     return views
 
 
-def _ms(v: Any) -> str:
-    return f"{v * 1e3:,.1f}" if isinstance(v, (int, float)) else "–"
+def _shown(m: Metric, v: Any) -> str:
+    return f"{v * m.scale:,.1f}" if isinstance(v, (int, float)) else "–"
 
 
 def _share(pc: Any) -> Cell:
@@ -178,10 +183,13 @@ def _share(pc: Any) -> Cell:
     return Span(f"{rate:.0%}", "up" if pc.get("warning") else "")
 
 
+ANSWER_LATENCIES = (TTFT, ITL, E2E)  # the answer table's latency columns, each p50 / p99
+
+
 def answer_first(runs: list[RunData]) -> dict[str, Any] | None:
     """The one-screen summary at the top: per point, throughput, latency percentiles, errors, warnings."""
-    header = ["point", "requests ok", "errors", "output tokens/s", "requests/s", "TTFT p50 / p99 (ms)",
-              "ITL p50 / p99 (ms)", "E2E p50 / p99 (ms)", "prefix-cache hits"]  # fmt: skip
+    header = ["point", "requests ok", "errors", OUTPUT_TOK_S.label, REQ_S.label,
+              *(f"{m.label} p50 / p99 ({m.shown_unit})" for m in ANSWER_LATENCIES), CACHE_HIT_RATE.name]  # fmt: skip
     rows: list[list[Cell]] = []
     notes: list[str] = []
     for run in runs:
@@ -189,19 +197,17 @@ def answer_first(runs: list[RunData]) -> dict[str, Any] | None:
             if not isinstance(p, dict) or "counts" not in p:
                 continue
             pid = (f"{run.run_id} " if len(runs) > 1 else "") + str(p.get("point_id", ""))
-            counts, lat = p.get("counts") or {}, p.get("latency") or {}
-            thr = (p.get("throughput") or {}).get("steady") or {}
+            counts = p.get("counts") or {}
             kinds = ((p.get("errors") or {}).get("by_kind")) or {}
             err = ", ".join(f"{k} {n}" for k, n in kinds.items()) or str(counts.get("errors", 0))
             if counts.get("incomplete"):
                 err += f"; {counts['incomplete']} incomplete"
-            pair = {k: f"{_ms((lat.get(k) or {}).get('p50'))} / {_ms((lat.get(k) or {}).get('p99'))}"
-                    for k in ("ttft", "itl", "e2e")}  # fmt: skip
-            tok, req = thr.get("output_tok_per_s"), thr.get("req_per_s")
+            tok, req = OUTPUT_TOK_S.of(p), REQ_S.of(p)
             rows.append([pid, str(counts.get("ok", "–")), Span(err, "up" if kinds else ""),
                          f"{tok:,.1f}" if isinstance(tok, (int, float)) else "–",
                          f"{req:,.2f}" if isinstance(req, (int, float)) else "–",
-                         pair["ttft"], pair["itl"], pair["e2e"], _share(p.get("prefix_cache"))])  # fmt: skip
+                         *(f"{_shown(m, m.of(p, 'p50'))} / {_shown(m, m.of(p, 'p99'))}" for m in ANSWER_LATENCIES),
+                         _share(p.get("prefix_cache"))])  # fmt: skip
             notes += [f"{pid}: the client may be limiting this point: {w}"
                       for w in (p.get("client") or {}).get("warnings") or []]  # fmt: skip
             notes += [f"{pid}: {w}" for key in ("prefix_cache", "prompt_lengths") if (w := (p.get(key) or {}).get("warning"))]

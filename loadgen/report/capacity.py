@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from loadgen.metrics import definitions as metrics
+from loadgen.metrics.slo import metric_of
 from loadgen.report.builder import jsonable, plotly_js
 
 _COLOURS = {"pass": "#2ca02c", "fail": "#d62728"}
@@ -21,7 +23,8 @@ _COLOURS = {"pass": "#2ca02c", "fail": "#d62728"}
 def slo_figure(entry: dict[str, Any], key: str) -> dict[str, Any]:
     probes = [p for p in entry["probes"] if p["phase"] == "search"]
     unit = "concurrency" if entry["mode"] == "concurrency" else "rate (req/s)"
-    ms = 1.0 if key == "error_rate" else 1e3
+    m = metric_of(key)
+    ms = m.scale
     traces: list[dict[str, Any]] = []
     limit = None
     for verdict in ("pass", "fail"):
@@ -64,7 +67,7 @@ def slo_figure(entry: dict[str, Any], key: str) -> dict[str, Any]:
                        "y0": 0, "y1": 1, "line": {"color": "#ff7f0e", "width": 1, "dash": "dash"}})  # fmt: skip
         notes.append({"x": entry["knee"], "y": 0.92, "xref": "x", "yref": "paper", "text": "knee",
                       "showarrow": False})  # fmt: skip
-    yname = f"{key} (share)" if key == "error_rate" else f"{key} (ms)"
+    yname = f"{key} ({m.shown or m.unit_words})"
     return {"data": traces, "layout": {
         "title": {"text": f"{key} against load (the shaded region meets every SLO)"},
         "xaxis": {"title": {"text": unit}, "rangemode": "tozero"}, "yaxis": {"title": {"text": yname}, "rangemode": "tozero"},
@@ -97,10 +100,10 @@ def _probe_rows(entry: dict[str, Any]) -> str:
     for p in entry["probes"]:
         cells = [str(p["index"]), p["phase"], f"{p['load']:.4g}", str(p["requests"]), str(p["errors"])]
         for c in p["checks"]:
-            if c["key"] == "error_rate":
+            if (m := metric_of(c["key"])) is metrics.ERROR_RATE:
                 cells.append(f"{c['misses']}/{c['n']}")
             else:
-                cells.append(f"{_ms(c['value'])} [{_ms(c['value_lo'])}, {_ms(c['value_hi'])}]")
+                cells.append(f"{_shown(m, c['value'])} [{_shown(m, c['value_lo'])}, {_shown(m, c['value_hi'])}]")
         cells += [html.escape(f"{p['verdict']}{'' if p['confident'] else '?'} ({p['reason']})"), f"{p['seconds']:.1f}"]
         rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
@@ -110,8 +113,8 @@ def _num(v: float | None) -> str:
     return "-" if v is None else f"{v:.3g}"
 
 
-def _ms(v: float | None) -> str:
-    return "∞" if v is None else f"{v * 1e3:.1f}"
+def _shown(m: metrics.Metric, v: float | None) -> str:
+    return "∞" if v is None else f"{v * m.scale:.1f}"
 
 
 def write_report(out: Path) -> Path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from loadgen.metrics.definitions import E2E, ITL, TPOT, TTFT
 from loadgen.report import series
 from loadgen.report.load import PointData
 from loadgen.report.plot import PALETTE, Fig, axis, subplots
@@ -18,8 +19,7 @@ def distributions(point: PointData) -> Fig | None:
         return None
     classes = sorted(set(req.cls[ok]))
     groups = [("all", None)] + ([(c, c) for c in classes] if len(classes) > 1 else [])
-    panels = [("time to first token, TTFT (s)", "ttft"), ("inter-token latency, ITL (s)", "itl"),
-              ("time per output token, TPOT (s)", "tpot"), ("end-to-end latency (s)", "e2e")]  # fmt: skip
+    panels = [(m.title(), m.tag) for m in (TTFT, ITL, TPOT, E2E)]
     data: list[dict[str, Any]] = []
     layout = subplots(2, 2, horizontal_spacing=0.06, vertical_spacing=0.12)
     layout.update(title={"text": f"{point.point_id}: latency distributions (CDF)", "x": 0.01}, height=560,

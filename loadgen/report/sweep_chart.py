@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from loadgen.metrics.definitions import E2E, GOODPUT, OUTPUT_TOK_S, TTFT
 from loadgen.records.results import leaves
 from loadgen.report import series
 from loadgen.report.load import RunData
@@ -22,24 +23,26 @@ def _find(flat: dict[str, Any], patterns: tuple[str, ...]) -> tuple[str, float] 
     return None
 
 
+def _key(path: tuple[str, ...]) -> str:
+    return ".".join(path)
+
+
 # PointSummary keys (loadgen.metrics.pointsummary.summarize / loadgen.dispatch.engine.run_point), most specific first.
 LOAD_KEYS = (r"load\.concurrency", r"load\.rate", r"load\.speedup")
-THROUGHPUT_KEYS = (r"throughput\.steady\.output_tok_per_s", r"throughput\.whole\.output_tok_per_s")
-GOODPUT_KEYS = (r"goodput\.req_per_s", r"goodput\.req_per_s_whole")
-LATENCY_KEYS = {q: (rf"latency\.e2e\.{q}", rf"latency\.ttft\.{q}") for q in ("p50", "p99")}
+THROUGHPUT_KEYS = tuple(re.escape(_key(p)) for p in (OUTPUT_TOK_S.path, OUTPUT_TOK_S.whole()))
+GOODPUT_KEYS = tuple(re.escape(_key(p)) for p in (GOODPUT.path, GOODPUT.whole()))
+LATENCY_KEYS = {q: tuple(re.escape(_key((*m.path, q))) for m in (E2E, TTFT)) for q in ("p50", "p99")}
 
 
-# The one place a summary key gets its axis title (words and unit); latencies are seconds in summary.json.
+# The one place a summary key gets its axis title (words and unit: the registry's); latencies are seconds in
+# summary.json.
 AXIS_TITLES = {
     "load.concurrency": "concurrency (requests in flight)",
     "load.rate": "offered load (requests/s)",
     "load.speedup": "trace replay speed-up (x)",
-    "throughput.steady.output_tok_per_s": "output throughput, steady state (tokens/s)",
-    "throughput.whole.output_tok_per_s": "output throughput, whole point (tokens/s)",
-    "goodput.req_per_s": "goodput, steady state (requests/s within SLOs)",
-    "goodput.req_per_s_whole": "goodput, whole point (requests/s within SLOs)",
-    "latency.e2e": "end-to-end latency (s)",
-    "latency.ttft": "time to first token (s)",
+    **{_key(m.path): m.title("steady state") for m in (OUTPUT_TOK_S, GOODPUT)},
+    **{_key(m.whole()): m.title("whole point") for m in (OUTPUT_TOK_S, GOODPUT)},
+    **{_key(m.path): m.title() for m in (E2E, TTFT)},
 }
 LINE_STYLES = "solid line: p50 · dashed line: p99"
 
