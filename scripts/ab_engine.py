@@ -38,8 +38,10 @@ def _copy_revision(rev: str, dest: Path) -> None:
 
 def _engine(pkg: str, concurrency: int) -> tuple[Any, Any]:
     config = importlib.import_module(f"{pkg}.config")
-    engine = importlib.import_module(f"{pkg}.engine")
-    sequence = importlib.import_module(f"{pkg}.sequence")
+    # REV may predate the split of reference_server/ into rooms (engine/, model/, ...): its modules are flat then
+    room = "engine." if hasattr(importlib.import_module(f"{pkg}.engine"), "__path__") else ""
+    engine = importlib.import_module(f"{pkg}.{room}engine")
+    sequence = importlib.import_module(f"{pkg}.{room}sequence")
     model = importlib.import_module("reference_server.model_files").default_model_path()
     e = engine.Engine(config.EngineConfig(model=model, threads=2, enable_prefix_caching=False,
                                           max_num_seqs=max(64, concurrency)))

@@ -9,7 +9,7 @@
 # Environment: COMPARE_DURATION (seconds of dispatch per concurrency, default 45), COMPARE_VLLM=0 leaves vLLM
 # out (a shorter run on a busy machine).
 # Each server is started by `bench sweep --server` on a free loopback port with 2 threads, driven closed-loop
-# at each concurrency for 45 s of dispatch (after 4 warm-up requests) with reference_server/bench_decode128.toml
+# at each concurrency for 45 s of dispatch (after 4 warm-up requests) with reference_server/tools/bench_decode128.toml
 # (16-48-token prompts, exactly 128 greedy output tokens), then stopped. One results directory per server
 # under OUT_ROOT/compare-<timestamp>/, one report.html comparing them and compare.md (output tok/s over the
 # steady-state window, TPOT p50, TTFT p50). ROUNDS > 1 repeats the three servers in turn (reference,
@@ -28,7 +28,7 @@ QUANTS="${4:-none}"
 RUN="compare-$(date -u +%Y%m%dT%H%M%SZ)"
 DIR="$ROOT/$RUN"
 CACHE="${SERVELAB_CACHE:-$HOME/.cache/servelab}"
-COMMON=(--workload reference_server/bench_decode128.toml --concurrency "$CONC" --num-requests 100000
+COMMON=(--workload reference_server/tools/bench_decode128.toml --concurrency "$CONC" --num-requests 100000
         --duration "${COMPARE_DURATION:-45}" --warmup 4 --output-dir "$DIR")
 
 have_vllm=0

@@ -14,12 +14,12 @@ from gpu_check_models import CONTEXT, SHAPES, write_seeded_gguf
 from gpu_check_plan import Context, Plan, Record
 
 from reference_server.config import EngineConfig
-from reference_server.engine import Engine
-from reference_server.gguf_loader import ModelSpec, load_gguf
-from reference_server.kv_cache import block_bytes
-from reference_server.model_runner import ModelRunner
-from reference_server.sequence import SamplingParams, SeqStatus, Sequence
-from reference_server.text import TextCodec
+from reference_server.engine.engine import Engine
+from reference_server.engine.sequence import SamplingParams, SeqStatus, Sequence
+from reference_server.model.gguf_loader import ModelSpec, load_gguf
+from reference_server.model.kv_cache import block_bytes
+from reference_server.model.model_runner import ModelRunner
+from reference_server.model.text import TextCodec
 
 
 def sync(device: str) -> None:
@@ -139,7 +139,7 @@ def _decode_point(engine: Engine, batch: list[list[int]], steps: int, device: st
     out: Record = {"concurrency": len(batch), "wall_ms": 1e3 * float(np.median(times))}
     graphs = engine.runner.graphs
     if graphs is not None and device.startswith("cuda"):
-        from reference_server.cuda_graphs import pick_bucket
+        from reference_server.model.cuda_graphs import pick_bucket
 
         bucket = pick_bucket(graphs.buckets, len(batch))
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -17,7 +17,7 @@ import uvicorn
 from loadgen.testservers.null import NullServerProcess
 
 if TYPE_CHECKING:
-    from reference_server.engine import Engine
+    from reference_server.engine.engine import Engine
 
 
 class LiveServer:
@@ -67,7 +67,7 @@ SMALL_CONTEXT = 64  # tokens: caps the work of each request that hostile or gene
 def small_server() -> Iterator[LiveServer]:
     """The reference server on a SMALL_CONTEXT-token context, for the tests that send generated bodies."""
     from reference_server.config import EngineConfig
-    from reference_server.engine import Engine
+    from reference_server.engine.engine import Engine
     from reference_server.model_files import default_model_path
 
     cfg = EngineConfig(model=default_model_path(), num_kv_blocks=64, max_model_len=SMALL_CONTEXT, threads=1,

@@ -11,15 +11,15 @@ import sys
 
 import pytest
 
-from reference_server.cpu_memory import CACHE_ENV, ONEDNN_CACHE_CAPACITY
+from reference_server.engine.cpu_memory import CACHE_ENV, ONEDNN_CACHE_CAPACITY
 
 PROBE = r"""
 import ctypes, json, os, sys
 import torch
 from reference_server.config import EngineConfig
-from reference_server.cpu_memory import CACHE_ENV
-from reference_server.engine import Engine
-from reference_server.sequence import SamplingParams
+from reference_server.engine.cpu_memory import CACHE_ENV
+from reference_server.engine.engine import Engine
+from reference_server.engine.sequence import SamplingParams
 from reference_server.model_files import default_model_path
 
 class MallInfo2(ctypes.Structure):
@@ -47,7 +47,7 @@ def rss():
 before = rss()
 ctypes.CDLL(None).malloc_trim(0)
 released_by_trim = before - rss()  # what the engine left resident but free
-from reference_server.gguf_loader import gguf_reader
+from reference_server.model.gguf_loader import gguf_reader
 readers_kept = gguf_reader.cache_info().currsize
 params = SamplingParams(temperature=0, max_tokens=1)
 def prefill(lengths):  # one step per prompt length: every linear sees a new number of rows

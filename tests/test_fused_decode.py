@@ -1,4 +1,4 @@
-"""The native decode step (reference_server/fused_decode.py, ``decode_forward`` in csrc/cpu_kernels.c) against
+"""The native decode step (reference_server/model/fused_decode.py, ``decode_forward`` in csrc/cpu_kernels.c) against
 the per-op path it replaces: the same logits and the same KV cache bit for bit, for 1..5 sequences (the
 direct and the tiled quantised kernels), contexts across block boundaries, int4 and int8 weights, bf16 and
 int8 caches, the self-draft's first layers; and what it refuses."""
@@ -10,11 +10,11 @@ import torch
 from test_reference_engine import _codec, _weights
 
 from reference_server.config import EngineConfig
-from reference_server.engine import Engine
+from reference_server.engine.engine import Engine
+from reference_server.engine.scheduler import ScheduledBatch
+from reference_server.engine.sequence import SamplingParams
+from reference_server.model.model_runner import ModelRunner
 from reference_server.model_files import default_model_path
-from reference_server.model_runner import ModelRunner
-from reference_server.scheduler import ScheduledBatch
-from reference_server.sequence import SamplingParams
 
 
 def quant_engine(quantization: str, kv_cache_dtype: str) -> Engine:

@@ -12,9 +12,9 @@ from pathlib import Path
 import gguf
 import pytest
 
-from reference_server.gguf_loader import load_gguf
+from reference_server.model.gguf_loader import load_gguf
+from reference_server.model.text import TextCodec
 from reference_server.model_files import default_model_path
-from reference_server.text import TextCodec
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))

@@ -9,13 +9,13 @@ import torch
 from test_reference_engine import _codec, _weights
 
 from reference_server.config import DEFAULT_CPU_KV_BLOCKS, EngineConfig
-from reference_server.cuda_graphs import MAX_GRAPH_BATCH, graph_buckets, pick_bucket
-from reference_server.engine import Engine
-from reference_server.kv_cache import block_bytes as kv_block_bytes
+from reference_server.engine.engine import Engine
+from reference_server.engine.scheduler import ScheduledBatch
+from reference_server.engine.sequence import SamplingParams, Sequence
+from reference_server.model.cuda_graphs import MAX_GRAPH_BATCH, graph_buckets, pick_bucket
+from reference_server.model.kv_cache import block_bytes as kv_block_bytes
+from reference_server.model.model_runner import ModelRunner, kv_blocks_for_memory
 from reference_server.model_files import default_model_path
-from reference_server.model_runner import ModelRunner, kv_blocks_for_memory
-from reference_server.scheduler import ScheduledBatch
-from reference_server.sequence import SamplingParams, Sequence
 
 
 def _tensors(obj: object, name: str, seen: set[int]):
@@ -83,7 +83,7 @@ def test_a_step_on_another_device_keeps_its_tensors_there():
     logits = runner.forward(batch)
     assert logits.device.type == "meta" and logits.shape == (2, runner.spec.vocab) and logits.dtype == torch.float32
 
-    from reference_server.triton_attention import paged_attention
+    from reference_server.kernels.triton_attention import paged_attention
 
     runner.paged = paged_attention  # the CUDA path's metadata: one row per sequence, int32, on the device
     ids, pos, attn, rows = runner.prepare(batch)

@@ -1,4 +1,4 @@
-"""The int8 KV cache (reference_server/kv_cache.py; ``kv_write_int8`` and the int8 decode attention in
+"""The int8 KV cache (reference_server/model/kv_cache.py; ``kv_write_int8`` and the int8 decode attention in
 csrc/cpu_kernels.c) against float32 references: the per-block scale rule over chunked writes, partial
 blocks and blocks that start again, the native writer equal to the PyTorch one, decode attention on int8
 blocks, the engine with an int8 cache against the float32 model, the choice and its refusals, and the
@@ -14,8 +14,8 @@ from test_native_kernels import _logit_errors, dense_attention, dense_engine, ke
 from test_reference_engine import _codec, _weights, run_greedy
 
 from reference_server.config import DEFAULT_CPU_KV_BLOCKS, EngineConfig
-from reference_server.engine import Engine
-from reference_server.kv_cache import (
+from reference_server.engine.engine import Engine
+from reference_server.model.kv_cache import (
     QMAX,
     LayerKV,
     allocate,
@@ -25,8 +25,8 @@ from reference_server.kv_cache import (
     pick_kv_dtype,
     quantize_into,
 )
+from reference_server.model.model_runner import ModelRunner
 from reference_server.model_files import default_model_path
-from reference_server.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
 

@@ -60,10 +60,10 @@ def test_smollm2_gguf_shape():
 
 def test_each_kv_dtype_in_the_same_memory():
     """The choices table: int8 with the reference server's per-(head, block) float32 scales, fp8 without;
-    the footprint is the reference server's own (reference_server/kv_cache.py) to the byte."""
+    the footprint is the reference server's own (reference_server/model/kv_cache.py) to the byte."""
     import torch
 
-    from reference_server.kv_cache import block_bytes
+    from reference_server.model.kv_cache import block_bytes
 
     shape = ModelShape(layers=30, heads=9, kv_heads=3, head_dim=64)
     b = kv_budget(shape, 1_000_000_000, 0, dtype="fp32", contexts=(2048, 8192), block_size=16)
@@ -82,7 +82,7 @@ def test_each_kv_dtype_in_the_same_memory():
 
 
 def _smollm2_spec():  # noqa: ANN202
-    from reference_server.gguf_loader import gguf_reader, read_spec
+    from reference_server.model.gguf_loader import gguf_reader, read_spec
     from reference_server.model_files import default_model_path
 
     return read_spec(gguf_reader(default_model_path()))

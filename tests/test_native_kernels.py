@@ -1,4 +1,4 @@
-"""The native CPU kernels (reference_server/native.py) against float32 references, the choice between them
+"""The native CPU kernels (reference_server/kernels/native.py) against float32 references, the choice between them
 and PyTorch ops, and the bf16 engine with them against the float32 model: at least as close as PyTorch's own
 bf16 path.
 
@@ -13,13 +13,13 @@ import pytest
 import torch
 from test_reference_engine import PROMPTS, _codec, _weights, capture_logits, dense_position_logits
 
-from reference_server import native
 from reference_server.config import EngineConfig
-from reference_server.engine import Engine
-from reference_server.model import RMSNorm
+from reference_server.engine.engine import Engine
+from reference_server.engine.sequence import SamplingParams
+from reference_server.kernels import native
+from reference_server.model.model import RMSNorm
+from reference_server.model.model_runner import ModelRunner, pick_kernels
 from reference_server.model_files import default_model_path
-from reference_server.model_runner import ModelRunner, pick_kernels
-from reference_server.sequence import SamplingParams
 
 BF16_ULP = 2.0**-7  # relative spacing of bf16 numbers: one rounding step
 
@@ -180,7 +180,7 @@ def test_pick_kernels_says_which_and_why(monkeypatch):
     with pytest.raises(ValueError, match="unknown kernels 'fast'"):
         EngineConfig(model=default_model_path(), kernels="fast")
     # on CUDA (only the choice: no GPU needed) the Triton paged-attention kernel, which the dev extra installs
-    from reference_server.triton_attention import paged_attention
+    from reference_server.kernels.triton_attention import paged_attention
 
     assert pick_kernels("auto", cuda, torch.bfloat16, spec, 16) == (None, paged_attention, "triton")
     assert pick_kernels("triton", cuda, torch.float16, spec, 32) == (None, paged_attention, "triton")

@@ -4,9 +4,9 @@ import time
 
 import pytest
 
-from reference_server.batching import BatchGate
-from reference_server.policies import PriorityPolicy, SjfPolicy, make_policy
-from reference_server.sequence import SamplingParams, Sequence
+from reference_server.engine.batching import BatchGate
+from reference_server.engine.policies import PriorityPolicy, SjfPolicy, make_policy
+from reference_server.engine.sequence import SamplingParams, Sequence
 
 
 def seq(n_prompt: int, max_tokens: int, priority: int = 0, waited: float = 0.0) -> Sequence:

@@ -1,4 +1,4 @@
-"""Weight-only quantised linears (reference_server/quant.py, ``qlinear_bf16`` in csrc/cpu_kernels.c)
+"""Weight-only quantised linears (reference_server/model/quant.py, ``qlinear_bf16`` in csrc/cpu_kernels.c)
 against float32 references: every block layout the loader takes (Q4_0, Q4_1, Q8_0 blocks, re-quantised
 int4 groups, per-channel int8), odd shapes, a partial last group, 1..40 rows, the residual epilogue; for
 decode-size rows both paths: the integer one (int8 activations, AVX512-VNNI) and the bf16 one."""
@@ -13,11 +13,10 @@ import torch.nn.functional as F
 from test_native_kernels import _logit_errors, dense_engine
 from test_reference_engine import _weights
 
-from reference_server import native
 from reference_server.config import EngineConfig
-from reference_server.model_files import default_model_path
-from reference_server.model_runner import ModelRunner
-from reference_server.quant import (
+from reference_server.kernels import native
+from reference_server.model.model_runner import ModelRunner
+from reference_server.model.quant import (
     NATIVE_MAX_ROWS,
     QuantLinear,
     QuantWeight,
@@ -25,6 +24,7 @@ from reference_server.quant import (
     quantize_int4,
     quantize_int8,
 )
+from reference_server.model_files import default_model_path
 
 
 def kernels() -> native.CpuKernels:

@@ -8,15 +8,15 @@ import functools
 import pytest
 import torch
 
-from reference_server.block_manager import BlockManager
 from reference_server.config import EngineConfig
-from reference_server.engine import Engine
-from reference_server.gguf_loader import load_gguf
+from reference_server.engine.block_manager import BlockManager
+from reference_server.engine.engine import Engine
+from reference_server.engine.scheduler import ScheduledBatch, Scheduler
+from reference_server.engine.sequence import SamplingParams, Sequence
+from reference_server.model.gguf_loader import load_gguf
+from reference_server.model.model_runner import ModelRunner
+from reference_server.model.text import Detokenizer, TextCodec
 from reference_server.model_files import default_model_path
-from reference_server.model_runner import ModelRunner
-from reference_server.scheduler import ScheduledBatch, Scheduler
-from reference_server.sequence import SamplingParams, Sequence
-from reference_server.text import Detokenizer, TextCodec
 
 
 @functools.lru_cache(maxsize=1)

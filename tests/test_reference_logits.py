@@ -7,9 +7,9 @@ import torch
 import transformers
 
 from reference_server.config import EngineConfig
-from reference_server.engine import Engine
+from reference_server.engine.engine import Engine
+from reference_server.engine.sequence import SamplingParams, Sequence
 from reference_server.model_files import default_model_path
-from reference_server.sequence import SamplingParams, Sequence
 
 
 @pytest.mark.slow

@@ -13,15 +13,15 @@ import time
 import httpx
 import pytest
 
-from reference_server import text as text_mod
 from reference_server.api.schemas import MAX_BODY_BYTES, UNSUPPORTED
-from reference_server.block_manager import BlockManager
 from reference_server.config import EngineConfig
-from reference_server.engine import Engine
+from reference_server.engine.block_manager import BlockManager
+from reference_server.engine.engine import Engine
+from reference_server.engine.policies import PriorityPolicy, SjfPolicy
+from reference_server.engine.sequence import SamplingParams, Sequence
+from reference_server.model import text as text_mod
+from reference_server.model.sampler import sample
 from reference_server.model_files import default_model_path
-from reference_server.policies import PriorityPolicy, SjfPolicy
-from reference_server.sampler import sample
-from reference_server.sequence import SamplingParams, Sequence
 
 MAX_MODEL_LEN = 512
 
@@ -292,7 +292,7 @@ def _publish(bm: BlockManager, tokens: list[int]) -> Sequence:
 def test_prefix_key_collision_cannot_return_another_prefix(monkeypatch):
     """Keys are sha256 over the parent key and the tokens, and a hit must match both exactly: even a
     digest that ignores the parent (the worst collision) never serves KV computed after another prefix."""
-    import reference_server.block_manager as bm_mod
+    import reference_server.engine.block_manager as bm_mod
 
     real = bm_mod.chain_hash
     monkeypatch.setattr(bm_mod, "chain_hash", lambda prev, toks: repr(toks).encode())
@@ -325,9 +325,9 @@ def test_generation_tokens_count_every_emitted_token(server):
 
 
 def test_accepted_draft_tokens_are_generation_not_prefill():
-    from reference_server.gguf_loader import load_gguf
-    from reference_server.model_runner import ModelRunner
-    from reference_server.text import TextCodec
+    from reference_server.model.gguf_loader import load_gguf
+    from reference_server.model.model_runner import ModelRunner
+    from reference_server.model.text import TextCodec
 
     cfg = EngineConfig(model=default_model_path(), dtype="fp32", threads=1, num_kv_blocks=64, spec="ngram")
     spec, weights = load_gguf(cfg.model)

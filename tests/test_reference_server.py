@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from reference_server.config import EngineConfig
-from reference_server.engine import Engine
+from reference_server.engine.engine import Engine
 from reference_server.model_files import default_model_path
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from reference_server.config import EngineConfig
-from reference_server.iteration import IterationRecord
-from reference_server.spec_decode import (
+from reference_server.engine.iteration import IterationRecord
+from reference_server.speculation.spec_decode import (
     AdaptiveK,
     Draft,
     Governor,

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from reference_server.config import EngineConfig
-from reference_server.engine import Engine
+from reference_server.engine.engine import Engine
+from reference_server.engine.scheduler import ScheduledBatch
+from reference_server.engine.sequence import SamplingParams, SeqStatus
+from reference_server.model.model_runner import ModelRunner
 from reference_server.model_files import default_model_path
-from reference_server.model_runner import ModelRunner
-from reference_server.scheduler import ScheduledBatch
-from reference_server.sequence import SamplingParams, SeqStatus
 
 CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n"
 PROMPTS = [CODE + "Repeat the code above exactly:\n\n" + CODE[:20], "The capital of France is"]

@@ -1,4 +1,4 @@
-"""The Triton paged-attention kernel (reference_server/triton_attention.py) against the float32 reference the
+"""The Triton paged-attention kernel (reference_server/kernels/triton_attention.py) against the float32 reference the
 native CPU kernel is tested with: decode rows and prefill chunks with prefix hits, block sizes 16/32, GQA
 ratios 1/3/8, partial blocks, blocks scattered over the pool. Without a GPU it runs under Triton's
 interpreter on CPU tensors (the same kernel source, executed op by op); with one, compiled on CUDA."""
@@ -15,8 +15,8 @@ if not torch.cuda.is_available():  # before triton is imported: the interpreter 
 
 from test_native_kernels import BF16_ULP, dense_attention
 
-from reference_server.cuda_graphs import DecodeGraphs
-from reference_server.triton_attention import paged_attention
+from reference_server.kernels.triton_attention import paged_attention
+from reference_server.model.cuda_graphs import DecodeGraphs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -110,7 +110,7 @@ def test_engine_with_the_kernel_matches_the_torch_path():
         assert os.environ.get("TRITON_INTERPRET") == "1"
     from test_reference_engine import _codec, capture_logits, make_engine
 
-    from reference_server.sequence import SamplingParams
+    from reference_server.engine.sequence import SamplingParams
 
     kw = {"enable_prefix_caching": True, "max_num_batched_tokens": 24, "num_kv_blocks": 64, "device": DEVICE}
     paged, torch_ops = make_engine(kernels="triton", **kw), make_engine(kernels="torch", **kw)

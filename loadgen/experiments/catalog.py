@@ -205,7 +205,7 @@ def quantization() -> Experiment:
     KV pool's capacity in tokens (``/metrics`` blocks x 16, the default block size; the CPU's default pool
     is a fixed memory, so a smaller cache dtype holds more tokens) and the accuracy cost.
 
-    The accuracy columns come from ``python -m reference_server.accuracy`` (teacher-forced top-1 agreement
+    The accuracy columns come from ``python -m reference_server.tools.accuracy`` (teacher-forced top-1 agreement
     and mean logit error against the float32 model on a fixed text, greedy-output identity on four prompts),
     run once per configuration with the same flags."""
 
@@ -218,7 +218,7 @@ def quantization() -> Experiment:
         kv_tokens = scrape_metrics(base_url).get(metric_names.KV_BLOCKS_TOTAL, 0) * 16
         flags = [a for flag in ("--model", "--quantization", "--kv-cache-dtype") if flag in args
                  for a in (flag, args[args.index(flag) + 1])]  # fmt: skip
-        res = subprocess.run([sys.executable, "-m", "reference_server.accuracy", *flags], capture_output=True,
+        res = subprocess.run([sys.executable, "-m", "reference_server.tools.accuracy", *flags], capture_output=True,
                              text=True, timeout=1800)  # fmt: skip
         if res.returncode != 0:
             return {"accuracy_error": res.stderr.strip()[-300:], "kv_tokens": kv_tokens}

@@ -28,7 +28,7 @@ from reference_server.api.schemas import (
     tokenize_schema,
     validated,
 )
-from reference_server.engine import Engine
+from reference_server.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 

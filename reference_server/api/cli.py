@@ -22,8 +22,8 @@ import uvicorn
 
 from reference_server.api.app import create_app
 from reference_server.config import EngineConfig
-from reference_server.engine import Engine
-from reference_server.quant import linear_bytes
+from reference_server.engine.engine import Engine
+from reference_server.model.quant import linear_bytes
 
 # Flag groups in --help order; every EngineConfig field is a flag (``--field-name``) whose group and help are
 # its field metadata (config.flag). Choices come from the modules that check them; defaults from EngineConfig.
@@ -39,9 +39,9 @@ _HIDDEN = ("model", "step_sleep_ms")  # --model is added by hand; step_sleep_ms 
 
 
 def _choices() -> dict[str, tuple[str, ...]]:
-    from reference_server.batching import BATCHING
     from reference_server.config import KERNELS, KV_CACHE_DTYPES, QUANTIZATIONS, SPEC_METHODS
-    from reference_server.policies import POLICIES
+    from reference_server.engine.batching import BATCHING
+    from reference_server.engine.policies import POLICIES
 
     return {"kernels": KERNELS, "quantization": QUANTIZATIONS, "kv_cache_dtype": KV_CACHE_DTYPES, "batching": BATCHING,
             "policy": POLICIES, "spec": SPEC_METHODS}

@@ -32,8 +32,8 @@ from reference_server.api.schemas import (
     asks_nothing,
     validated,
 )
-from reference_server.engine import Engine, EngineDead, RequestOutput
-from reference_server.sequence import SamplingParams
+from reference_server.engine.engine import Engine, EngineDead, RequestOutput
+from reference_server.engine.sequence import SamplingParams
 
 log = logging.getLogger(__name__)
 

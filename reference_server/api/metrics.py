@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from reference_server import metric_names as M
-from reference_server.engine import Engine, IterationRecord
+from reference_server.engine.engine import Engine, IterationRecord
 
 
 class Metrics:

@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from reference_server.batching import BatchGate
-from reference_server.block_manager import BlockManager
-from reference_server.sequence import SeqStatus, Sequence
+from reference_server.engine.batching import BatchGate
+from reference_server.engine.block_manager import BlockManager
+from reference_server.engine.sequence import SeqStatus, Sequence
 
 
 class Policy(Protocol):

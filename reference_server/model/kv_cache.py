@@ -11,7 +11,7 @@ raise it when they must, and then the block's earlier rows are re-rounded to the
 The attention kernels read int8 blocks where they lie: the native decode kernel (csrc/cpu_kernels.c)
 converts each tile in registers and applies the K scale to its scores and the V scale to its softmax
 weights; the PyTorch path dequantises only the blocks it gathers for a step (:func:`gather_blocks`), never
-the pool. ``fp8`` (e4m3) is refused: no CPU has fp8 arithmetic, and the CUDA kernel (triton_attention.py)
+the pool. ``fp8`` (e4m3) is refused: no CPU has fp8 arithmetic, and the CUDA kernel (kernels/triton_attention.py)
 reads bf16/fp16 only."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from reference_server.config import KV_CACHE_DTYPES
-from reference_server.gguf_loader import ModelSpec
+from reference_server.model.gguf_loader import ModelSpec
 
 SCALE_BYTES = 4  # one float32 scale per (KV head, block) for K and for V
 QMAX = 127

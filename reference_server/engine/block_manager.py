@@ -17,7 +17,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from reference_server.sequence import Sequence
+from reference_server.engine.sequence import Sequence
 
 
 @dataclass

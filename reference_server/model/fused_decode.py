@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from reference_server.kv_cache import LayerKV
-from reference_server.model import AttnBatch, LlamaModel
-from reference_server.native import CpuKernels, QLayer, QMat, QModel
-from reference_server.quant import NATIVE_MAX_ROWS, QuantLinear
-from reference_server.quant_weight import QuantWeight
+from reference_server.kernels.native import CpuKernels, QLayer, QMat, QModel
+from reference_server.kernels.quant_weight import QuantWeight
+from reference_server.model.kv_cache import LayerKV
+from reference_server.model.model import AttnBatch, LlamaModel
+from reference_server.model.quant import NATIVE_MAX_ROWS, QuantLinear
 
 
 def _qmat(linear: torch.nn.Module) -> QMat:

@@ -1,4 +1,4 @@
-"""A quantised weight as packed blocks: what the quantiser (quant.py) makes and the native kernels read."""
+"""A quantised weight as packed blocks: what the quantiser (model/quant.py) makes and the native kernels read."""
 
 from __future__ import annotations
 

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from reference_server.gguf_loader import ModelSpec, gguf_reader, unpermute
-from reference_server.native import CpuKernels
-from reference_server.quant_weight import QuantWeight
+from reference_server.kernels.native import CpuKernels
+from reference_server.kernels.quant_weight import QuantWeight
+from reference_server.model.gguf_loader import ModelSpec, gguf_reader, unpermute
 
 GROUP = 32  # int4 group size: GGUF's block
 NATIVE_MAX_ROWS = 32  # up to this many rows the native kernel; above, dequantise once + a bf16 matmul

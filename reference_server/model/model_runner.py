@@ -14,16 +14,16 @@ import psutil
 import torch
 
 from reference_server.config import DEFAULT_CPU_KV_BLOCKS, EngineConfig
-from reference_server.cuda_graphs import DecodeGraphs, graph_buckets
-from reference_server.fused_decode import FusedDecode
-from reference_server.gguf_loader import ModelSpec, load_gguf
-from reference_server.kv_cache import LayerKV, allocate, block_bytes, capacity_line, pick_kv_dtype
-from reference_server.model import AttnBatch, LlamaModel, PagedAttention, PagedBatch, PrefillGroup
-from reference_server.native import CpuKernels, cpu_kernels, supports
-from reference_server.quant import Quantizer, auto_quantization
-from reference_server.sampler import sample
-from reference_server.scheduler import ScheduledBatch
-from reference_server.sequence import SamplingParams, Sequence
+from reference_server.engine.scheduler import ScheduledBatch
+from reference_server.engine.sequence import SamplingParams, Sequence
+from reference_server.kernels.native import CpuKernels, cpu_kernels, supports
+from reference_server.model.cuda_graphs import DecodeGraphs, graph_buckets
+from reference_server.model.fused_decode import FusedDecode
+from reference_server.model.gguf_loader import ModelSpec, load_gguf
+from reference_server.model.kv_cache import LayerKV, allocate, block_bytes, capacity_line, pick_kv_dtype
+from reference_server.model.model import AttnBatch, LlamaModel, PagedAttention, PagedBatch, PrefillGroup
+from reference_server.model.quant import Quantizer, auto_quantization
+from reference_server.model.sampler import sample
 
 
 class Speculator(Protocol):
@@ -78,7 +78,7 @@ def _cpu_has_bf16() -> bool:
 def triton_attention() -> PagedAttention | str:
     """The Triton paged-attention kernel, or why it cannot be had (Triton not installed)."""
     try:
-        from reference_server.triton_attention import paged_attention
+        from reference_server.kernels.triton_attention import paged_attention
     except ImportError as e:
         return f"Triton is not installed ({e}); pip install 'triton' for the paged GPU kernel"
     return paged_attention

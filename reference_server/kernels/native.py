@@ -8,8 +8,8 @@
 * RMSNorm, RoPE + the K/V cache write, and SiLU-and-multiply, each in one call instead of 2-6 small
   PyTorch kernels (at 16 rows the dispatch, not the arithmetic, is their cost: RMSNorm 10 vs 35 us here).
 * Greedy argmax over the logits rows (``torch.argmax`` took 0.68 ms for 16 x 49152 float32 here).
-* Weight-only quantised linears (quant.py), and with them a whole decode step in one call
-  (``decode_forward``, fused_decode.py): the kernels above, op by op, in one OpenMP region.
+* Weight-only quantised linears (model/quant.py), and with them a whole decode step in one call
+  (``decode_forward``, model/fused_decode.py): the kernels above, op by op, in one OpenMP region.
 
 They need an x86-64 CPU with AVX512-BF16 (the bf16 model dtype's own condition) and a C compiler (``$CC``,
 else ``cc``). The shared object is cached under ``$SERVELAB_CACHE/native`` (default
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from reference_server.quant_weight import QuantWeight
+from reference_server.kernels.quant_weight import QuantWeight
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp", "-shared", "-fPIC"]
@@ -160,7 +160,7 @@ class CpuKernels:
 
     def qlinear(self, x: torch.Tensor, w: QuantWeight, residual: torch.Tensor | None = None,
                 vnni: bool | None = None) -> torch.Tensor:
-        """``x @ W.T (+ residual)`` for bf16 ``x`` [M, K] (rows may be strided) and a quantised ``W`` (quant.py).
+        """``x @ W.T (+ residual)`` for bf16 ``x`` [M, K] (rows may be strided) and a quantised ``W`` (model/quant.py).
         ``vnni``: the int8-activation integer path for up to 3 rows (default: where the CPU has it; False
         forces the bf16 path)."""
         m, k = x.shape
@@ -218,7 +218,7 @@ class CpuKernels:
                         v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Decode attention, one new token per sequence: ``q`` [B, H, D] bf16 (rows may be strided, heads
         contiguous), caches [KVH, blocks, block_size, D] contiguous, bf16, or int8 with their float32
-        ``k_scale``/``v_scale`` [KVH, blocks] (kv_cache.py), ``tables`` [B, n] int64 block ids, ``lens`` [B]
+        ``k_scale``/``v_scale`` [KVH, blocks] (model/kv_cache.py), ``tables`` [B, n] int64 block ids, ``lens`` [B]
         int64 context lengths (the new token included, its K/V already in the cache)."""
         b, h, d = q.shape
         kvh, nb, bs, _ = k_cache.shape

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import time
 
-from reference_server.scheduler import FifoPolicy, Policy
-from reference_server.sequence import Sequence
+from reference_server.engine.scheduler import FifoPolicy, Policy
+from reference_server.engine.sequence import Sequence
 
 POLICIES = ("fifo", "sjf", "priority")
 

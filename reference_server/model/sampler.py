@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from reference_server.sequence import SamplingParams, Sequence
+from reference_server.engine.sequence import SamplingParams, Sequence
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

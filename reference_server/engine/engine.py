@@ -25,18 +25,18 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from reference_server import cpu_memory
-from reference_server.batching import BatchGate
-from reference_server.block_manager import BlockManager
 from reference_server.config import EngineConfig
-from reference_server.gguf_loader import gguf_reader
-from reference_server.iteration import IterationRecord
-from reference_server.model_runner import ModelRunner
-from reference_server.policies import make_policy
-from reference_server.scheduler import Policy, ScheduledBatch, Scheduler
-from reference_server.sequence import SamplingParams, SeqStatus, Sequence
-from reference_server.spec_decode import make_spec_decoder
-from reference_server.text import Detokenizer, TextCodec
+from reference_server.engine import cpu_memory
+from reference_server.engine.batching import BatchGate
+from reference_server.engine.block_manager import BlockManager
+from reference_server.engine.iteration import IterationRecord
+from reference_server.engine.policies import make_policy
+from reference_server.engine.scheduler import Policy, ScheduledBatch, Scheduler
+from reference_server.engine.sequence import SamplingParams, SeqStatus, Sequence
+from reference_server.model.gguf_loader import gguf_reader
+from reference_server.model.model_runner import ModelRunner
+from reference_server.model.text import Detokenizer, TextCodec
+from reference_server.speculation.spec_decode import make_spec_decoder
 
 
 @dataclass

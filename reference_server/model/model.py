@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from reference_server import kv_cache
-from reference_server.gguf_loader import ModelSpec
-from reference_server.kv_cache import LayerKV
-from reference_server.native import CpuKernels
+from reference_server.kernels.native import CpuKernels
+from reference_server.model import kv_cache
+from reference_server.model.gguf_loader import ModelSpec
+from reference_server.model.kv_cache import LayerKV
 
 if TYPE_CHECKING:
-    from reference_server.quant import Quantizer
+    from reference_server.model.quant import Quantizer
 
 
 @dataclass
@@ -43,19 +43,19 @@ class AttnBatch:
     slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
     prefills: list[PrefillGroup]
     decode_rows: torch.Tensor | None = None  # rows with exactly one new token
-    # decode rows by the native kernel (native.py): it reads the blocks in place
+    # decode rows by the native kernel (kernels/native.py): it reads the blocks in place
     decode_tables: torch.Tensor | None = None  # [B, nblk] int64 block tables padded to the longest
     decode_lens: torch.Tensor | None = None  # [B] int64 context lengths
     # decode rows by PyTorch ops: blocks gathered, padding masked
     decode_cache_rows: torch.Tensor | None = None  # [B * KVH * nblk] the padded block tables as cache rows
     decode_bias: torch.Tensor | None = None  # [B * KVH, 1, maxctx] in the model's dtype: 0 = attend, -inf = padding
-    # every row by the paged GPU kernel (triton_attention.py), decode and prefill alike: per sequence
+    # every row by the paged GPU kernel (kernels/triton_attention.py), decode and prefill alike: per sequence
     paged: PagedBatch | None = None
 
 
 @dataclass
 class PagedBatch:
-    """Per-sequence metadata of the paged GPU kernel (int32, on the device); see triton_attention.py."""
+    """Per-sequence metadata of the paged GPU kernel (int32, on the device); see kernels/triton_attention.py."""
 
     tables: torch.Tensor  # [S, nblk] block tables padded with block 0
     q_start: torch.Tensor  # [S] first row of each sequence's new tokens
@@ -199,7 +199,7 @@ def _attention(q: torch.Tensor, kv: LayerKV, batch: AttnBatch, native: CpuKernel
     scales: kv_cache.py); ``q`` comes pre-scaled by 1/sqrt(D) (folded into the weights).
 
     All single-token (decode) rows go in one call: the native kernel when given (it reads the blocks in
-    place, see native.py), else two batched matmuls over (sequence, KV head) on gathered
+    place, see kernels/native.py), else two batched matmuls over (sequence, KV head) on gathered
     blocks: the gather is ordered so that it already is ``[B * KVH, ctx, D]``, which makes the queries'
     ``[B, H, D]`` a free view ``[B * KVH, G, D]`` and the output come back as ``[B, H, D]`` with no permuted
     copy. Each prefill chunk runs as its own SDPA call on its gathered blocks (causal within the chunk,
@@ -241,8 +241,8 @@ def _attention(q: torch.Tensor, kv: LayerKV, batch: AttnBatch, native: CpuKernel
 class LlamaModel(torch.nn.Module):
     """Llama with tied (or separate) output head; weights converted once to ``dtype`` on the device the
     weights ``w`` are on (every parameter, buffer and table lands there). ``native``: the CPU kernels
-    (native.py) for the norms, RoPE + KV write, decode attention and SiLU-and-multiply; ``paged``: the GPU
-    paged-attention kernel (triton_attention.py) for all attention rows; ``quant``: weight-only quantised
+    (kernels/native.py) for the norms, RoPE + KV write, decode attention and SiLU-and-multiply; ``paged``: the GPU
+    paged-attention kernel (kernels/triton_attention.py) for all attention rows; ``quant``: weight-only quantised
     linears (quant.py) for the layers and the output head."""
 
     def __init__(self, spec: ModelSpec, w: dict[str, torch.Tensor], dtype: torch.dtype,

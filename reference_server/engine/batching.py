@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 
-from reference_server.sequence import Sequence
+from reference_server.engine.sequence import Sequence
 
 BATCHING = ("continuous", "dynamic", "static")
 STATIC_TAIL_S = 2.0  # static: a partial batch starts only after this long (the end of a run)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from reference_server.model import AttnBatch, PagedBatch
+from reference_server.model.model import AttnBatch, PagedBatch
 
 MAX_GRAPH_BATCH = 512  # larger decode batches run eagerly (launch cost is small against their work)
 

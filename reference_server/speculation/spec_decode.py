@@ -21,13 +21,13 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from reference_server.block_manager import BlockManager
 from reference_server.config import EngineConfig
-from reference_server.iteration import IterationRecord
-from reference_server.model_runner import ModelRunner
-from reference_server.sampler import target_probs
-from reference_server.scheduler import ScheduledBatch
-from reference_server.sequence import Sequence
+from reference_server.engine.block_manager import BlockManager
+from reference_server.engine.iteration import IterationRecord
+from reference_server.engine.scheduler import ScheduledBatch
+from reference_server.engine.sequence import Sequence
+from reference_server.model.model_runner import ModelRunner
+from reference_server.model.sampler import target_probs
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The accuracy cost of a configuration against the float32 model, on a fixed text.
 
-``python -m reference_server.accuracy --quantization int4`` (or ``--kv-cache-dtype int8``, or both) prints
+``python -m reference_server.tools.accuracy --quantization int4`` (or ``--kv-cache-dtype int8``, or both) prints
 one JSON object:
 
 * ``top1_agreement``: teacher-forced, the share of positions of the text where the configuration's most
@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 
 from reference_server.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
-from reference_server.engine import Engine
-from reference_server.kv_cache import kv_dtype_name
+from reference_server.engine.engine import Engine
+from reference_server.engine.scheduler import ScheduledBatch
+from reference_server.engine.sequence import SamplingParams
+from reference_server.model.kv_cache import kv_dtype_name
 from reference_server.model_files import default_model_path
-from reference_server.scheduler import ScheduledBatch
-from reference_server.sequence import SamplingParams
 
 TEXT = ("The history of the lighthouse begins in the ancient world, when fires were lit on hilltops to guide "
         "ships into harbour. The most famous was the Pharos of Alexandria, built in the third century BC, which "
@@ -86,7 +86,7 @@ def measure(config: EngineConfig, max_tokens: int = 32) -> dict[str, float | str
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m reference_server.accuracy", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m reference_server.tools.accuracy", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=None, help="Llama GGUF (default: the bundled SmolLM2-135M)")
     p.add_argument("--quantization", default="none", choices=QUANTIZATIONS,

@@ -1,4 +1,4 @@
-"""Engine-only throughput, no HTTP: ``python -m reference_server.bench_engine --concurrency 16``.
+"""Engine-only throughput, no HTTP: ``python -m reference_server.tools.bench_engine --concurrency 16``.
 
 Starts ``concurrency`` greedy requests with short prompts and ``--output-tokens`` each (EOS ignored),
 steps the engine to completion and prints output tokens per second (warm-up steps excluded)."""
@@ -13,13 +13,13 @@ from pathlib import Path
 import torch
 
 from reference_server.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
-from reference_server.engine import Engine
+from reference_server.engine.engine import Engine
+from reference_server.engine.sequence import SamplingParams
 from reference_server.model_files import default_model_path
-from reference_server.sequence import SamplingParams
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m reference_server.bench_engine", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m reference_server.tools.bench_engine", description=__doc__)
     p.add_argument("--model", type=Path, default=None)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     p.add_argument("--output-tokens", type=int, default=128)

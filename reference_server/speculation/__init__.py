@@ -1,0 +1,1 @@
+"""Speculative decoding (``spec_decode``): proposers, lossless verification, the adaptive governor."""
