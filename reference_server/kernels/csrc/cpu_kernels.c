@@ -7,7 +7,7 @@
  * every K/V load (GQA). Scores and the weighted sum are accumulated in float32 (QK^T by VDPBF16PS, exact
  * bf16 products), the output is rounded to bf16 once.
  *
- * Built by reference_server/native.py with the system C compiler; OpenMP is the same libgomp that
+ * Built by reference_server/kernels/native.py with the system C compiler; OpenMP is the same libgomp that
  * PyTorch loaded, so the kernel runs on PyTorch's thread team (torch.set_num_threads applies). */
 #include <immintrin.h>
 #include <math.h>
