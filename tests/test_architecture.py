@@ -254,6 +254,18 @@ def test_only_cli_modules_import_typer_or_rich():
     assert any(name.split(".")[0] == "rich" for p in _modules("loadgen") if _is_cli(p) for _, name in _imports(p))
 
 
+def test_no_pipeline_module_loads_the_command_line():
+    """Not even through another module: importing every module of loadgen but the cli modules (the gate reads
+    what a run was asked from ``loadgen.runoptions``, not from the command line's options) loads no cli module
+    and not typer (rich it may: httpx imports it for its own command line)."""
+    mods = [".".join(p.relative_to(ROOT).with_suffix("").parts) for p in _modules("loadgen")
+            if not _is_cli(p) and p.name != "__init__.py"]  # fmt: skip
+    code = f"import sys, importlib; [importlib.import_module(m) for m in {mods!r}]; print(' '.join(sorted(sys.modules)))"
+    loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split())
+    assert "loadgen.gate.resultset" in loaded and "loadgen.runoptions" in loaded
+    assert not {m for m in loaded if m.split(".")[0] == "typer" or _is_cli(ROOT / (m.replace(".", "/") + ".py"))}
+
+
 def test_the_config_modules_load_nothing_heavy():
     """``loadgen.defaults`` (the defaults, defined once) and ``loadgen.exitcodes`` (the exit-code table) are
     read by every layer: importing them loads no other project module and no heavy package."""

@@ -7,10 +7,10 @@ import pytest
 from typer.testing import CliRunner
 
 from loadgen.cli.app import app
-from loadgen.cli.options import parse_slo
 from loadgen.exitcodes import UsageError
 from loadgen.experiments.calibrate import FixedWorkload
 from loadgen.metrics.slo import SloError, parse_slos
+from loadgen.runoptions import parse_slo
 from workloads.contracts import GenRequest, read_jsonl
 
 runner = CliRunner()

@@ -3,8 +3,8 @@
 Each command lives in a command-line module beside the others (:mod:`loadgen.cli`: ``run`` for run and
 sweep, ``calibrate``, ``experiment``, ``kvbudget``) or in its package's ``cli`` (``capacity.cli``,
 ``gate.cli``, ``report.cli`` for report and trace; ``workloads.cli``); their shared options are
-:mod:`loadgen.cli.options`, their targets :mod:`loadgen.cli.targets`, their exit codes
-:mod:`loadgen.exitcodes` (through :mod:`loadgen.cli.exits`). Nothing imports this module but the entry point
+:mod:`loadgen.runoptions` (as data) and :mod:`loadgen.cli.options` (as typer options), their targets
+:mod:`loadgen.cli.targets`, their exit codes :mod:`loadgen.exitcodes` (through :mod:`loadgen.cli.exits`). Nothing imports this module but the entry point
 (``bench``, ``python -m loadgen.cli``).
 """
 

@@ -13,20 +13,21 @@ from rich.table import Table
 from rich.text import Text
 
 from loadgen.cli.exits import console
-from loadgen.cli.options import CLIENT, OUTPUT_DIR, RUN_ID, command, option, parse_list
+from loadgen.cli.options import command
 from loadgen.client.http import CLIENT_KINDS
 from loadgen.defaults import RESULTS_ROOT
 from loadgen.dispatch.signals import run_async
 from loadgen.exitcodes import ExitCode, UsageError
 from loadgen.experiments.calibrate import EVENTS, SERVER_BUSY, FixedWorkload, calibrate
 from loadgen.records.results import new_run_id
+from loadgen.runoptions import CLIENT, OUTPUT_DIR, RUN_ID, option, parse_list
 from workloads.contracts import APIS, Api
 
 
 @dataclass(frozen=True)
 class CalibrateOptions:
     """What ``bench calibrate`` was asked; each field is one of its options
-    (:func:`loadgen.cli.options.option`)."""
+    (:func:`loadgen.runoptions.option`)."""
 
     concurrency: int = option(512, "Closed-loop concurrency.")
     events: int | None = option(None, f"Stream events per response (default {EVENTS}); the null server sends one "

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from loadgen.cli.options import command, option
+from loadgen.cli.options import command
 from loadgen.experiments.kvbudget import (
     DEFAULT_CONTEXTS,
     DTYPE_BYTES,
@@ -21,6 +21,7 @@ from loadgen.experiments.kvbudget import (
     parse_size,
     shape_from_gguf,
 )
+from loadgen.runoptions import option
 
 
 def render(budget: KVBudget, console: Console) -> None:
@@ -52,7 +53,7 @@ def render(budget: KVBudget, console: Console) -> None:
 
 @dataclass(frozen=True)
 class KVBudgetOptions:
-    """What ``bench kv-budget`` was asked; each field is one of its options (:func:`loadgen.cli.options.option`)."""
+    """What ``bench kv-budget`` was asked; each field is one of its options (:func:`loadgen.runoptions.option`)."""
 
     memory: str = option(help="Accelerator/host memory, e.g. 80GB, 24GiB (bare number = GB).")
     gguf: Path | None = option(None, "Read layers/heads/KV heads/head dim from this GGUF.")

@@ -19,7 +19,7 @@ from backends.launcher import GridPoint, sweep_servers
 from backends.profile import profile_of
 from loadgen.cli.exits import console, guard
 from loadgen.cli.live import LiveDisplay
-from loadgen.cli.options import RunOptions, WorkloadOpt, command, param, parse_list
+from loadgen.cli.options import WorkloadOpt, check, command, param
 from loadgen.cli.targets import (
     check_tokenizer,
     detect_server,
@@ -34,6 +34,7 @@ from loadgen.cli.targets import (
 )
 from loadgen.defaults import RUN_FILE
 from loadgen.dispatch.engine import PointOptions
+from loadgen.dispatch.fleet import Fleet
 from loadgen.dispatch.loadspec import LoadSpec
 from loadgen.dispatch.signals import run_async
 from loadgen.dispatch.sweep import PointPlan, loads_from, plan_points, run_seed, run_sweep
@@ -43,6 +44,7 @@ from loadgen.metrics import pointsummary
 from loadgen.records.results import ResultsDir, new_run_id
 from loadgen.records.writer import write_json
 from loadgen.report.cli import auto_report
+from loadgen.runoptions import RunOptions, parse_list
 from loadgen.sidecars import telemetry
 from loadgen.sidecars.poller import ServerStatePoller
 from loadgen.timing.clock import RunClock, Sidecar
@@ -99,7 +101,7 @@ sweep = command(_sweep, (*SHARED, *SWEEP_ONLY), defaults={"warmup": 2}, own={
 def execute(opts: RunOptions) -> ExitCode:
     """The body of run and sweep: check, plan, (start the server), run, report; returns the exit code (the
     worst of the points')."""
-    grid_points = opts.check()
+    grid_points = check(opts)
     api_key = read_api_key(opts.api_key_env)
     check_tokenizer(opts.tokenizer)
     if opts.tokenizer is None and opts.url is not None and (served := served_tokenizer(opts.url, api_key)) is not None:
@@ -147,7 +149,8 @@ def execute(opts: RunOptions) -> ExitCode:
             return [*polls, *telemetry.sidecars(target, opts.telemetry_hz, opts.telemetry_url)]
 
         where = (grid_points.index(gp) + 1, len(grid_points), gp.label) if gp is not None else None
-        options = PointOptions(slo=config["slo"], slo_from=opts.slo_from, client_kind=opts.client, fleet=opts.fleet())
+        options = PointOptions(slo=config["slo"], slo_from=opts.slo_from, client_kind=opts.client,
+                               fleet=Fleet(opts.workers, opts.ray))
         return run_async(run_sweep(be, todo, results, clock, config, pollers, options=options,
                                    live=display.points(todo, where), previous=previous or [],
                                    wait_for_server=0 if gp else opts.wait_for_server, reset_path=reset_path,

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from loadgen.cli.exits import console, exits
-from loadgen.cli.options import command, option
+from loadgen.cli.options import command
 from loadgen.defaults import RESULTS_ROOT, SUMMARY_FILE
 from loadgen.exitcodes import UsageError
 from loadgen.gate.compare import compare
@@ -21,11 +21,12 @@ from loadgen.gate.rules import GateError, MetricRule
 from loadgen.gate.verdict import GateReport, fmt_ci, fmt_value, to_markdown
 from loadgen.metrics.definitions import OUTPUT_TOK_S
 from loadgen.records.writer import write_json
+from loadgen.runoptions import option
 
 
 @dataclass(frozen=True)
 class GateOptions:
-    """What ``bench gate`` was asked; each field is one of its options (:func:`loadgen.cli.options.option`)."""
+    """What ``bench gate`` was asked; each field is one of its options (:func:`loadgen.runoptions.option`)."""
 
     baseline: str = option(help="Baseline result dir or baseline .json (with --ab: server command).")
     candidate: str = option(help="Candidate result dir (with --ab: server command, {port}).")

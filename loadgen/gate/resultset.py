@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadgen.cli.options import RunOptions
 from loadgen.defaults import RUN_FILE, SUMMARY_FILE
 from loadgen.gate.rules import GateError
 from loadgen.records.results import leaves, read_summary
 from loadgen.records.writer import write_json
+from loadgen.runoptions import RunOptions
 
 BASELINE_FORMAT = "servelab-baseline/1"
 _TRIAL = re.compile(r"/t(\d+)$")
@@ -77,7 +77,7 @@ def _run_flag(run_json: Path, key: str) -> bool:
         return False
 
 
-# Config keys that do not change what is measured (loadgen.cli.options.RunOptions marks them). Everything else in
+# Config keys that do not change what is measured (loadgen.runoptions.RunOptions marks them). Everything else in
 # ``config`` (workload, load, model, API, client) must match; the seed need not (another sample of the same workload).
 CONFIG_IGNORED = RunOptions.incomparable() | {"run_id"}  # run_id: results written before RunOptions
 CONFIG_DEFAULTS = RunOptions.config_defaults()
