@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup test-deps sweep test test-ray test-contract lint gpu-prepare gpu-check scale-check
+.PHONY: setup test-deps sweep test test-ray test-contract test-rehearsal lint gpu-prepare gpu-check scale-check
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -40,6 +40,12 @@ test-ray: setup
 test-contract: setup
 	$(VENV)/bin/pytest -q -m contract
 
+# The CPU rehearsals of the device machine's checks (pytest marker rehearsal: scripts/gpu_check.py --rehearse and
+# scripts/scale_check.py at rehearsal sizes, about 1.5 minutes of whole end-to-end runs), so that a device session's
+# first run of them is not their first run: a CI step of its own (.ci/run), not in `make test`.
+test-rehearsal: setup
+	$(VENV)/bin/pytest -q -m rehearsal
+
 lint: setup
 	$(VENV)/bin/ruff check .
 
@@ -47,7 +53,7 @@ lint: setup
 # lacks and the tokenizer, ~16 MB, carried with the device call); there, with no venv, `make gpu-check PY=python3
 # OUT=dir` (the reference server on the GPU, scripts/gpu_check.py) and `make scale-check PY=python3
 # SCALE=--full OUT=dir` (the load generator on 16 cores and NVML against nvidia-smi, scripts/scale_check.py).
-# scripts/gpu_run.sh installs the carried wheels first. Rehearsed on CPU in the default suite
+# scripts/gpu_run.sh installs the carried wheels first. Rehearsed on CPU by `make test-rehearsal`
 # (tests/test_gpu_check.py, tests/test_scale_check.py); here `make scale-check` runs the rehearsal sizes.
 SCALE ?=
 gpu-prepare: setup

@@ -22,6 +22,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 import gpu_check_models  # noqa: E402
 import gpu_check_plan  # noqa: E402
 
+pytestmark = pytest.mark.rehearsal  # make test-rehearsal, a step of .ci/run
+
 
 def test_a_seeded_model_has_its_shape_and_the_bundled_tokenizer(tmp_path):
     tok = tmp_path / "tokenizer.gguf"

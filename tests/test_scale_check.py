@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from loadgen.sidecars.gpu import NO_GPU_LINE, host_gpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,6 +19,7 @@ import scale_check_nvml  # noqa: E402
 import scale_check_report  # noqa: E402
 
 
+@pytest.mark.rehearsal  # make test-rehearsal, a step of .ci/run
 def test_rehearsal_runs_every_part_and_records_it(tmp_path):
     """The script as the GPU machine runs it (from the repo root, PYTHONPATH=., no `bench` needed), at
     rehearsal sizes: one JSON and one log, every part recorded, the load parts without errors."""
