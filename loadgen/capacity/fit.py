@@ -13,7 +13,7 @@ import numpy as np
 
 from loadgen.capacity.probe import Probe
 from loadgen.metrics.quantiles import t_quantile
-from loadgen.metrics.slo import SLO
+from loadgen.metrics.slo import ERROR_RATE, SLO
 
 
 @dataclass
@@ -151,7 +151,7 @@ def closed_fit(slos: Sequence[SLO], probes: Sequence[Probe], confidence: float, 
     percentile that falls with load there (the data say nothing yet). The estimate stays between the highest
     load under the limit and the lowest over it on their point estimates (a line through a step, a queue that
     forms at the slot count, can cross far from it)."""
-    latency = [s for s in slos if s.metric != "error_rate"]
+    latency = [s for s in slos if s.metric != ERROR_RATE]
     if not latency:
         return None
     q_two = 1 - (1 - confidence) / (2 * len(latency))
