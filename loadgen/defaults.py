@@ -14,3 +14,4 @@ SUMMARY_FILE = "summary.json"  # the run's (or a point's) summary
 POINT_FILE = "point.json"  # a point's plan, written as it starts
 REQUESTS_FILE = "requests.jsonl"  # a point's per-request records
 REPORT_FILE = "report.html"
+CAPACITY_FILE = "capacity.json"  # a `bench capacity` result (its report: capacity.html)

@@ -32,6 +32,7 @@ from loadgen.cli.options import (
     param,
 )
 from loadgen.cli.targets import embedded_server, load_workload, make_backend, read_api_key
+from loadgen.defaults import CAPACITY_FILE
 from loadgen.dispatch.fleet import Fleet
 from loadgen.dispatch.signals import run_async
 from loadgen.exitcodes import ExitCode, UsageError
@@ -179,7 +180,7 @@ def _capacity(slo: str, mode: str, workload: str, arrival: str, **options: Any) 
     from loadgen.report.capacity import write_report
 
     html = write_report(out)
-    stdout.print(f"capacity.json: {out / 'capacity.json'}\nreport: {html}")
+    stdout.print(f"{CAPACITY_FILE}: {out / CAPACITY_FILE}\nreport: {html}")
     done = [e for e in entries if "status" in e]
     if len(done) < len(entries):
         raise typer.Exit(ExitCode.FAILED)
@@ -193,4 +194,4 @@ capacity_command = command(_capacity, OPTIONS, own=OWN, defaults={"seed": 0})
 
 def _write(out: Path, config: dict[str, Any], entries: list[dict[str, Any]]) -> None:
     doc = {"config": config, "configs": entries, **({"result": entries[0]} if len(entries) == 1 else {})}
-    write_json(out / "capacity.json", doc)
+    write_json(out / CAPACITY_FILE, doc)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from loadgen.capacity.result import fmt_load
+from loadgen.defaults import CAPACITY_FILE
 from loadgen.gate.verdict import Check, GateReport
 
 
@@ -16,9 +17,9 @@ def load_capacity(path: str | Path) -> dict[str, Any]:
     import json
 
     p = Path(path)
-    file = p / "capacity.json" if p.is_dir() else p
+    file = p / CAPACITY_FILE if p.is_dir() else p
     if not file.is_file():
-        raise ValueError(f"{path}: no capacity.json (expected a `bench capacity` result directory)")
+        raise ValueError(f"{path}: no {CAPACITY_FILE} (expected a `bench capacity` result directory)")
     return dict(json.loads(file.read_text()))
 
 

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from loadgen.defaults import CAPACITY_FILE
 from loadgen.metrics import definitions as metrics
 from loadgen.metrics.slo import metric_of
 from loadgen.report.builder import jsonable, plotly_js
@@ -119,7 +120,7 @@ def _shown(m: metrics.Metric, v: float | None) -> str:
 
 def write_report(out: Path) -> Path:
     """``out/capacity.html`` from ``out/capacity.json``; returns its path."""
-    doc = json.loads((out / "capacity.json").read_text())
+    doc = json.loads((out / CAPACITY_FILE).read_text())
     figs: dict[str, Any] = {}
     parts = []
     for i, e in enumerate(c for c in doc["configs"] if "status" in c):
