@@ -19,12 +19,16 @@ TokenSource = Literal["usage", "chunk_usage", "token_ids", "tokens_field", "toke
 
 @dataclass
 class HttpCall:
-    """What a backend wants sent: always a POST with a JSON body on the base URL."""
+    """What a backend wants sent: always a POST with a JSON body on the base URL. A call that is not a stream
+    (``stream`` false: an embeddings or rerank request) gets one JSON answer, read by :meth:`Backend.parse_body`."""
 
     path: str
     body: dict[str, Any]
     headers: dict[str, str] = field(default_factory=dict)
     stream: bool = True
+    # the server's prompt count can be compared with the request's intended one (not a rerank's: the server
+    # counts the query once per document)
+    counted: bool = True
 
 
 @dataclass
@@ -113,6 +117,11 @@ class Backend(ABC):
     @abstractmethod
     def parse(self, data: str, state: ParseState) -> list[Delta]:
         """Turn one SSE ``data:`` payload into deltas (empty list for keep-alives)."""
+
+    def parse_body(self, data: str, call: HttpCall) -> Delta:
+        """The whole JSON answer to a call that is not a stream (``call.stream`` false), as one final delta
+        (``extra["inputs"]``: the texts it answered); raises ``ValueError`` for an answer that is not one."""
+        raise ValueError(f"{self.name} sends no request without a stream")
 
     def plain_texts(self, payloads: list[bytes]) -> list[str]:
         """Fast path for the hot loop: the texts of the longest leading run of ``payloads`` (raw

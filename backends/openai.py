@@ -5,6 +5,11 @@ Asks for ``stream_options.include_usage`` (exact totals in a last usage-only chu
 ``ignore_eos`` is sent so output lengths are what the workload asked for; servers that do not know it
 ignore it. A chat delta's ``reasoning_content`` (llama.cpp ``--reasoning-format deepseek``, SGLang, DeepSeek,
 vLLM before 0.10) or ``reasoning`` (vLLM since) is the model's reasoning, kept apart from its answer. Anything in ``GenRequest.extra_body`` and the backend's ``extra_body`` is passed verbatim.
+
+The pooling APIs are one JSON answer each: ``/v1/embeddings`` (OpenAI's ``input`` list, ``data`` of one
+``embedding`` per input, ``usage.prompt_tokens``) and ``/v1/rerank`` (Jina's and Cohere's ``query`` and
+``documents``, ``results`` of a ``relevance_score`` each, ``usage.total_tokens``), as vLLM, llama-server
+(``--embeddings``, ``--reranking``), SGLang, TGI's router and the reference server serve them.
 """
 
 from __future__ import annotations
@@ -14,13 +19,14 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import orjson
 
-from backends.base import Backend, BackendOptions, Delta, HttpCall, ParseState
-from workloads.contracts import Api, GenRequest
+from backends.base import Backend, BackendOptions, Delta, HttpCall, ParseState, loads_json
+from workloads.contracts import POOLING_APIS, Api, GenRequest
 
 if TYPE_CHECKING:  # typing.Unpack is Python 3.11's (the project runs on 3.10); annotations stay unevaluated
     from typing import Unpack
 
-PATHS: dict[Api, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}  # every Api
+PATHS: dict[Api, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions",
+                         "embeddings": "/v1/embeddings", "rerank": "/v1/rerank"}  # every Api  # fmt: skip
 _DONE = Delta(done=True)
 
 
@@ -58,6 +64,8 @@ class OpenAIBackend(Backend):
 
     def build(self, req: GenRequest) -> HttpCall:
         api = self.api or req.api
+        if api in POOLING_APIS:
+            return self._pooling(req, api)
         body: dict[str, Any] = {"model": self.model or "default", "max_tokens": req.max_tokens}
         if api == "chat":
             prompt = req.prompt
@@ -76,6 +84,38 @@ class OpenAIBackend(Backend):
             body["seed"] = req.seed
         body.update(self.body_extras(req.extra_body))
         return HttpCall(PATHS[api], body, self.auth_headers())
+
+    def _pooling(self, req: GenRequest, api: Api) -> HttpCall:
+        """An embeddings request (the request's inputs, else its prompt) or a rerank request (its prompt the
+        query, its inputs the documents, else the prompt itself)."""
+        text = req.prompt if isinstance(req.prompt, str) else _flatten_chat(req.prompt)
+        texts = list(req.inputs) or [text]
+        body: dict[str, Any] = {"model": self.model or "default"}
+        if api == "embeddings":
+            body.update(input=texts, encoding_format="float")
+        else:
+            body.update(query=text, documents=texts)
+        body.update(self.body_extras(req.extra_body))
+        return HttpCall(PATHS[api], body, self.auth_headers(), stream=False, counted=api == "embeddings")
+
+    def parse_body(self, data: str, call: HttpCall) -> Delta:
+        obj = loads_json(data)
+        embeddings = "input" in call.body
+        key, sent = ("data", len(call.body["input"])) if embeddings else ("results", len(call.body["documents"]))
+        top_n = call.body.get("top_n")
+        expected = min(sent, top_n) if isinstance(top_n, int) and top_n > 0 and not embeddings else sent
+        items = obj.get(key) if isinstance(obj, dict) else None
+        if not isinstance(items, list) or len(items) != expected:
+            got = f"{len(items)}" if isinstance(items, list) else "none"
+            raise ValueError(f"expected {expected} {'embeddings' if embeddings else 'rerank results'} in {key!r}, "
+                             f"got {got}: {data[:120]!r}")  # fmt: skip
+        field = "embedding" if embeddings else "relevance_score"
+        if not all(isinstance(it, dict) and _answers(it.get(field)) for it in items):
+            raise ValueError(f"an item of {key!r} has no {field}: {data[:120]!r}")
+        usage = obj.get("usage") or {}
+        prompt = usage.get("prompt_tokens", usage.get("total_tokens")) if isinstance(usage, dict) else None
+        return Delta(prompt_tokens=prompt if isinstance(prompt, int) else None, completion_tokens=0,
+                     tokens_source="usage", done=True, extra={"inputs": sent})  # fmt: skip
 
     def plain_texts(self, payloads: list[bytes]) -> list[str]:
         # Only where parse() is this class's: a subclass that reads more (e.g. llama.cpp timings) must
@@ -185,6 +225,13 @@ def _tool_call_text(calls: object) -> str:
         return ""
     fns = [c.get("function") for c in calls if isinstance(c, dict)]
     return "".join(f"{f.get('name') or ''}{f.get('arguments') or ''}" for f in fns if isinstance(f, dict))
+
+
+def _answers(value: object) -> bool:
+    """An embedding (a non-empty list of numbers, or base64 text) or a relevance score (a number)."""
+    if isinstance(value, list):
+        return bool(value) and all(isinstance(v, int | float) for v in value[:4])
+    return isinstance(value, str) and bool(value) or isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _flatten_chat(messages: list[dict[str, str]]) -> str:

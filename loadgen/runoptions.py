@@ -75,7 +75,7 @@ class RunOptions:
     url: str | None = option(None, "Target base URL (default: start the bundled reference server).", meta=_incomparable())
     backend: str = option("auto", "Server dialect: auto (ask the server: llama.cpp, vLLM, TGI, SGLang, reference; else "
                           "plain OpenAI) or one of backends.registry.", "--backend")  # fmt: skip
-    api: str | None = option(None, "completions or chat (default: the workload's).")
+    api: str | None = option(None, "completions, chat, embeddings or rerank (default: the workload's).")
     model: str | None = option(None, "Model name sent to the server (default: GET /v1/models).")
     workloads: list[str] = field(default_factory=lambda: ["chat-short"])
     concurrency: list[int] = field(default_factory=list)

@@ -202,10 +202,15 @@ def test_every_registry_metric_is_at_its_path_in_a_summary_made_from_records():
     recs = [{**rec(0.1 * i, [(0.1 * i + 0.1 * (1 + i % 2), 1), (0.1 * i + 0.3, 2), (0.1 * i + 0.5, 1)], 0.1 * i + 0.6,
                    intended=0.1 * i - 0.001), "cached_tokens": 4} for i in range(20)]  # fmt: skip
     s = pointsummary.summarize(recs, load={"process": "closed", "concurrency": 4}, slo={"ttft": 0.15})
+    # a pooling run's (embeddings: no content events, 3 inputs each) has inputs/s, and only it
+    pooled = pointsummary.summarize([{**r, "events": [], "output_tokens": 0, "extra": {"inputs": 3}} for r in recs])
+    assert pointsummary.pooling(pooled) and not pointsummary.pooling(s) and metrics.INPUTS_S.of(s) is None
+    assert metrics.INPUTS_S.of(pooled) == pytest.approx(3 * metrics.REQ_S.of(pooled))
+    assert pooled["counts"]["inputs"] == 60 and pooled["latency"]["ttft"]["count"] == 0
     docs = " ".join((Path(__file__).parents[1] / "docs" / "metrics.md").read_text().replace("`", "").split())
     for tag, m in metrics.REGISTRY.items():
         for stat in percentiles.STAT_KEYS if m.distribution else (None,):
-            assert isinstance(m.of(s, stat), float), (tag, stat)
+            assert isinstance(m.of(pooled if m is metrics.INPUTS_S else s, stat), float), (tag, stat)
             assert metrics.resolve(f"{tag}_{stat}" if stat else tag) == (m, stat)
         assert m.doc in docs, tag
         assert m.unit in metrics.UNIT_WORDS

@@ -16,8 +16,11 @@ from typing import Any, Literal
 
 import orjson
 
-Api = Literal["completions", "chat"]
-APIS: tuple[Api, ...] = ("completions", "chat")
+Api = Literal["completions", "chat", "embeddings", "rerank"]
+GENERATION_APIS: tuple[Api, ...] = ("completions", "chat")  # a streamed answer of tokens
+# No tokens generated: one JSON answer per request (no stream) for its texts, counted as inputs.
+POOLING_APIS: tuple[Api, ...] = ("embeddings", "rerank")
+APIS: tuple[Api, ...] = (*GENERATION_APIS, *POOLING_APIS)
 
 # Arrival processes: closed loop, the generated open-loop ones (seeded gaps at a rate), replayed traces.
 OPEN_LOOP_PROCESSES = ("constant", "poisson", "gamma")
@@ -44,6 +47,9 @@ class GenRequest:
     temperature: float = 0.0
     seed: int | None = None
     extra_body: dict[str, Any] = field(default_factory=dict)  # passed through verbatim
+    # a pooling request's texts: an embeddings request's inputs, a rerank request's documents (its query is
+    # ``prompt``); empty: the prompt is the one input (or document)
+    inputs: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)

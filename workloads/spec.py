@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from workloads.base import ArrivalSpec
-from workloads.contracts import APIS, ARRIVAL_PROCESSES
+from workloads.contracts import APIS, ARRIVAL_PROCESSES, POOLING_APIS
 from workloads.dist import Dist, parse_dist
 from workloads.validation import Table, WorkloadError
 
@@ -83,6 +83,7 @@ class ClassSpec:
     turns: Turns | None = None
     extra_body: dict[str, Any] = field(default_factory=dict)
     at: tuple[float, ...] | None = None  # send times (s): one request each, the workload is the schedule
+    inputs: int | None = None  # a pooling request's texts (embeddings inputs, rerank documents), each a `prompt` long
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,7 @@ def _parse_class(value: object, source: str, key: str, index: int) -> ClassSpec:
         turns=turns,
         extra_body=t.get("extra_body", dict, {}),
         at=at,
+        inputs=t.integer("inputs", minimum=1),
     )
     t.done()
     return spec
@@ -225,6 +227,10 @@ def parse_spec(data: dict[str, Any], source: str, base_dir: Path | None = None) 
         if arrival.process not in (None, "trace"):
             raise WorkloadError(source, "arrival.process", "expected 'trace' with scheduled classes (at = [...])")
         arrival = replace(arrival, process="trace")
+    if api not in POOLING_APIS and any(c.inputs is not None for c in classes):
+        bad = next(i for i, c in enumerate(classes) if c.inputs is not None)
+        raise WorkloadError(source, f"classes[{bad}].inputs",
+                            f"only applies with api = {' or '.join(map(repr, POOLING_APIS))} (texts per request)")  # fmt: skip
     names = [c.name for c in classes]
     for i, n in enumerate(names):
         if names.index(n) != i:

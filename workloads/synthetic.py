@@ -168,10 +168,15 @@ class Conversation(Session):
                 prompt_tokens = b.fill_tokens(max(1, target), head + open_, close)
             else:
                 prompt_tokens = b.count(prompt)
+        inputs: tuple[str, ...] = ()
+        if cls.inputs is not None:  # a pooling request's texts: the server counts them, not the prompt (a query)
+            sizes = [cls.prompt.sample_int(rng) for _ in range(cls.inputs)]
+            inputs = tuple(b.fill(n, rng) for n in sizes)
+            prompt_tokens = sum(b.fill_tokens(n) for n in sizes)
         return GenRequest(
             request_id=rid, prompt=prompt, max_tokens=max_tokens, workload_class=cls.name, api=self.c.spec.api,
             prompt_tokens=prompt_tokens, ignore_eos=cls.ignore_eos, temperature=cls.temperature,
-            seed=sampling_seed, extra_body=dict(cls.extra_body),
+            seed=sampling_seed, extra_body=dict(cls.extra_body), inputs=inputs,
         )  # fmt: skip
 
     def _wrap(self) -> tuple[str, str]:

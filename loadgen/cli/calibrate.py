@@ -21,7 +21,7 @@ from loadgen.exitcodes import ExitCode, UsageError
 from loadgen.experiments.calibrate import EVENTS, SERVER_BUSY, FixedWorkload, calibrate
 from loadgen.records.results import new_run_id
 from loadgen.runoptions import CLIENT, OUTPUT_DIR, RUN_ID, option, parse_list
-from workloads.contracts import APIS, Api
+from workloads.contracts import GENERATION_APIS, Api
 
 
 @dataclass(frozen=True)
@@ -61,8 +61,8 @@ def _calibrate(**options: Any) -> None:
         console.print(f"[red]error[/]: --events {o.events} and --output-tokens {o.output_tokens} are one setting (the "
                       "null server sends one token per event): give one")  # fmt: skip
         raise typer.Exit(ExitCode.USAGE)
-    if o.api not in APIS:
-        console.print(f"[red]error[/]: --api must be {' or '.join(APIS)}, got {o.api!r}")
+    if o.api not in GENERATION_APIS:
+        console.print(f"[red]error[/]: --api must be {' or '.join(GENERATION_APIS)}, got {o.api!r}")
         raise typer.Exit(ExitCode.USAGE)
     if o.client not in CLIENT_KINDS:
         console.print(f"[red]error[/]: --client must be aiohttp or httpx, got {o.client!r}")

@@ -31,7 +31,7 @@ def check(opts: RunOptions) -> list[GridPoint]:
     if opts.slo_from not in metrics.SLO_FROM:
         raise UsageError(f"--slo-from must be one of {', '.join(metrics.SLO_FROM)}, got {opts.slo_from!r}")
     if opts.api not in (None, *APIS):
-        raise UsageError(f"--api must be completions or chat, got {opts.api!r}")
+        raise UsageError(f"--api must be one of {', '.join(APIS)}, got {opts.api!r}")
     if opts.client not in CLIENT_KINDS:
         raise UsageError(f"--client must be aiohttp or httpx, got {opts.client!r}")
     if opts.arrival is not None and opts.arrival not in ARRIVAL_PROCESSES:

@@ -226,6 +226,11 @@ COLUMNS: tuple[tuple[metrics.Metric, str | None, int], ...] = (
     *((m, stat, 1) for m in (metrics.TTFT, metrics.TPOT, metrics.ITL, metrics.E2E) for stat in ("p50", "p99")),
     (metrics.SCHEDULE_LAG, "p99", 2), (metrics.CACHE_HIT_RATE, None, 0),
 )  # fmt: skip
+# ... and a pooling run's (embeddings, rerank: no tokens generated, so no TTFT, TPOT or ITL)
+POOLING_COLUMNS: tuple[tuple[metrics.Metric, str | None, int], ...] = (
+    (metrics.REQ_S, None, 2), (metrics.INPUTS_S, None, 1), (metrics.TOTAL_TOK_S, None, 0),
+    *((metrics.E2E, stat, 1) for stat in ("p50", "p90", "p99")), (metrics.SCHEDULE_LAG, "p99", 2),
+)  # fmt: skip
 
 
 def _cell(s: dict[str, Any], m: metrics.Metric, stat: str | None, digits: int) -> str:
@@ -241,12 +246,13 @@ def summary_table(summaries: list[dict[str, Any]]) -> Table:
     t = Table(title=f"results (latencies in {metrics.TTFT.shown_unit}; throughput over the steady-state window, * = "
                     "whole run: no steady state; ! = the client may be limiting the point: its warning follows; "
                     f"{metrics.CACHE_HIT_RATE.label} = prompt tokens the server's prefix cache served)")  # fmt: skip
-    for col in ("point", "ok", "err", "inc", *(f"{m.label} {stat}" if stat else m.label for m, stat, _ in COLUMNS)):
+    columns = POOLING_COLUMNS if summaries and all(map(pointsummary.pooling, summaries)) else COLUMNS
+    for col in ("point", "ok", "err", "inc", *(f"{m.label} {stat}" if stat else m.label for m, stat, _ in columns)):
         t.add_column(col, justify="left" if col == "point" else "right")
     for s in summaries:
         n = s["counts"]
         t.add_row(s["point_id"] + (" !" if s["client"]["limited"] else ""), str(n["ok"]), str(n["errors"]),
-                  str(n.get("incomplete", 0)), *(_cell(s, m, stat, digits) for m, stat, digits in COLUMNS))  # fmt: skip
+                  str(n.get("incomplete", 0)), *(_cell(s, m, stat, digits) for m, stat, digits in columns))  # fmt: skip
     return t
 
 

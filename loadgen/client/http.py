@@ -221,7 +221,9 @@ async def execute(
     call = backend.build(req)
     reader = StreamReader(backend, rec, clock)
     content = orjson.dumps(call.body)
-    headers = {"content-type": "application/json", "accept": "text/event-stream", **call.headers}
+    expect = "text/event-stream" if call.stream else "application/json"
+    # identity: the body is read raw (no decompression), and a JSON answer is worth a server's gzip
+    headers = {"content-type": "application/json", "accept": expect, "accept-encoding": "identity", **call.headers}
     url = backend.base_url + call.path
     fresh = False
     while True:
@@ -231,9 +233,16 @@ async def execute(
                 rec.headers = clock.now()
                 rec.status = resp.status_code
                 ctype = resp.headers.get("content-type", "")
-                if resp.status_code >= 400 or "text/event-stream" not in ctype:
+                if resp.status_code >= 400 or expect not in ctype:
                     body = await _read_limited(resp)
-                    _http_error(rec, resp.status_code, ctype, body)
+                    _http_error(rec, resp.status_code, ctype, body, expect)
+                elif not call.stream:
+                    try:
+                        body = await asyncio.wait_for(_read_all(resp), max(0.0, rec.sent + timeout - clock.now()))
+                    except asyncio.TimeoutError:
+                        rec.set_error("timeout", f"request took longer than {timeout:g} s")
+                    else:
+                        reader.whole(body, call, clock.now())
                 else:
                     deadline = t = rec.sent + timeout
                     chunks = resp.aiter_raw()
@@ -260,7 +269,10 @@ async def execute(
             rec.set_error(_classify(exc, rec.headers is not None), f"{type(exc).__name__}: {exc}")
         break
     rec.end = clock.now()
-    return reader.finish(req)
+    text = reader.finish(req)
+    if not call.counted:
+        rec.prompt_tokens_intended = None
+    return text
 
 
 def _body_read(resp: Response) -> bool:
@@ -282,6 +294,11 @@ async def _drain_after_end(chunks: AsyncIterator[bytes]) -> None:
         pass
 
 
+async def _read_all(resp: Response) -> bytes:
+    """A whole JSON answer (an embeddings response is ~10 kB per input): no limit but the request's timeout."""
+    return b"".join([chunk async for chunk in resp.aiter_raw()])
+
+
 async def _read_limited(resp: httpx.Response) -> bytes:
     body = b""
     async for chunk in resp.aiter_raw():
@@ -291,7 +308,7 @@ async def _read_limited(resp: httpx.Response) -> bytes:
     return body
 
 
-def _http_error(rec: RequestRecord, status: int, ctype: str, body: bytes) -> None:
+def _http_error(rec: RequestRecord, status: int, ctype: str, body: bytes, expect: str) -> None:
     text = body.decode("utf-8", "replace")
     try:  # OpenAI-style {"error": {"message": ...}} bodies: keep just the message
         obj = json.loads(text)
@@ -307,7 +324,7 @@ def _http_error(rec: RequestRecord, status: int, ctype: str, body: bytes) -> Non
         kind = "http_4xx"
     else:
         kind = "protocol"
-        text = f"expected text/event-stream, got {ctype or 'no content-type'}: {text}"
+        text = f"expected {expect}, got {ctype or 'no content-type'}: {text}"
     rec.set_error(kind, f"HTTP {status}: {text}" if status >= 400 else text)
 
 

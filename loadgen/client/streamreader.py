@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from backends.base import Backend, ParseState
+from backends.base import Backend, Delta, HttpCall, ParseState
 from loadgen.client.sse import SSEError, SSEEvent, SSEParser, decode_data
 from loadgen.timing.clock import RunClock
 from workloads.contracts import GenRequest, RequestRecord
@@ -98,28 +98,42 @@ class StreamReader:
                 rec.set_error("stream_error", data or "error event")
                 return True
             for d in parse(data, state):
-                if d.error is not None:
-                    rec.set_error("stream_error", d.error)
+                if self._apply(d, t):
                     return True
-                if d.text or d.tokens:
-                    self._content(t, d.text, d.tokens, d.reasoning)
-                    if d.tokens is not None:
-                        self.stated_source = d.tokens_source
-                if d.finish_reason is not None:
-                    rec.finish_reason = d.finish_reason
-                if d.tokens_source == "usage" and d.completion_tokens is not None:
-                    self.usage_out = d.completion_tokens
-                    self.usage_prompt = d.prompt_tokens
-                elif d.prompt_tokens is not None:
-                    self.chunk_prompt = d.prompt_tokens
-                if d.cached_tokens is not None:
-                    rec.cached_tokens = d.cached_tokens
-                if d.extra:
-                    rec.extra.update(d.extra)
-                if d.done:
-                    self.done = True
             if self.done:
                 return True  # stop at the end marker: a proxy holding the finished stream open is no stall
+        return False
+
+    def whole(self, body: bytes, call: HttpCall, t: float) -> None:
+        """The JSON answer to a call that is not a stream (embeddings, rerank): no content events, its counts."""
+        try:
+            self._apply(self.backend.parse_body(body.decode("utf-8", "replace"), call), t)
+        except ValueError as exc:
+            self.rec.set_error("protocol", str(exc))
+
+    def _apply(self, d: Delta, t: float) -> bool:
+        """One delta into the record; True at an error (reading stops)."""
+        rec = self.rec
+        if d.error is not None:
+            rec.set_error("stream_error", d.error)
+            return True
+        if d.text or d.tokens:
+            self._content(t, d.text, d.tokens, d.reasoning)
+            if d.tokens is not None:
+                self.stated_source = d.tokens_source
+        if d.finish_reason is not None:
+            rec.finish_reason = d.finish_reason
+        if d.tokens_source == "usage" and d.completion_tokens is not None:
+            self.usage_out = d.completion_tokens
+            self.usage_prompt = d.prompt_tokens
+        elif d.prompt_tokens is not None:
+            self.chunk_prompt = d.prompt_tokens
+        if d.cached_tokens is not None:
+            rec.cached_tokens = d.cached_tokens
+        if d.extra:
+            rec.extra.update(d.extra)
+        if d.done:
+            self.done = True
         return False
 
     def _content(self, t: float, text: str, tokens: int | None, reasoning: bool) -> None:

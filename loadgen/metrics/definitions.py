@@ -27,7 +27,7 @@ import numpy as np
 from loadgen.metrics.percentiles import STAT_KEYS
 
 Record = dict[str, Any]
-UNIT_WORDS = {"s": "s", "tok/s": "tokens/s", "req/s": "requests/s", "ratio": "share"}  # a unit as titles spell it
+UNIT_WORDS = {"s": "s", "tok/s": "tokens/s", "req/s": "requests/s", "in/s": "inputs/s", "ratio": "share"}  # a unit as titles spell it
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,8 @@ OUTPUT_TOK_S = Metric("output_tok_s", ("throughput", "steady", "output_tok_per_s
                       "output throughput", "Σ f · out / (b − a)", True)  # fmt: skip
 TOTAL_TOK_S = Metric("total_tok_s", ("throughput", "steady", "total_tok_per_s"), "tok/s", "total tok/s",
                      "total throughput", "Σ f · (out + prompt) / (b − a)", True)  # fmt: skip
+INPUTS_S = Metric("inputs_s", ("throughput", "steady", "inputs_per_s"), "in/s", "inputs/s", "input throughput",
+                  "Σ f · inputs / (b − a)", True)  # fmt: skip
 REQ_S = Metric("req_s", ("throughput", "steady", "req_per_s"), "req/s", "req/s", "request throughput",
                "Σ f / (b − a)", True)  # fmt: skip
 ERROR_RATE = Metric("error_rate", ("errors", "rate"), "ratio", "error rate", "error rate", "errors / (ok + errors)",
@@ -104,7 +106,7 @@ GOODPUT = Metric("goodput", ("goodput", "req_per_s"), "req/s", "goodput", "goodp
 CACHE_HIT_RATE = Metric("cache_hit_rate", ("prefix_cache", "hit_rate"), "ratio", "cached", "prefix-cache hits",
                         "cached_tokens / prompt_tokens", True, scale=100, shown="%")  # fmt: skip
 REGISTRY = {m.tag: m for m in (TTFT, TTFO, TPOT, ITL, CHUNK_GAP, E2E, TAIL, TTFT_INTENDED, E2E_INTENDED, SCHEDULE_LAG,
-                               OUTPUT_TOK_S, TOTAL_TOK_S, REQ_S, ERROR_RATE, GOODPUT, CACHE_HIT_RATE)}  # fmt: skip
+                               OUTPUT_TOK_S, TOTAL_TOK_S, INPUTS_S, REQ_S, ERROR_RATE, GOODPUT, CACHE_HIT_RATE)}  # fmt: skip
 LATENCIES = tuple(tag for tag, m in REGISTRY.items() if m.path[0] == "latency")
 SLO_KEYS = (TTFT.tag, TPOT.tag, E2E.tag)  # what a request's --slo limits (meets_slo)
 
@@ -169,6 +171,11 @@ def ttfo(r: Record) -> float | None:
     where the model does not reason."""
     i = first_output(r)
     return r["events"][i][0] - r["sent"] if i is not None else None
+
+
+def inputs(r: Record) -> int | None:
+    """The texts a pooling request (embeddings, rerank) sent: its inputs or documents; None for a generation."""
+    return (r.get("extra") or {}).get("inputs")
 
 
 def reasoning_tokens(r: Record) -> int:

@@ -31,6 +31,7 @@ from loadgen.metrics.definitions import (
     Record,
     e2e,
     incomplete,
+    inputs,
     itl_of_reads,
     last_content,
     meets_slo,
@@ -99,6 +100,11 @@ def add_prefix_cache(point: dict[str, Any], shares_prefix: bool | None) -> None:
         pc["warning"] = (f"{rate:.0%} of the prompt tokens came from the server's prefix cache, yet the workload "
                          "shares no prefix: the server had seen these prompts before (a run with the same --seed?), "
                          "so latency and throughput are a warm cache's; run with a new --seed, or --reset-cache")  # fmt: skip
+
+
+def pooling(point: dict[str, Any]) -> bool:
+    """A pooling run's point (embeddings, rerank): it counts inputs and generated no token."""
+    return "inputs" in point.get("counts", {})
 
 
 def reasoning_note(point: dict[str, Any]) -> str | None:
@@ -190,8 +196,9 @@ def _core(records: Sequence[Record], window: Window, slo: dict[str, float] | Non
         "ttft_from_intended": stats(r["events"][0][0] - r["intended"] for r in with_events),
         "e2e_from_intended": stats(last_content(r) - r["intended"] for r in ok),
     }
-    whole = _rates(len(ok), out_tokens, in_tokens, span)
-    steady = _steady(ok, rd, window) if window.valid else {**whole, "req_per_s_little": None, "req_per_s_completed": None, "output_tok_per_s_events": None}
+    texts = [n for r in ok if (n := inputs(r)) is not None]  # a pooling run's inputs (or documents)
+    whole = _rates(len(ok), out_tokens, in_tokens, span, sum(texts) if texts else None)
+    steady = _steady(ok, rd, window, bool(texts)) if window.valid else {**whole, "req_per_s_little": None, "req_per_s_completed": None, "output_tok_per_s_events": None}
     steady.update(valid=window.valid, reason=window.reason, note=None)
     little, req = steady["req_per_s_little"], steady["req_per_s"]
     if little and req and abs(little / req - 1) > LITTLE_WARN:
@@ -209,6 +216,8 @@ def _core(records: Sequence[Record], window: Window, slo: dict[str, float] | Non
         "throughput": {"whole": whole, "steady": steady},
         "errors": {"rate": (judged - len(ok)) / judged if judged else 0.0, "by_kind": dict(sorted(kinds.items()))},
     }
+    if texts:
+        res["counts"]["inputs"] = sum(texts)
     if n_inc:  # what is known of their latency: a lower bound (they ran at least this long)
         res["latency"]["incomplete_age"] = stats(r["end"] - r["sent"] for r in measured if incomplete(r))
     if (spec := spec_decode(measured)) is not None:
@@ -228,7 +237,7 @@ def _core(records: Sequence[Record], window: Window, slo: dict[str, float] | Non
     return res
 
 
-def _steady(ok: Sequence[Record], rd: Sequence[tuple[np.ndarray, np.ndarray]], w: Window) -> dict[str, Any]:
+def _steady(ok: Sequence[Record], rd: Sequence[tuple[np.ndarray, np.ndarray]], w: Window, pooling: bool) -> dict[str, Any]:
     """Rates inside a valid window from each request's share of it: f = |[sent, end] ∩ window| /
     (end − sent). req/s = Σ f / length; output (total) tok/s = Σ f · output (+ prompt) tokens / length.
     Unbiased in a steady state whatever the request lengths and wherever the window's edges fall inside
@@ -239,7 +248,7 @@ def _steady(ok: Sequence[Record], rd: Sequence[tuple[np.ndarray, np.ndarray]], w
     a, b = w.start, w.end
     wlen = b - a
     if not ok:
-        return {**_rates(0, 0, 0, wlen), "req_per_s_little": None, "req_per_s_completed": 0.0,
+        return {**_rates(0, 0, 0, wlen, 0 if pooling else None), "req_per_s_little": None, "req_per_s_completed": 0.0,
                 "output_tok_per_s_events": 0.0}  # fmt: skip
     share = np.asarray([_share(r["sent"], r["end"], a, b) for r in ok])
     out = np.asarray([r["output_tokens"] or 0 for r in ok], dtype=float)
@@ -247,13 +256,16 @@ def _steady(ok: Sequence[Record], rd: Sequence[tuple[np.ndarray, np.ndarray]], w
     inflight = sum(max(0.0, min(r["end"], b) - max(r["sent"], a)) for r in ok) / wlen
     mean_len = float(np.mean([r["end"] - r["sent"] for r in ok]))
     events = sum(int(k[(t > a) & (t <= b)].sum()) for t, k in rd)
-    return {
+    rates = {
         "seconds": wlen, "req_per_s": float(share.sum()) / wlen, "output_tok_per_s": float(share @ out) / wlen,
         "total_tok_per_s": float(share @ (out + prompt)) / wlen,
         "req_per_s_little": inflight / mean_len if mean_len > 0 else None,
         "req_per_s_completed": sum(1 for r in ok if a < r["end"] <= b) / wlen,
         "output_tok_per_s_events": events / wlen,
     }  # fmt: skip
+    if pooling:
+        rates["inputs_per_s"] = float(share @ np.asarray([inputs(r) or 0 for r in ok], dtype=float)) / wlen
+    return rates
 
 
 def _share(sent: float, end: float, a: float, b: float) -> float:
@@ -263,13 +275,17 @@ def _share(sent: float, end: float, a: float, b: float) -> float:
     return max(0.0, min(end, b) - max(sent, a)) / (end - sent)
 
 
-def _rates(requests: int, out_tokens: int, in_tokens: int, seconds: float) -> dict[str, float | None]:
-    if seconds <= 0:
-        return {"seconds": seconds, "req_per_s": None, "output_tok_per_s": None, "total_tok_per_s": None}
-    return {
-        "seconds": seconds, "req_per_s": requests / seconds, "output_tok_per_s": out_tokens / seconds,
-        "total_tok_per_s": (out_tokens + in_tokens) / seconds,
+def _rates(requests: int, out_tokens: int, in_tokens: int, seconds: float, texts: int | None) -> dict[str, float | None]:
+    """Whole-span rates; ``texts`` (a pooling run's inputs) adds ``inputs_per_s``."""
+    ok = seconds > 0
+    out = {
+        "seconds": seconds, "req_per_s": requests / seconds if ok else None,
+        "output_tok_per_s": out_tokens / seconds if ok else None,
+        "total_tok_per_s": (out_tokens + in_tokens) / seconds if ok else None,
     }  # fmt: skip
+    if texts is not None:
+        out["inputs_per_s"] = texts / seconds if ok else None
+    return out
 
 
 def client_health(

@@ -20,8 +20,18 @@ from typing import Any
 import jinja2
 import numpy as np
 
-from loadgen.metrics.definitions import CACHE_HIT_RATE, E2E, GOODPUT, ITL, OUTPUT_TOK_S, REQ_S, TTFT, Metric
-from loadgen.metrics.pointsummary import reasoning_note
+from loadgen.metrics.definitions import (
+    CACHE_HIT_RATE,
+    E2E,
+    GOODPUT,
+    INPUTS_S,
+    ITL,
+    OUTPUT_TOK_S,
+    REQ_S,
+    TTFT,
+    Metric,
+)
+from loadgen.metrics.pointsummary import pooling, reasoning_note
 from loadgen.records.results import leaves
 from loadgen.report import cdf, sweep_chart, timeline
 from loadgen.report.load import RunData, load_run
@@ -187,31 +197,32 @@ ANSWER_LATENCIES = (TTFT, ITL, E2E)  # the answer table's latency columns, each 
 
 
 def answer_first(runs: list[RunData]) -> dict[str, Any] | None:
-    """The one-screen summary at the top: per point, throughput, latency percentiles, errors, warnings."""
-    header = ["point", "requests ok", "errors", OUTPUT_TOK_S.label, REQ_S.label,
-              *(f"{m.label} p50 / p99 ({m.shown_unit})" for m in ANSWER_LATENCIES), CACHE_HIT_RATE.name]  # fmt: skip
+    """The one-screen summary at the top: per point, throughput, latency percentiles, errors, warnings (a
+    pooling run's, embeddings or rerank: inputs/s and E2E, as it generates no token)."""
+    points = [(run, p) for run in runs for p in run.summary.get("points") or [] if isinstance(p, dict) and "counts" in p]
+    pooled = bool(points) and all(pooling(p) for _, p in points)
+    tput, lats = (INPUTS_S, (E2E,)) if pooled else (OUTPUT_TOK_S, ANSWER_LATENCIES)
+    header = ["point", "requests ok", "errors", tput.label, REQ_S.label,
+              *(f"{m.label} p50 / p99 ({m.shown_unit})" for m in lats), CACHE_HIT_RATE.name]  # fmt: skip
     rows: list[list[Cell]] = []
     notes: list[str] = []
-    for run in runs:
-        for p in run.summary.get("points") or []:
-            if not isinstance(p, dict) or "counts" not in p:
-                continue
-            pid = (f"{run.run_id} " if len(runs) > 1 else "") + str(p.get("point_id", ""))
-            counts = p.get("counts") or {}
-            kinds = ((p.get("errors") or {}).get("by_kind")) or {}
-            err = ", ".join(f"{k} {n}" for k, n in kinds.items()) or str(counts.get("errors", 0))
-            if counts.get("incomplete"):
-                err += f"; {counts['incomplete']} incomplete"
-            tok, req = OUTPUT_TOK_S.of(p), REQ_S.of(p)
-            rows.append([pid, str(counts.get("ok", "–")), Span(err, "up" if kinds else ""),
-                         f"{tok:,.1f}" if isinstance(tok, (int, float)) else "–",
-                         f"{req:,.2f}" if isinstance(req, (int, float)) else "–",
-                         *(f"{_shown(m, m.of(p, 'p50'))} / {_shown(m, m.of(p, 'p99'))}" for m in ANSWER_LATENCIES),
-                         _share(p.get("prefix_cache"))])  # fmt: skip
-            notes += [f"{pid}: the client may be limiting this point: {w}"
-                      for w in (p.get("client") or {}).get("warnings") or []]  # fmt: skip
-            notes += [f"{pid}: {w}" for key in ("prefix_cache", "prompt_lengths") if (w := (p.get(key) or {}).get("warning"))]
-            notes += [f"{pid}: {r}"] if "latency" in p and (r := reasoning_note(p)) else []
+    for run, p in points:
+        pid = (f"{run.run_id} " if len(runs) > 1 else "") + str(p.get("point_id", ""))
+        counts = p.get("counts") or {}
+        kinds = ((p.get("errors") or {}).get("by_kind")) or {}
+        err = ", ".join(f"{k} {n}" for k, n in kinds.items()) or str(counts.get("errors", 0))
+        if counts.get("incomplete"):
+            err += f"; {counts['incomplete']} incomplete"
+        tok, req = tput.of(p), REQ_S.of(p)
+        rows.append([pid, str(counts.get("ok", "–")), Span(err, "up" if kinds else ""),
+                     f"{tok:,.1f}" if isinstance(tok, (int, float)) else "–",
+                     f"{req:,.2f}" if isinstance(req, (int, float)) else "–",
+                     *(f"{_shown(m, m.of(p, 'p50'))} / {_shown(m, m.of(p, 'p99'))}" for m in lats),
+                     _share(p.get("prefix_cache"))])  # fmt: skip
+        notes += [f"{pid}: the client may be limiting this point: {w}"
+                  for w in (p.get("client") or {}).get("warnings") or []]  # fmt: skip
+        notes += [f"{pid}: {w}" for key in ("prefix_cache", "prompt_lengths") if (w := (p.get(key) or {}).get("warning"))]
+        notes += [f"{pid}: {r}"] if "latency" in p and (r := reasoning_note(p)) else []
     return {"table": Table(header, rows, "answer"), "notes": notes} if rows else None
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from loadgen.metrics.definitions import E2E, GOODPUT, OUTPUT_TOK_S, TTFT
+from loadgen.metrics.definitions import E2E, GOODPUT, INPUTS_S, OUTPUT_TOK_S, TTFT
 from loadgen.records.results import leaves
 from loadgen.report import series
 from loadgen.report.load import RunData
@@ -29,7 +29,8 @@ def _key(path: tuple[str, ...]) -> str:
 
 # PointSummary keys (loadgen.metrics.pointsummary.summarize / loadgen.dispatch.engine.run_point), most specific first.
 LOAD_KEYS = (r"load\.concurrency", r"load\.rate", r"load\.speedup")
-THROUGHPUT_KEYS = tuple(re.escape(_key(p)) for p in (OUTPUT_TOK_S.path, OUTPUT_TOK_S.whole()))
+# a pooling run's (embeddings, rerank) inputs/s first: only its points have it, and their output tok/s is 0
+THROUGHPUT_KEYS = tuple(re.escape(_key(p)) for m in (INPUTS_S, OUTPUT_TOK_S) for p in (m.path, m.whole()))
 GOODPUT_KEYS = tuple(re.escape(_key(p)) for p in (GOODPUT.path, GOODPUT.whole()))
 LATENCY_KEYS = {q: tuple(re.escape(_key((*m.path, q))) for m in (E2E, TTFT)) for q in ("p50", "p99")}
 
@@ -40,8 +41,8 @@ AXIS_TITLES = {
     "load.concurrency": "concurrency (requests in flight)",
     "load.rate": "offered load (requests/s)",
     "load.speedup": "trace replay speed-up (x)",
-    **{_key(m.path): m.title("steady state") for m in (OUTPUT_TOK_S, GOODPUT)},
-    **{_key(m.whole()): m.title("whole point") for m in (OUTPUT_TOK_S, GOODPUT)},
+    **{_key(m.path): m.title("steady state") for m in (INPUTS_S, OUTPUT_TOK_S, GOODPUT)},
+    **{_key(m.whole()): m.title("whole point") for m in (INPUTS_S, OUTPUT_TOK_S, GOODPUT)},
     **{_key(m.path): m.title() for m in (E2E, TTFT)},
 }
 LINE_STYLES = "solid line: p50 · dashed line: p99"
