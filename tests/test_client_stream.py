@@ -58,6 +58,10 @@ STREAMS = {
     + chat({"content": " see.</think>"}) + chat({"content": "\n\nParis"}) + chat({"content": "."}, "stop") + DONE,
     "inline_think_one_event": cmpl("<think>hm</think>Paris") + cmpl(" is") + cmpl(" big", "length") + DONE,
     "think_later": cmpl("Paris") + cmpl(" <think>no</think>") + DONE,
+    "inline_think_in_pieces": b"".join(cmpl(t) for t in ("<", "think", ">Let me", " see.</", "think", ">\n\nParis",
+                                                          ".")) + DONE,
+    "less_than": cmpl("<") + cmpl("3 is less") + DONE,
+    "only_less_than": cmpl("<", "stop") + DONE,
 }  # fmt: skip
 
 
@@ -149,8 +153,15 @@ def test_an_inline_think_that_opens_the_content_is_reasoning(size):
     the answer alone is the response text; a tag later in an answer is just text."""
     for backend in (OpenAIBackend("http://x"), GeneralOnly("http://x")):
         rec, text = record(backend, STREAMS["inline_think"], size)
-        assert rec["first_output"] == 4 and len(rec["events"]) == 6 and text == "\n\n\nParis."
+        assert rec["first_output"] == 4 and len(rec["events"]) == 6 and text == "\n\nParis."
         rec, text = record(backend, STREAMS["inline_think_one_event"], size)
         assert rec["first_output"] == 0 and text == "Paris is big"
         rec, text = record(backend, STREAMS["think_later"], size)
         assert rec["first_output"] == 0 and text == "Paris <think>no</think>"
+        # a tokenizer without a <think> token streams the tags in pieces
+        rec, text = record(backend, STREAMS["inline_think_in_pieces"], size)
+        assert rec["first_output"] == 5 and len(rec["events"]) == 7 and text == "\n\nParis."
+        rec, text = record(backend, STREAMS["less_than"], size)
+        assert rec["first_output"] == 0 and text == "<3 is less"
+        rec, text = record(backend, STREAMS["only_less_than"], size)
+        assert rec["first_output"] == 0 and text == "<"

@@ -296,3 +296,34 @@ def test_recorded_traffic_replays_against_llama_server(server, tmp_path):
     assert [round(b - a, 6) for a, b in zip(intended, intended[1:], strict=False)] == [0.1] * 19
     lag = np.array([r["sent"] - r["intended"] for r in recs])
     assert lag.min() >= 0 and np.percentile(lag, 99) < 0.25, lag  # never early; late only by a broken schedule
+
+
+THINK_TEMPLATE = ROOT / "tests" / "fixtures" / "think-chatml.jinja"
+THINKING_SERVER = SERVER + " --jinja --chat-template-file {template} --reasoning-format deepseek"
+
+
+def test_reasoning_stream_from_llama_server(tmp_path):
+    """Issue 36: llama-server's own reasoning parser streams `reasoning_content` deltas, then `content`
+    ones: a template whose generation prompt opens a <think> (as Qwen3's and DeepSeek-R1's do) makes the
+    bundled model's first tokens reasoning, and the request's `reasoning_budget_tokens` makes the server
+    close the block after 8. `bench run --api chat` as a user types it: every answer follows its reasoning,
+    TTFT (first token of either) comes before TTFO (first answer token), and the printed summary and the
+    report say both. This build states no `completion_tokens_details.reasoning_tokens`, so the count is
+    the reasoning events' tokens."""
+    port = free_port()
+    argv = render_command(THINKING_SERVER, {"np": "1", "template": str(THINK_TEMPLATE)}, port)
+    with ServerProcess(argv, port, tmp_path / "server.log", health_timeout_s=60) as srv:
+        wl = fixed_workload(tmp_path / "short.toml", 32, 24)
+        body = json.dumps({"reasoning_budget_tokens": 8})
+        point, out = cli_point(srv.base_url, wl, tmp_path, "think", 4, "--api", "chat", "--extra-body", body)
+    recs = read_jsonl(tmp_path / "think" / "points" / point["point_id"] / "requests.jsonl")
+    for r in recs:
+        assert 0 < r["first_output"] < len(r["events"]) and r["output_tokens"] == 24, r
+        assert r["events"][r["first_output"]][0] > r["events"][0][0] and "reasoning_tokens" not in r["extra"]
+    reasoning, lat = point["counts"]["reasoning_tokens"], point["latency"]
+    assert 0 < reasoning < point["counts"]["output_tokens"] == 4 * 24
+    assert lat["ttfo"]["count"] == 4, lat
+    assert all(lat["ttft"][s] < lat["ttfo"][s] for s in ("min", "p50", "p99")), lat
+    said = f"the model reasoned before answering: {reasoning} reasoning tokens"
+    assert said in out and "(TTFO) p50" in out
+    assert said in (tmp_path / "think" / "report.html").read_text()

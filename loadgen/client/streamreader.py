@@ -29,7 +29,7 @@ class StreamReader:
     them (:func:`loadgen.metrics.definitions.reads`), as no time passed between them on the client."""
 
     __slots__ = ("backend", "rec", "clock", "parser", "state", "texts", "usage_out", "usage_prompt",
-                 "chunk_prompt", "stated_source", "done", "think", "first_seen")
+                 "chunk_prompt", "stated_source", "done", "think", "first_seen", "head")
 
     def __init__(self, backend: Backend, rec: RequestRecord, clock: RunClock) -> None:
         self.backend, self.rec, self.clock = backend, rec, clock
@@ -43,6 +43,7 @@ class StreamReader:
         self.done = False
         self.think: bool | None = None  # inside an inline <think> that opened the answer; None: not yet known
         self.first_seen: int | None = None  # the first event of the content (reasoning deltas aside)
+        self.head = ""  # the content's text while its <think> is undecided or open (see _content)
 
     def feed(self, chunk: bytes, t: float) -> bool:
         try:
@@ -139,28 +140,32 @@ class StreamReader:
     def _content(self, t: float, text: str, tokens: int | None, reasoning: bool) -> None:
         """One content event: the model's reasoning (the protocol says so, or an inline ``<think>`` opened the
         content and has not closed) or its answer, whose first event the record marks (``first_output``) and
-        whose text a conversation's next turn carries."""
+        whose text a conversation's next turn carries. Until the content's start is known to open with a
+        ``<think>`` or not, and while that block is open, its text is kept in ``head``: a tokenizer without a
+        ``<think>`` token streams either tag in pieces (``<``, ``think``, ``>``)."""
         rec = self.rec
         i = len(rec.events)
         rec.events.append([t, tokens])
         if reasoning:
             return
         if self.think is not False:
+            self.head += text
             if self.think is None:
                 self.first_seen = i if self.first_seen is None else self.first_seen
-                head = text.lstrip()
-                if not head:  # whitespace before the content's first word: not known yet
-                    self.texts.append(text)
+                start = self.head.lstrip()
+                if THINK[0].startswith(start):  # whitespace, or the start of a <think>: not known yet
                     return
-                self.think = head.startswith(THINK[0])
+                self.think = start.startswith(THINK[0])
                 if not self.think:
                     rec.first_output = self.first_seen if rec.first_output is None else rec.first_output
-                    self.texts.append(text)
+                    self.texts.append(self.head)
+                    self.head = ""
                     return
-            _, closed, text = text.partition(THINK[1])
+            _, closed, text = self.head.partition(THINK[1])
             if not closed:
+                self.head = self.head[-len(THINK[1]) + 1 :]  # a closing tag's first pieces, if any
                 return
-            self.think = False
+            self.think, self.head = False, ""
             if not text.strip():
                 return  # the closing tag's own event: the answer starts with the next
         if rec.first_output is None:
@@ -170,6 +175,10 @@ class StreamReader:
     def finish(self, req: GenRequest) -> str:
         """Decide token counts and their sources; returns the response text."""
         rec = self.rec
+        if self.think is None and self.head:  # the content ended as what could start a <think>: the answer
+            self.texts.append(self.head)
+            if self.head.strip() and rec.first_output is None:
+                rec.first_output = self.first_seen
         events = rec.events
         unknown = [e for e in events if e[1] is None]
         if self.usage_out is not None:
