@@ -276,3 +276,35 @@ def test_reasoning_tokens_the_server_counted_are_used():
     assert d.completion_tokens == 30 and d.extra == {"reasoning_tokens": 21}
     r = {"events": [[0.1, 1], [0.2, 1], [0.3, 1]], "first_output": 1, "extra": {}}
     assert metrics.reasoning_tokens(r) == 1 and metrics.reasoning_tokens({**r, "extra": d.extra}) == 21
+
+
+# OpenAI's embeddings object (vLLM vllm/entrypoints/pooling/embed/protocol.py EmbeddingResponse, llama.cpp
+# server-common.cpp format_embeddings_response_oaicompat) and Jina's/Cohere's rerank (vLLM RerankResponse,
+# llama.cpp format_response_rerank): one JSON answer, no stream.
+def test_embeddings_and_rerank_calls_and_answers():
+    be = OpenAIBackend("http://x", model="m", api="embeddings")
+    call = be.build(GenRequest("r", "one", 1, inputs=("a", "b")))
+    assert (call.path, call.stream, call.counted) == ("/v1/embeddings", False, True)
+    assert call.body == {"model": "m", "input": ["a", "b"], "encoding_format": "float"}
+    answer = {"object": "list", "data": [{"object": "embedding", "index": i, "embedding": [0.1, -0.2]} for i in range(2)],
+              "model": "m", "usage": {"prompt_tokens": 7, "total_tokens": 7}}  # fmt: skip
+    d = be.parse_body(json.dumps(answer), call)
+    assert (d.prompt_tokens, d.completion_tokens, d.done, d.extra) == (7, 0, True, {"inputs": 2})
+    assert be.parse_body(json.dumps({**answer, "data": [{"embedding": "AAAAAA=="}] * 2}), call).done  # base64
+    with pytest.raises(ValueError, match="expected 2 embeddings"):
+        be.parse_body(json.dumps({**answer, "data": answer["data"][:1]}), call)
+    with pytest.raises(ValueError, match="no embedding"):
+        be.parse_body(json.dumps({**answer, "data": [{"index": 0}, {"index": 1}]}), call)
+    with pytest.raises(ValueError, match="not JSON"):
+        be.parse_body("<html>", call)
+
+    rr = OpenAIBackend("http://x", model="m", api="rerank", extra_body={"top_n": 1})
+    call = rr.build(GenRequest("r", "query?", 1, inputs=("d1", "d2", "d3")))
+    assert (call.path, call.stream, call.counted) == ("/v1/rerank", False, False)
+    assert call.body == {"model": "m", "query": "query?", "documents": ["d1", "d2", "d3"], "top_n": 1}
+    answer = {"id": "x", "model": "m", "usage": {"total_tokens": 30},
+              "results": [{"index": 2, "relevance_score": 0.9, "document": {"text": "d3"}}]}  # fmt: skip
+    d = rr.parse_body(json.dumps(answer), call)
+    assert (d.prompt_tokens, d.extra) == (30, {"inputs": 3})  # top_n: one result for three documents
+    one = OpenAIBackend("http://x", model="m", api="rerank").build(GenRequest("r", [{"role": "user", "content": "q"}], 1))
+    assert one.body["query"] == "q" and one.body["documents"] == ["q"]  # no inputs: the prompt is the one document

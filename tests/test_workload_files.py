@@ -80,6 +80,8 @@ BAD = [
     ('[[classes]]\nname = "x"\nat = [0]\n[[classes]]\nname = "y"\n', "classes[1].at", "is required"),
     ('[arrival]\nprocess = "closed"\n[[classes]]\nname = "x"\nat = [0]\n', "arrival.process", "expected 'trace'"),
     ('[[classes]]\nname = "x"\nat = [0]\nturns = { count = 2 }\n', "classes[0].at", "not allowed together"),
+    ('[[classes]]\nname = "x"\ninputs = 4\n', "classes[0].inputs", "only applies with api = 'embeddings' or 'rerank'"),
+    ('api = "embeddings"\n[[classes]]\nname = "x"\ninputs = 0\n', "classes[0].inputs", ">= 1"),
 ]
 
 
@@ -175,3 +177,18 @@ def test_length_distributions_follow_their_parameters():
     assert min(clipped) == 60 and max(clipped) == 120
     think = draw({"dist": "normal", "mean": 0.5, "std": 1.0, "min": 0}, integer=False)
     assert min(think) == 0.0 and isinstance(think[0], float)
+
+
+def test_an_embeddings_class_sends_its_inputs_of_the_lengths_meant():
+    """The built-in embeddings workload: 8 texts of 32-256 tokens per request, the request's intended prompt
+    tokens their sum (what the server counts), each text exactly its drawn length."""
+    from workloads.text import builder_for
+
+    wl = load_workload("embeddings")
+    tok = builder_for("bundled").tokenizer
+    reqs = [s.first() for s in islice(wl.sessions(0), 5)]
+    for req in reqs:
+        lengths = [len(tok.encode(t).ids) for t in req.inputs]
+        assert req.api == "embeddings" and len(lengths) == 8 and all(32 <= n <= 256 for n in lengths), lengths
+        assert req.prompt_tokens == sum(lengths)
+    assert len({r.inputs for r in reqs}) == 5
