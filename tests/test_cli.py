@@ -32,6 +32,11 @@ runner = CliRunner()
         (["calibrate", "--output-tokens", "-5"], "positive"),
         (["calibrate", "--api", "grpc"], "--api must be completions or chat"),
         (["calibrate", "--events", "16", "--output-tokens", "32"], "give one"),
+        (["calibrate", "--api", "embeddings"], "--api must be completions or chat"),  # it times token streams
+        # a pooling run (embeddings, rerank) generates no token: an SLO on one is refused, by --api or the workload
+        (["run", "--url", "http://127.0.0.1:9", "--api", "embeddings", "--slo", "ttft=1s"], "generates no token"),
+        (["capacity", "--url", "http://127.0.0.1:9", "--workload", "embeddings", "--slo", "tpot_p90=1s,e2e_p90=2s"],
+         "tpot; limit its e2e"),
     ],
 )
 def test_bad_input_is_a_clear_error(args, message, monkeypatch):

@@ -31,7 +31,7 @@ from loadgen.cli.options import (
     command,
     param,
 )
-from loadgen.cli.targets import embedded_server, load_workload, make_backend, read_api_key
+from loadgen.cli.targets import check_pooling_slos, embedded_server, load_workload, make_backend, read_api_key
 from loadgen.defaults import CAPACITY_FILE
 from loadgen.dispatch.fleet import Fleet
 from loadgen.dispatch.signals import run_async
@@ -127,6 +127,7 @@ def _capacity(slo: str, mode: str, workload: str, arrival: str, **options: Any) 
         grid_points = server_grid(o.server, [a for g in o.grid or [] for a in g.split()]) if o.server else []
         api_key = read_api_key(o.api_key_env)
         wl = load_workload(workload)
+        check_pooling_slos([s.metric for s in slos], o.api, [wl])
     except SloError as exc:
         console.print(f"[red]error[/]: {exc}")
         raise typer.Exit(ExitCode.USAGE) from None

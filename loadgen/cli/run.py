@@ -21,6 +21,7 @@ from loadgen.cli.exits import console, guard
 from loadgen.cli.live import LiveDisplay
 from loadgen.cli.options import WorkloadOpt, check, command, param
 from loadgen.cli.targets import (
+    check_pooling_slos,
     check_tokenizer,
     detect_server,
     embedded_server,
@@ -44,7 +45,7 @@ from loadgen.metrics import pointsummary
 from loadgen.records.results import ResultsDir, new_run_id
 from loadgen.records.writer import write_json
 from loadgen.report.cli import auto_report
-from loadgen.runoptions import RunOptions, parse_list
+from loadgen.runoptions import RunOptions, parse_list, parse_slo
 from loadgen.sidecars import telemetry
 from loadgen.sidecars.poller import ServerStatePoller
 from loadgen.timing.clock import RunClock, Sidecar
@@ -108,6 +109,7 @@ def execute(opts: RunOptions) -> ExitCode:
         console.print(f"[dim]tokenizer: the served model's ({served})[/]")
         opts = replace(opts, tokenizer=served)
     wls = [load_workload(w, opts.tokenizer, opts.dataset_field) for w in opts.workloads]
+    check_pooling_slos(list(parse_slo(opts.slo) or {}), opts.api, wls)
     run_id = opts.run_id or new_run_id()
     opts = opts.resolve(wls, finite=all(map(is_finite, wls)))
     if opts.seed is None:

@@ -26,6 +26,7 @@ from loadgen.defaults import REQUEST_TIMEOUT_S
 from loadgen.dispatch.sweep import RESET_TIMEOUT_S
 from loadgen.exitcodes import ServerGone, UsageError
 from workloads.base import Workload
+from workloads.contracts import POOLING_APIS
 
 
 def load_workload(name: str, tokenizer: str | None = None, field: str | None = None) -> Workload:
@@ -208,3 +209,15 @@ def embedded_server(log_path: Path, timeout: float = REQUEST_TIMEOUT_S) -> Itera
         yield srv.base_url
     finally:
         srv.stop()
+
+
+def check_pooling_slos(metric_tags: Sequence[str], api: str | None, workloads: Sequence[Workload]) -> None:
+    """A pooling run (embeddings, rerank: ``--api``, else its workloads' requests) generates no token, so an SLO on
+    a token's latency could never hold: refused before any load (its E2E is the latency to limit)."""
+    from loadgen.metrics.definitions import TPOT, TTFO, TTFT
+
+    firsts = [next(iter(wl.sessions(0)), None) for wl in workloads]
+    pooled = api in POOLING_APIS if api is not None else all(s is not None and s.first().api in POOLING_APIS for s in firsts)
+    if pooled and (bad := [t for t in metric_tags if t in (TTFT.tag, TTFO.tag, TPOT.tag)]):
+        raise UsageError(f"--slo {', '.join(bad)}: an embeddings or rerank run generates no token, so it has no "
+                         f"{' or '.join(bad)}; limit its e2e instead (e.g. --slo e2e_p90=2s)")  # fmt: skip
