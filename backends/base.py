@@ -26,8 +26,8 @@ class HttpCall:
     body: dict[str, Any]
     headers: dict[str, str] = field(default_factory=dict)
     stream: bool = True
-    # the server's prompt count can be compared with the request's intended one (not a rerank's: the server
-    # counts the query once per document)
+    # the server's prompt count can be compared with the request's intended one (not a chat request's: the
+    # server adds its template; nor a rerank's: it counts the query once per document)
     counted: bool = True
 
 

@@ -83,7 +83,8 @@ class OpenAIBackend(Backend):
         if req.seed is not None:
             body["seed"] = req.seed
         body.update(self.body_extras(req.extra_body))
-        return HttpCall(PATHS[api], body, self.auth_headers())
+        # chat: the server wraps the messages in its chat template, tokens no workload counted
+        return HttpCall(PATHS[api], body, self.auth_headers(), counted=api != "chat")
 
     def _pooling(self, req: GenRequest, api: Api) -> HttpCall:
         """An embeddings request (the request's inputs, else its prompt) or a rerank request (its prompt the

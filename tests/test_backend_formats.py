@@ -306,5 +306,7 @@ def test_embeddings_and_rerank_calls_and_answers():
               "results": [{"index": 2, "relevance_score": 0.9, "document": {"text": "d3"}}]}  # fmt: skip
     d = rr.parse_body(json.dumps(answer), call)
     assert (d.prompt_tokens, d.extra) == (30, {"inputs": 3})  # top_n: one result for three documents
+    chat, text = (OpenAIBackend("http://x", api=a).build(GenRequest("r", "p", 1)) for a in ("chat", "completions"))
+    assert not chat.counted and text.counted  # the server's chat template adds tokens no workload counted
     one = OpenAIBackend("http://x", model="m", api="rerank").build(GenRequest("r", [{"role": "user", "content": "q"}], 1))
     assert one.body["query"] == "q" and one.body["documents"] == ["q"]  # no inputs: the prompt is the one document
