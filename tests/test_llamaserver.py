@@ -342,8 +342,8 @@ def test_embeddings_live_through_run_sweep_report_and_gate(tmp_path):
     """Issue 36: llama-server `--embeddings` measured as a user would: `bench run --api embeddings` on the default
     workload, `bench sweep` of an embeddings workload (2 texts per request) at two concurrencies and two
     trials, its report, and `bench gate` on two sweeps. Every request ok, no TTFT (nothing is generated),
-    inputs/s = 2 x req/s, and the server counts exactly the tokens the workload meant. (This build computes
-    the output layer for every token of an embeddings batch: ~170 tokens/s on one thread, so texts are short.)"""
+    inputs/s = 2 x req/s, and the server counts exactly the tokens the workload meant. (This build embeds
+    only ~100-170 tokens/s on one thread here, so the texts are short.)"""
     runner = CliRunner()
     port = free_port()
     with ServerProcess(render_command(EMBEDDING_SERVER, {"np": "4"}, port), port, tmp_path / "server.log",
