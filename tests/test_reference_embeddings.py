@@ -16,6 +16,7 @@ from reference_server import metric_names as M
 from reference_server.api.schemas import MAX_POOLING_INPUTS
 from reference_server.config import EngineConfig
 from reference_server.engine.engine import Engine
+from reference_server.engine.sequence import SamplingParams
 from reference_server.model_files import default_model_path
 
 CONTEXT = 1024
@@ -172,3 +173,27 @@ def test_metrics_count_requests_inputs_and_tokens(server):
     httpx.post(server.url + "/v1/rerank", json={"query": CAT, "documents": ["a", "b"]}, timeout=60)
     assert _counter(server, M.POOLING_INPUTS, "rerank") == rerank + 3
     assert 'servelab_requests_finished_total{finish_reason="pooled"}' in httpx.get(server.url + "/metrics").text
+
+
+def test_pooling_request_preempted_and_recomputed_without_prefix_hits():
+    """On a 12-block pool a long input, the latest arrival, is preempted again and again by two generation
+    requests: each recompute starts its sum afresh (float32 model: the same vector to 1e-5). The same text
+    again takes no prefix hit from the blocks it published: pooling needs every token's hidden state."""
+    cfg = EngineConfig(model=default_model_path(), dtype="fp32", threads=1, num_kv_blocks=12, block_size=4,
+                       max_num_batched_tokens=8)
+    engine = Engine(cfg)
+    text = ("the cat sat on the mat and looked out of the window at the birds that were singing in the old oak "
+            "tree beside the river, where the children played every summer")
+    gen = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    for prompt in ("Once upon a time there was", "The weather today is"):
+        engine.add_request(engine.codec.encode(prompt), gen)
+    first = engine.add_request(engine.codec.encode(text), None)
+    while engine.scheduler.has_work() or engine.num_waiting():
+        engine.step()
+    again = engine.add_request(engine.codec.encode(text), None)
+    while engine.scheduler.has_work() or engine.num_waiting():
+        engine.step()
+    assert first.num_preemptions > 0 and again.num_preemptions == 0 and again.num_cached_tokens == 0
+    assert first.embedding is not None and again.embedding is not None
+    assert float(first.embedding @ again.embedding) >= 1 - 1e-5
+    assert engine.num_finished["pooled"] == 2 and engine.block_manager.num_used == 0
