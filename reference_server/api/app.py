@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from reference_server.api import pooling
 from reference_server.api.errors import ApiError
 from reference_server.api.frontend import Server
 from reference_server.api.schemas import (
@@ -78,11 +79,11 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
     @app.post("/v1/embeddings", openapi_extra=embedding_schema(vocab, engine.max_model_len, priorities),
               responses=POOLING_RESPONSES)
     async def embeddings(request: Request) -> Response:
-        return await server.embeddings(request)
+        return await pooling.embeddings(server, request)
 
     @app.post("/v1/rerank", openapi_extra=rerank_schema(priorities), responses=POOLING_RESPONSES)
     async def rerank(request: Request) -> Response:
-        return await server.rerank(request)
+        return await pooling.rerank(server, request)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -1,21 +1,18 @@
 """The front end over the engine thread: reads and checks a request, queues it, and answers it whole or as
-an SSE stream; engine outputs reach each request's queue in one hop per step. Embeddings and rerank requests
-queue one pooling request per text (``Sequence``), which the engine schedules beside the generation requests."""
+an SSE stream; engine outputs reach each request's queue in one hop per step (embeddings and rerank: api/pooling.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
 
 import jinja2
-import numpy as np
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
@@ -25,17 +22,12 @@ from reference_server.api.errors import ApiError, clip
 from reference_server.api.metrics import Metrics
 from reference_server.api.schemas import (
     MAX_BODY_BYTES,
-    MAX_POOLING_INPUTS,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
-    POOLING_UNSUPPORTED,
     UNSUPPORTED,
     ChatRequest,
     CompletionRequest,
-    EmbeddingRequest,
     GenerationRequest,
-    PoolingRequest,
-    RerankRequest,
     StreamOptions,
     TokenizeRequest,
     asks_nothing,
@@ -45,14 +37,13 @@ from reference_server.engine.engine import Engine, EngineDead, RequestOutput
 from reference_server.engine.sequence import SamplingParams
 
 log = logging.getLogger(__name__)
-_Pooling = TypeVar("_Pooling", bound=PoolingRequest)
 
 
 def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not valid JSON")
 
 
-class _Stream:
+class Stream:
     """One request's side of the engine: its output queue and, when ``timed`` (generation), timing for TTFT/ITL."""
 
     def __init__(self, timed: bool) -> None:
@@ -72,7 +63,7 @@ class Server:
         engine.on_iteration.append(self.metrics.on_iteration)
         engine.on_finish.append(self.metrics.on_finish)
         self.metrics.open.set_function(lambda: len(self.streams))
-        self.streams: dict[str, _Stream] = {}
+        self.streams: dict[str, Stream] = {}
         self._noted: set[str] = set()  # unknown request fields already logged
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -120,32 +111,32 @@ class Server:
         stop_ids = list(req.stop_token_ids or [])
         if any(not 0 <= t < vocab for t in stop_ids):
             raise ApiError(400, f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
-        self._check_priority(req.priority)
+        self.check_priority(req.priority)
         return SamplingParams(
             temperature=req.temperature, top_p=req.top_p, top_k=max(0, req.top_k), seed=req.seed,
             max_tokens=max_tokens, ignore_eos=req.ignore_eos, stop=stop, stop_token_ids=stop_ids,
         )
 
-    def _check_priority(self, priority: int) -> None:
+    def check_priority(self, priority: int) -> None:
         if priority and self.engine.config.policy != "priority":
             raise ApiError(400, f"priority {priority} needs a server started with --policy priority "
                                 f"(this one runs --policy {self.engine.config.policy})", "priority")
 
-    def _admit(self) -> None:
+    def admit(self) -> None:
         """A 429 while --max-waiting requests wait. An embeddings or rerank request is admitted as one request;
         its texts then queue together."""
         if self.engine.num_waiting() >= self.engine.config.max_waiting:
             raise ApiError(429, f"too many requests waiting (--max-waiting {self.engine.config.max_waiting}); "
                                 "retry later", None, "queue_full")
 
-    def _enqueue(self, prompts: list[list[int]], params: SamplingParams | None,
-                 priority: int) -> list[tuple[str, _Stream]]:
+    def enqueue(self, prompts: list[list[int]], params: SamplingParams | None,
+                 priority: int) -> list[tuple[str, Stream]]:
         """Add one engine request per prompt (``params`` None: pooling requests); a 503 if the engine is dead."""
-        queued: list[tuple[str, _Stream]] = []
+        queued: list[tuple[str, Stream]] = []
         try:
             for prompt_ids in prompts:
                 seq_id = uuid.uuid4().hex
-                queued.append((seq_id, _Stream(timed=params is not None)))
+                queued.append((seq_id, Stream(timed=params is not None)))
                 self.streams[seq_id] = queued[-1][1]
                 self.engine.add_request(prompt_ids, params, seq_id, priority)
         except EngineDead as e:
@@ -155,7 +146,7 @@ class Server:
         return queued
 
     def _submit(self, prompt_ids: list[int], params: SamplingParams, explicit_max: bool,
-                priority: int = 0) -> tuple[str, _Stream]:
+                priority: int = 0) -> tuple[str, Stream]:
         """Queue the request; ``params.max_tokens`` asked for explicitly must fit the context (as in
         vLLM), the default is cut to what is left of it."""
         limit = self.engine.max_model_len
@@ -171,10 +162,10 @@ class Server:
                                 f"max_tokens to at most {room} or shorten the prompt", "max_tokens",
                            "context_length_exceeded")
         params.max_tokens = min(params.max_tokens, room) if params.max_tokens else room
-        self._admit()
-        return self._enqueue([prompt_ids], params, priority)[0]
+        self.admit()
+        return self.enqueue([prompt_ids], params, priority)[0]
 
-    async def _outputs(self, seq_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+    async def outputs(self, seq_id: str, stream: Stream) -> AsyncIterator[RequestOutput]:
         """This request's outputs until it finishes; aborts it in the engine if the caller goes away."""
         finished = False
         try:
@@ -187,7 +178,7 @@ class Server:
             if not finished:
                 self.engine.abort(seq_id)
 
-    def _error(self, out: RequestOutput) -> ApiError:
+    def error(self, out: RequestOutput) -> ApiError:
         """The error a failed request answers with: 503 once the engine is gone, else a 500 naming the cause."""
         if not self.engine.alive:
             return ApiError(503, out.error or "the engine stopped", None, "engine_dead")
@@ -219,13 +210,13 @@ class Server:
         return body
 
     @staticmethod
-    def _check_supported(body: dict[str, Any], unsupported: dict[str, tuple[object, ...]]) -> None:
+    def check_supported(body: dict[str, Any], unsupported: dict[str, tuple[object, ...]]) -> None:
         for name, neutral in unsupported.items():
             if name in body and not asks_nothing(body[name], neutral):
                 raise ApiError(400, f"{name!r} is not supported by this server (got {clip(body[name])}); "
                                     "leave it out or send null", name, "unsupported_parameter")
 
-    def _note_extra(self, req: BaseModel) -> None:
+    def note_extra(self, req: BaseModel) -> None:
         """Fields outside the API (and outside UNSUPPORTED) are accepted, as by vLLM, and logged once."""
         for name in (req.model_extra or {}).keys() - self._noted:
             if len(self._noted) < 1000:
@@ -264,17 +255,17 @@ class Server:
             raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
         return [int(t) for t in p]  # type: ignore[arg-type]
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
         if not self.engine.alive:
             raise ApiError(503, f"the engine has stopped ({self.engine.fatal or 'shutting down'})", None, "engine_dead")
 
     async def handle(self, request: Request, chat: bool) -> Response:
-        self._check_alive()
+        self.check_alive()
         body = await self.read_body(request)
-        self._check_supported(body, UNSUPPORTED)
+        self.check_supported(body, UNSUPPORTED)
         req = validated(ChatRequest if chat else CompletionRequest, body)
         self.check_model(req.model)
-        self._note_extra(req)
+        self.note_extra(req)
         if isinstance(req, ChatRequest):
             prompt_ids = await asyncio.to_thread(self.chat_prompt, req)
             asked = req.max_completion_tokens or req.max_tokens
@@ -290,16 +281,16 @@ class Server:
             opts = req.stream_options or StreamOptions()
             return StreamingResponse(self._sse(rid, seq_id, stream, chat, opts), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await _until_disconnect(request, self._complete(rid, seq_id, stream, chat))
+        return await until_disconnect(request, self._complete(rid, seq_id, stream, chat))
 
-    async def _complete(self, rid: str, seq_id: str, stream: _Stream, chat: bool) -> Response:
+    async def _complete(self, rid: str, seq_id: str, stream: Stream, chat: bool) -> Response:
         text, last = [], None
-        async for out in self._outputs(seq_id, stream):
+        async for out in self.outputs(seq_id, stream):
             text.append(out.text)
             last = out
         assert last is not None
         if last.error is not None:
-            return self._error(last).response()
+            return self.error(last).response()
         return Response(json.dumps(self._final(rid, chat, "".join(text), last)), media_type="application/json")
 
     def _usage(self, out: RequestOutput) -> dict[str, Any]:
@@ -319,7 +310,7 @@ class Server:
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": [choice], "usage": self._usage(out)}
 
-    async def _sse(self, rid: str, seq_id: str, stream: _Stream, chat: bool, opts: StreamOptions) -> AsyncIterator[bytes]:
+    async def _sse(self, rid: str, seq_id: str, stream: Stream, chat: bool, opts: StreamOptions) -> AsyncIterator[bytes]:
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -332,10 +323,10 @@ class Server:
 
         first = True
         last: RequestOutput | None = None
-        async for out in self._outputs(seq_id, stream):
+        async for out in self.outputs(seq_id, stream):
             last = out
             if out.error is not None:  # as vLLM: an error event, then [DONE]
-                yield b"data: " + json.dumps(self._error(out).body).encode() + b"\n\n"
+                yield b"data: " + json.dumps(self.error(out).body).encode() + b"\n\n"
                 break
             if not out.text and not out.finished:
                 continue
@@ -353,111 +344,7 @@ class Server:
         yield b"data: [DONE]\n\n"
 
 
-    # -- embeddings and rerank ----------------------------------------------------------------------------
-    async def _pooling_request(self, request: Request, model: type[_Pooling]) -> _Pooling:
-        self._check_alive()
-        body = await self.read_body(request)
-        self._check_supported(body, POOLING_UNSUPPORTED)
-        req = validated(model, body)
-        self.check_model(req.model)
-        self._note_extra(req)
-        self._check_priority(req.priority)
-        return req
-
-    def _pooling_prompt(self, text_or_ids: str | list[int], param: str, what: str) -> list[int]:
-        """One text's (or token-id list's) prompt of a pooling request: not empty, token ids in the
-        vocabulary, the whole within the context (no output follows it)."""
-        ids = self.encode(text_or_ids, param) if isinstance(text_or_ids, str) else text_or_ids
-        limit = self.engine.max_model_len
-        if not ids:
-            raise ApiError(400, f"{what} is empty", param)
-        if len(ids) > limit:
-            raise ApiError(400, f"{what} has {len(ids)} tokens but this model's context holds {limit}; shorten it",
-                           param, "context_length_exceeded")
-        vocab = self.engine.runner.spec.vocab
-        if any(not 0 <= t < vocab for t in ids):
-            raise ApiError(400, f"token ids must be in [0, {vocab})", param)
-        return ids
-
-    def _embedding_prompts(self, inp: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
-        if isinstance(inp, str) or inp and isinstance(inp[0], int):  # one text, or one token-id list
-            return [self._pooling_prompt(inp, "input", "the input")]  # type: ignore[arg-type]
-        if not inp:
-            raise ApiError(400, "the input is empty: give a text, a list of texts or of token-id lists", "input")
-        if len(inp) > MAX_POOLING_INPUTS:
-            raise ApiError(400, f"at most {MAX_POOLING_INPUTS} inputs per request (got {len(inp)})", "input")
-        return [self._pooling_prompt(x, "input", f"input {i}") for i, x in enumerate(inp)]  # type: ignore[arg-type]
-
-    async def embeddings(self, request: Request) -> Response:
-        """``POST /v1/embeddings``: each input's embedding is the model's final-norm hidden states over its
-        tokens, mean-pooled and L2-normalised (the engine computes them: ``Sequence``, ``ModelRunner._pool``)."""
-        req = await self._pooling_request(request, EmbeddingRequest)
-        prompts = await asyncio.to_thread(self._embedding_prompts, req.input)
-
-        def answer(vectors: list[list[float]], tokens: int) -> dict[str, Any]:
-            data = [{"object": "embedding", "index": i, "embedding": _encoded(v, req.encoding_format)}
-                    for i, v in enumerate(vectors)]
-            return {"id": "embd-" + uuid.uuid4().hex, "object": "list", "created": int(time.time()),
-                    "model": self.model_name, "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
-
-        return await self._pool(request, "embeddings", prompts, req.priority, answer)
-
-    async def rerank(self, request: Request) -> Response:
-        """``POST /v1/rerank``, a bi-encoder rerank (not a cross-encoder): a document's relevance score is the
-        cosine similarity of its embedding and the query's (the embeddings of :meth:`embeddings`)."""
-        req = await self._pooling_request(request, RerankRequest)
-
-        def texts() -> list[list[int]]:
-            return [self._pooling_prompt(req.query, "query", "the query"),
-                    *(self._pooling_prompt(d, "documents", f"document {i}") for i, d in enumerate(req.documents))]
-
-        prompts = await asyncio.to_thread(texts)
-
-        def answer(vectors: list[list[float]], tokens: int) -> dict[str, Any]:
-            scores = np.asarray(vectors[1:], dtype=np.float32) @ np.asarray(vectors[0], dtype=np.float32)
-            results = []
-            for i in np.argsort(-scores, kind="stable")[: req.top_n or None].tolist():
-                result: dict[str, Any] = {"index": i, "relevance_score": float(scores[i])}
-                if req.return_documents is not False:
-                    result["document"] = {"text": req.documents[i]}
-                results.append(result)
-            return {"id": "rerank-" + uuid.uuid4().hex, "model": self.model_name,
-                    "usage": {"total_tokens": tokens}, "results": results}
-
-        return await self._pool(request, "rerank", prompts, req.priority, answer)
-
-    async def _pool(self, request: Request, endpoint: str, prompts: list[list[int]], priority: int,
-                    answer: Callable[[list[list[float]], int], dict[str, Any]]) -> Response:
-        """Queue one pooling request per prompt; the body is ``answer`` of their embeddings (in order) and
-        their tokens."""
-        self._admit()
-        queued = self._enqueue(prompts, None, priority)
-
-        async def last(seq_id: str, stream: _Stream) -> RequestOutput:
-            outs = [out async for out in self._outputs(seq_id, stream)]
-            return outs[-1]
-
-        async def work() -> Response:
-            vectors = []
-            for out in await asyncio.gather(*(last(*q) for q in queued)):
-                if out.embedding is None:  # it failed
-                    return self._error(out).response()
-                vectors.append(out.embedding)
-            tokens = sum(map(len, prompts))
-            self.metrics.on_pooled(endpoint, len(prompts), tokens)
-            return Response(json.dumps(answer(vectors, tokens)), media_type="application/json")
-
-        return await _until_disconnect(request, work())
-
-
-def _encoded(vector: list[float], encoding_format: str | None) -> list[float] | str:
-    """An embedding as OpenAI sends it: floats, or with ``base64`` its little-endian float32 bytes."""
-    if encoding_format == "base64":
-        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
-    return vector
-
-
-async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
+async def until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
     """Await ``work`` unless the client hangs up first: then cancel it (which aborts its request in the
     engine) instead of computing an answer nobody reads. The body has been read, so the next ASGI
     message is the disconnect."""

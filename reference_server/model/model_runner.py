@@ -22,6 +22,7 @@ from reference_server.model.fused_decode import FusedDecode
 from reference_server.model.gguf_loader import ModelSpec, load_gguf
 from reference_server.model.kv_cache import LayerKV, allocate, block_bytes, capacity_line, pick_kv_dtype
 from reference_server.model.model import AttnBatch, LlamaModel, PagedAttention, PagedBatch, PrefillGroup
+from reference_server.model.pooling import pool
 from reference_server.model.quant import Quantizer, auto_quantization
 from reference_server.model.sampler import sample
 
@@ -316,13 +317,13 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch, num_layers: int | None = None) -> torch.Tensor:
         """Float32 logits, on the device, for every sampling sequence of ``batch`` that reaches its last token
-        this step; the pooling sequences' rows are pooled (:meth:`_pool`). A decode-only step of the whole
+        this step; the pooling sequences' rows are pooled (:func:`pooling.pool`). A decode-only step of the whole
         model replays its CUDA graph when one is captured."""
         ids, pos, attn, rows = self.prepare(batch)
         rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
         if any(seq.pooling for seq, _ in batch.items):
             hidden = self.model.hidden(ids, pos, self.kv_caches, attn, num_layers)
-            self._pool(batch, hidden)
+            pool(self.model, batch, hidden)
             return self.model.logits(hidden, rows_t)
         if self.graphs is not None and num_layers is None and len(rows) == len(ids):
             logits = self.graphs.run(ids, pos, attn)
@@ -331,28 +332,6 @@ class ModelRunner:
         if self.fused is not None and FusedDecode.serves(attn, len(ids), rows):
             return self.fused(ids, pos, attn, num_layers)
         return self.model(ids, pos, self.kv_caches, attn, rows_t, num_layers)
-
-    def _pool(self, batch: ScheduledBatch, hidden: torch.Tensor) -> None:
-        """Add each pooling sequence's rows of ``hidden``, final-normed, in float32, to its ``pooled`` sum (a
-        chunk from position 0 starts it afresh: a first chunk, or a recompute after preemption); a sequence
-        whose prompt is now computed gets its ``embedding``: the L2-normalised sum, which is the normalised
-        mean. Each row depends only on its own sequence's tokens (causal attention over its own blocks), so
-        the embedding does not depend on the batch it ran in, beyond the float rounding of the batch shape."""
-        spans: list[tuple[Sequence, int, int]] = []
-        row = 0
-        for seq, n in batch.items:  # the batch's rows in order (prepare): n per sequence, padding rows after
-            if seq.pooling:
-                spans.append((seq, row, n))
-            row += n
-        pooled_rows = torch.cat([torch.arange(r, r + n) for _, r, n in spans]).to(self.device)
-        normed = self.model.norm(hidden.index_select(0, pooled_rows)).float()
-        at = 0
-        for seq, _, n in spans:
-            chunk = normed[at : at + n].sum(0)
-            at += n
-            seq.pooled = chunk if seq.num_computed_tokens == 0 or seq.pooled is None else seq.pooled + chunk
-            if seq.num_computed_tokens + n == seq.num_tokens:
-                seq.embedding = torch.nn.functional.normalize(seq.pooled, dim=0)
 
     def _generator(self, seq: Sequence) -> None:
         """A seeded request samples with a generator on the model's device (made once, from its seed)."""
