@@ -22,6 +22,9 @@ REQUESTS_FINISHED = "servelab_requests_finished"  # label finish_reason
 SPEC_DRAFT_TOKENS = "servelab_spec_draft_tokens"
 SPEC_ACCEPTED_TOKENS = "servelab_spec_accepted_tokens"
 SPEC_VERIFY_STEPS = "servelab_spec_verify_steps"
+POOLING_REQUESTS = "servelab_pooling_requests"  # label endpoint (embeddings, rerank)
+POOLING_INPUTS = "servelab_pooling_inputs"  # label endpoint
+POOLING_TOKENS = "servelab_pooling_tokens"  # label endpoint
 # histograms
 TOKENS_PER_ITERATION = "servelab_tokens_per_iteration"
 TIME_TO_FIRST_TOKEN = "servelab_time_to_first_token_seconds"

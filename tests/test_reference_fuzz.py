@@ -78,7 +78,7 @@ def bodies(schema: dict[str, Any]) -> st.SearchStrategy[bytes]:
 def _schemas(url: str) -> dict[str, dict[str, Any]]:
     spec = httpx.get(url + "/openapi.json", timeout=30).json()
     return {path: spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
-            for path in ("/v1/completions", "/v1/chat/completions")}
+            for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/rerank")}
 
 
 async def _send(client: httpx.AsyncClient, path: str, body: bytes) -> tuple[int, str]:
@@ -96,6 +96,10 @@ def _check(path: str, body: bytes, status: int, text: str) -> None:
     if text.startswith("data: "):  # a stream: complete, and no error event
         events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]" and all('"error"' not in e[:12] for e in events), where
+    elif path == "/v1/embeddings":
+        assert all(d["embedding"] for d in json.loads(text)["data"]), where
+    elif path == "/v1/rerank":
+        assert json.loads(text)["results"], where
     else:
         assert json.loads(text)["choices"][0]["finish_reason"] in ("stop", "length"), where
 

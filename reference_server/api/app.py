@@ -1,5 +1,6 @@
-"""The FastAPI app: the OpenAI endpoints, ``/v1/models``, ``/health``, ``/metrics``, ``/tokenize``,
-``/reset_prefix_cache`` and ``/v1/iterations`` over one front end, and the JSON error handlers."""
+"""The FastAPI app: the OpenAI endpoints (embeddings included), ``/v1/rerank``, ``/v1/models``, ``/health``,
+``/metrics``, ``/tokenize``, ``/reset_prefix_cache`` and ``/v1/iterations`` over one front end, and the JSON error
+handlers."""
 
 from __future__ import annotations
 
@@ -14,17 +15,21 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from reference_server.api import pooling
 from reference_server.api.errors import ApiError
 from reference_server.api.frontend import Server
 from reference_server.api.schemas import (
     GENERATION_RESPONSES,
     HEALTH_RESPONSES,
+    POOLING_RESPONSES,
     TOKENIZE_RESPONSES,
     ChatRequest,
     CompletionRequest,
     GenerationRequest,
     TokenizeRequest,
+    embedding_schema,
     generation_schema,
+    rerank_schema,
     tokenize_schema,
     validated,
 )
@@ -37,8 +42,10 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
     """The FastAPI app; starts the engine thread on startup and stops it on shutdown."""
     server = Server(engine, model_name)
 
+    vocab, priorities = engine.runner.spec.vocab, engine.config.policy == "priority"
+
     def schema(model: type[GenerationRequest]) -> dict[str, Any]:
-        return generation_schema(model, engine.runner.spec.vocab, engine.max_model_len, engine.config.policy == "priority")
+        return generation_schema(model, vocab, engine.max_model_len, priorities)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -68,6 +75,15 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
     @app.post("/v1/chat/completions", openapi_extra=schema(ChatRequest), responses=GENERATION_RESPONSES)
     async def chat_completions(request: Request) -> Response:
         return await server.handle(request, chat=True)
+
+    @app.post("/v1/embeddings", openapi_extra=embedding_schema(vocab, engine.max_model_len, priorities),
+              responses=POOLING_RESPONSES)
+    async def embeddings(request: Request) -> Response:
+        return await pooling.embeddings(server, request)
+
+    @app.post("/v1/rerank", openapi_extra=rerank_schema(priorities), responses=POOLING_RESPONSES)
+    async def rerank(request: Request) -> Response:
+        return await pooling.rerank(server, request)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

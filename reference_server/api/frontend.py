@@ -1,5 +1,5 @@
 """The front end over the engine thread: reads and checks a request, queues it, and answers it whole or as
-an SSE stream; engine outputs reach each request's queue in one hop per step."""
+an SSE stream; engine outputs reach each request's queue in one hop per step (embeddings and rerank: api/pooling.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import Any
 import jinja2
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
 from reference_server.api.errors import ApiError, clip
@@ -42,10 +43,11 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not valid JSON")
 
 
-class _Stream:
-    """One request's side of the engine: its output queue and timing for TTFT/ITL."""
+class Stream:
+    """One request's side of the engine: its output queue and, when ``timed`` (generation), timing for TTFT/ITL."""
 
-    def __init__(self) -> None:
+    def __init__(self, timed: bool) -> None:
+        self.timed = timed
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.start = time.perf_counter()
         self.last: float | None = None
@@ -61,7 +63,7 @@ class Server:
         engine.on_iteration.append(self.metrics.on_iteration)
         engine.on_finish.append(self.metrics.on_finish)
         self.metrics.open.set_function(lambda: len(self.streams))
-        self.streams: dict[str, _Stream] = {}
+        self.streams: dict[str, Stream] = {}
         self._noted: set[str] = set()  # unknown request fields already logged
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -76,8 +78,9 @@ class Server:
             st = self.streams.get(out.seq_id)
             if st is None:
                 continue
-            (self.metrics.ttft.observe(now - st.start) if st.last is None else self.metrics.itl.observe(now - st.last))
-            st.last = now
+            if st.timed:
+                (self.metrics.ttft.observe(now - st.start) if st.last is None else self.metrics.itl.observe(now - st.last))
+                st.last = now
             st.queue.put_nowait(out)
 
     async def watchdog(self, period: float = 1.0) -> None:
@@ -108,16 +111,42 @@ class Server:
         stop_ids = list(req.stop_token_ids or [])
         if any(not 0 <= t < vocab for t in stop_ids):
             raise ApiError(400, f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
-        if req.priority and self.engine.config.policy != "priority":
-            raise ApiError(400, f"priority {req.priority} needs a server started with --policy priority "
-                                f"(this one runs --policy {self.engine.config.policy})", "priority")
+        self.check_priority(req.priority)
         return SamplingParams(
             temperature=req.temperature, top_p=req.top_p, top_k=max(0, req.top_k), seed=req.seed,
             max_tokens=max_tokens, ignore_eos=req.ignore_eos, stop=stop, stop_token_ids=stop_ids,
         )
 
+    def check_priority(self, priority: int) -> None:
+        if priority and self.engine.config.policy != "priority":
+            raise ApiError(400, f"priority {priority} needs a server started with --policy priority "
+                                f"(this one runs --policy {self.engine.config.policy})", "priority")
+
+    def admit(self) -> None:
+        """A 429 while --max-waiting requests wait. An embeddings or rerank request is admitted as one request;
+        its texts then queue together."""
+        if self.engine.num_waiting() >= self.engine.config.max_waiting:
+            raise ApiError(429, f"too many requests waiting (--max-waiting {self.engine.config.max_waiting}); "
+                                "retry later", None, "queue_full")
+
+    def enqueue(self, prompts: list[list[int]], params: SamplingParams | None,
+                 priority: int) -> list[tuple[str, Stream]]:
+        """Add one engine request per prompt (``params`` None: pooling requests); a 503 if the engine is dead."""
+        queued: list[tuple[str, Stream]] = []
+        try:
+            for prompt_ids in prompts:
+                seq_id = uuid.uuid4().hex
+                queued.append((seq_id, Stream(timed=params is not None)))
+                self.streams[seq_id] = queued[-1][1]
+                self.engine.add_request(prompt_ids, params, seq_id, priority)
+        except EngineDead as e:
+            for seq_id, _ in queued:
+                self.streams.pop(seq_id, None)
+            raise ApiError(503, str(e), None, "engine_dead") from None
+        return queued
+
     def _submit(self, prompt_ids: list[int], params: SamplingParams, explicit_max: bool,
-                priority: int = 0) -> tuple[str, _Stream]:
+                priority: int = 0) -> tuple[str, Stream]:
         """Queue the request; ``params.max_tokens`` asked for explicitly must fit the context (as in
         vLLM), the default is cut to what is left of it."""
         limit = self.engine.max_model_len
@@ -133,20 +162,10 @@ class Server:
                                 f"max_tokens to at most {room} or shorten the prompt", "max_tokens",
                            "context_length_exceeded")
         params.max_tokens = min(params.max_tokens, room) if params.max_tokens else room
-        if self.engine.num_waiting() >= self.engine.config.max_waiting:
-            raise ApiError(429, f"too many requests waiting (--max-waiting {self.engine.config.max_waiting}); "
-                                "retry later", None, "queue_full")
-        seq_id = uuid.uuid4().hex
-        stream = _Stream()
-        self.streams[seq_id] = stream
-        try:
-            self.engine.add_request(prompt_ids, params, seq_id, priority)
-        except EngineDead as e:
-            self.streams.pop(seq_id, None)
-            raise ApiError(503, str(e), None, "engine_dead") from None
-        return seq_id, stream
+        self.admit()
+        return self.enqueue([prompt_ids], params, priority)[0]
 
-    async def _outputs(self, seq_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+    async def outputs(self, seq_id: str, stream: Stream) -> AsyncIterator[RequestOutput]:
         """This request's outputs until it finishes; aborts it in the engine if the caller goes away."""
         finished = False
         try:
@@ -159,7 +178,7 @@ class Server:
             if not finished:
                 self.engine.abort(seq_id)
 
-    def _error(self, out: RequestOutput) -> ApiError:
+    def error(self, out: RequestOutput) -> ApiError:
         """The error a failed request answers with: 503 once the engine is gone, else a 500 naming the cause."""
         if not self.engine.alive:
             return ApiError(503, out.error or "the engine stopped", None, "engine_dead")
@@ -191,24 +210,24 @@ class Server:
         return body
 
     @staticmethod
-    def _check_supported(body: dict[str, Any]) -> None:
-        for name, neutral in UNSUPPORTED.items():
+    def check_supported(body: dict[str, Any], unsupported: dict[str, tuple[object, ...]]) -> None:
+        for name, neutral in unsupported.items():
             if name in body and not asks_nothing(body[name], neutral):
                 raise ApiError(400, f"{name!r} is not supported by this server (got {clip(body[name])}); "
                                     "leave it out or send null", name, "unsupported_parameter")
 
-    def _note_extra(self, req: GenerationRequest) -> None:
+    def note_extra(self, req: BaseModel) -> None:
         """Fields outside the API (and outside UNSUPPORTED) are accepted, as by vLLM, and logged once."""
         for name in (req.model_extra or {}).keys() - self._noted:
             if len(self._noted) < 1000:
                 self._noted.add(name)
                 log.warning("request field %s is not part of the API and is ignored", clip(name))
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, param: str = "prompt") -> list[int]:
         try:
             return self.engine.codec.encode(text)
         except (UnicodeError, TypeError) as e:  # lone surrogates (valid JSON, not valid Unicode text)
-            raise ApiError(400, f"the prompt is not valid Unicode text: {e}", "prompt") from None
+            raise ApiError(400, f"the {param} is not valid Unicode text: {e}", param) from None
 
     def chat_prompt(self, req: ChatRequest | TokenizeRequest) -> list[int]:
         assert req.messages is not None
@@ -236,14 +255,17 @@ class Server:
             raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
         return [int(t) for t in p]  # type: ignore[arg-type]
 
-    async def handle(self, request: Request, chat: bool) -> Response:
+    def check_alive(self) -> None:
         if not self.engine.alive:
             raise ApiError(503, f"the engine has stopped ({self.engine.fatal or 'shutting down'})", None, "engine_dead")
+
+    async def handle(self, request: Request, chat: bool) -> Response:
+        self.check_alive()
         body = await self.read_body(request)
-        self._check_supported(body)
+        self.check_supported(body, UNSUPPORTED)
         req = validated(ChatRequest if chat else CompletionRequest, body)
         self.check_model(req.model)
-        self._note_extra(req)
+        self.note_extra(req)
         if isinstance(req, ChatRequest):
             prompt_ids = await asyncio.to_thread(self.chat_prompt, req)
             asked = req.max_completion_tokens or req.max_tokens
@@ -259,16 +281,16 @@ class Server:
             opts = req.stream_options or StreamOptions()
             return StreamingResponse(self._sse(rid, seq_id, stream, chat, opts), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await _until_disconnect(request, self._complete(rid, seq_id, stream, chat))
+        return await until_disconnect(request, self._complete(rid, seq_id, stream, chat))
 
-    async def _complete(self, rid: str, seq_id: str, stream: _Stream, chat: bool) -> Response:
+    async def _complete(self, rid: str, seq_id: str, stream: Stream, chat: bool) -> Response:
         text, last = [], None
-        async for out in self._outputs(seq_id, stream):
+        async for out in self.outputs(seq_id, stream):
             text.append(out.text)
             last = out
         assert last is not None
         if last.error is not None:
-            return self._error(last).response()
+            return self.error(last).response()
         return Response(json.dumps(self._final(rid, chat, "".join(text), last)), media_type="application/json")
 
     def _usage(self, out: RequestOutput) -> dict[str, Any]:
@@ -288,7 +310,7 @@ class Server:
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": [choice], "usage": self._usage(out)}
 
-    async def _sse(self, rid: str, seq_id: str, stream: _Stream, chat: bool, opts: StreamOptions) -> AsyncIterator[bytes]:
+    async def _sse(self, rid: str, seq_id: str, stream: Stream, chat: bool, opts: StreamOptions) -> AsyncIterator[bytes]:
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -301,10 +323,10 @@ class Server:
 
         first = True
         last: RequestOutput | None = None
-        async for out in self._outputs(seq_id, stream):
+        async for out in self.outputs(seq_id, stream):
             last = out
             if out.error is not None:  # as vLLM: an error event, then [DONE]
-                yield b"data: " + json.dumps(self._error(out).body).encode() + b"\n\n"
+                yield b"data: " + json.dumps(self.error(out).body).encode() + b"\n\n"
                 break
             if not out.text and not out.finished:
                 continue
@@ -322,7 +344,7 @@ class Server:
         yield b"data: [DONE]\n\n"
 
 
-async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
+async def until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
     """Await ``work`` unless the client hangs up first: then cancel it (which aborts its request in the
     engine) instead of computing an answer nobody reads. The body has been read, so the next ASGI
     message is the disconnect."""

@@ -25,7 +25,14 @@ class Metrics:
         self.generation_tokens = Counter(M.GENERATION_TOKENS, "Tokens generated (accepted draft tokens included)",
                                          registry=r)
         self.requests = Counter(M.REQUESTS_FINISHED, "Requests ended, by finish reason (stop, length, "
-                                "abort: the client went away, error: failed on the server)", ["finish_reason"], registry=r)
+                                "pooled: an embedding input computed, abort: the client went away, error: failed on "
+                                "the server)", ["finish_reason"], registry=r)
+        self.pooling_requests = Counter(M.POOLING_REQUESTS, "Embeddings and rerank requests answered, by endpoint",
+                                        ["endpoint"], registry=r)
+        self.pooling_inputs = Counter(M.POOLING_INPUTS, "Texts embedded for answered requests (a rerank's query "
+                                      "and documents), by endpoint", ["endpoint"], registry=r)
+        self.pooling_tokens = Counter(M.POOLING_TOKENS, "Tokens of the texts embedded for answered requests, by "
+                                      "endpoint", ["endpoint"], registry=r)
         self.alive = Gauge(M.ENGINE_ALIVE, "1 while the engine loop runs, 0 once it has died", registry=r)
         buckets = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
         self.tokens_per_iter = Histogram(M.TOKENS_PER_ITERATION, "Tokens computed per engine step",
@@ -48,6 +55,12 @@ class Metrics:
 
     def on_finish(self, reason: str) -> None:
         self.requests.labels(reason).inc()
+
+    def on_pooled(self, endpoint: str, inputs: int, tokens: int) -> None:
+        """An embeddings or rerank request answered."""
+        self.pooling_requests.labels(endpoint).inc()
+        self.pooling_inputs.labels(endpoint).inc(inputs)
+        self.pooling_tokens.labels(endpoint).inc(tokens)
 
     def on_iteration(self, rec: IterationRecord) -> None:
         """Engine-thread hook: per-step histogram and counter deltas."""

@@ -1,5 +1,5 @@
-"""Request bodies of the OpenAI endpoints and ``/tokenize`` (pydantic, as strict as vLLM), their limits, the
-fields this server does not implement, and the OpenAPI schema of a body the endpoint parses itself."""
+"""Request bodies of the OpenAI endpoints, ``/v1/rerank`` and ``/tokenize`` (pydantic, as strict as vLLM), their
+limits, the fields this server does not implement, and the OpenAPI schema of a body the endpoint parses itself."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ MAX_BODY_BYTES = 4 << 20  # a 32k-token prompt is ~0.2 MB as text or as token id
 MAX_STOP_STRINGS = 32  # stop strings are scanned on the engine thread for every token
 MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
+MAX_POOLING_INPUTS = 2048  # texts of an embeddings request (OpenAI's limit), documents of a rerank
 
 
 def _integral(v: object) -> object:
@@ -55,6 +56,12 @@ UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "truncate_prompt_tokens": (), "add_generation_prompt": (True,), "continue_final_message": (False,),
     "chat_template": (), "chat_template_kwargs": ({},), "return_tokens_as_token_ids": (False,),
 }
+
+
+# The same for the fields of the embeddings and rerank APIs (OpenAI's, vLLM's) that this server does not
+# implement: ``dimensions`` (no Matryoshka truncation), ``truncate_prompt_tokens``, ``normalize: false``.
+POOLING_UNSUPPORTED: dict[str, tuple[object, ...]] = {"dimensions": (), "truncate_prompt_tokens": (),
+                                                      "normalize": (True,)}
 
 
 def asks_nothing(value: object, neutral: tuple[object, ...]) -> bool:
@@ -113,6 +120,35 @@ class ChatRequest(GenerationRequest):
     max_completion_tokens: Int | None = Field(default=None, ge=1)
 
 
+class PoolingRequest(BaseModel):
+    """The fields that embeddings and rerank requests share."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: str | None = None
+    priority: Int64 = int64(0)  # --policy priority: higher first
+
+
+class EmbeddingRequest(PoolingRequest):
+    """OpenAI's ``POST /v1/embeddings``. ``input``: one text, texts, one token-id list, or token-id lists; never
+    empty (the front end says so in words, the schema of :func:`embedding_schema` tells a client)."""
+
+    input: str | list[str] | list[Int] | list[list[Int]]
+    encoding_format: Literal["float", "base64"] | None = None
+    user: str | None = None  # OpenAI's end-user id: accepted, unused
+
+
+Document = Annotated[str, Field(min_length=1)]
+
+
+class RerankRequest(PoolingRequest):
+    """The Jina/Cohere ``POST /v1/rerank`` that vLLM and llama-server serve; ``top_n`` 0 or null: every document."""
+
+    query: str = Field(min_length=1)
+    documents: list[Document] = Field(min_length=1, max_length=MAX_POOLING_INPUTS)
+    top_n: Int | None = Field(default=None, ge=0)
+    return_documents: bool | None = None  # null: true
+
+
 class TokenizeRequest(BaseModel):
     """vLLM's ``POST /tokenize``: a completions ``prompt`` or chat ``messages`` (templated as a chat request is)."""
 
@@ -139,10 +175,10 @@ def validated(model: type[_M], body: dict[str, Any]) -> _M:
 _BOUNDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
 
 
-def body_schema(model: type[BaseModel], generation: bool = True) -> dict[str, Any]:
+def body_schema(model: type[BaseModel], unsupported: dict[str, tuple[object, ...]] | None = None) -> dict[str, Any]:
     """The OpenAPI request body of an endpoint that parses its JSON itself: ``model``'s schema with its
-    definitions inlined (so that it stands alone), plus, for a ``generation`` endpoint, the unsupported fields,
-    each null or a value that asks for nothing."""
+    definitions inlined (so that it stands alone), plus the endpoint's ``unsupported`` fields, each null or a
+    value that asks for nothing."""
     schema = model.model_json_schema()
     defs = schema.pop("$defs", {})
 
@@ -155,10 +191,25 @@ def body_schema(model: type[BaseModel], generation: bool = True) -> dict[str, An
         return [inline(v) for v in node] if isinstance(node, list) else node
 
     schema = inline(schema)
-    for name, neutral in UNSUPPORTED.items() if generation else ():
+    for name, neutral in (unsupported or {}).items():
         schema["properties"].setdefault(name, {"description": "not supported: null or a value that asks for nothing",
                                                "enum": [None, *neutral]})
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _served_schema(model: type[BaseModel], unsupported: dict[str, tuple[object, ...]],
+                   priorities: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """:func:`body_schema` with, without ``priorities`` (no ``--policy priority``), a priority of 0; and its
+    properties, to add to."""
+    extra = body_schema(model, unsupported)
+    props = extra["requestBody"]["content"]["application/json"]["schema"]["properties"]
+    if not priorities:
+        props["priority"] = {"const": 0, "description": "0 only: this server runs without --policy priority"}
+    return extra, props
+
+
+def _token_id(vocab: int) -> dict[str, Any]:
+    return {"type": "integer", "minimum": 0, "maximum": vocab - 1}
 
 
 def generation_schema(model: type[GenerationRequest], vocab: int, max_model_len: int, priorities: bool) -> dict[str, Any]:
@@ -167,18 +218,33 @@ def generation_schema(model: type[GenerationRequest], vocab: int, max_model_len:
     ``Server._params`` checks them, and without ``priorities`` (no ``--policy priority``) a priority of 0.
     What a schema cannot say, prompt tokens + max_tokens within the context, stays a 400
     ``context_length_exceeded``."""
-    extra = body_schema(model)
-    props = extra["requestBody"]["content"]["application/json"]["schema"]["properties"]
-    token_id = {"type": "integer", "minimum": 0, "maximum": vocab - 1}
+    extra, props = _served_schema(model, UNSUPPORTED, priorities)
+    token_id = _token_id(vocab)
     stop = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
     props["stop"] = {"anyOf": [stop, {"type": "array", "items": stop, "maxItems": MAX_STOP_STRINGS}, {"type": "null"}]}
     props["stop_token_ids"] = {"anyOf": [{"type": "array", "items": token_id, "maxItems": MAX_STOP_TOKEN_IDS},
                                          {"type": "null"}]}
     if "prompt" in props:
         props["prompt"]["anyOf"][1].update(items=token_id, maxItems=max_model_len - 1)
-    if not priorities:
-        props["priority"] = {"const": 0, "description": "0 only: this server runs without --policy priority"}
     return extra
+
+
+def embedding_schema(vocab: int, max_model_len: int, priorities: bool) -> dict[str, Any]:
+    """:func:`body_schema` of an embeddings request (see :func:`generation_schema`): ``input`` never empty, at
+    most MAX_POOLING_INPUTS texts or token-id lists, token ids below ``vocab``, a token-id input of at most
+    ``max_model_len`` (an embedding needs no room for output). A text longer than the context stays a 400
+    ``context_length_exceeded``."""
+    extra, props = _served_schema(EmbeddingRequest, POOLING_UNSUPPORTED, priorities)
+    text = {"type": "string", "minLength": 1}
+    ids = {"type": "array", "items": _token_id(vocab), "minItems": 1, "maxItems": max_model_len}
+    props["input"] = {"anyOf": [text, {"type": "array", "items": text, "minItems": 1, "maxItems": MAX_POOLING_INPUTS},
+                                ids, {"type": "array", "items": ids, "minItems": 1, "maxItems": MAX_POOLING_INPUTS}]}
+    return extra
+
+
+def rerank_schema(priorities: bool) -> dict[str, Any]:
+    """:func:`body_schema` of a rerank request (see :func:`embedding_schema`)."""
+    return _served_schema(RerankRequest, POOLING_UNSUPPORTED, priorities)[0]
 
 
 def _error(what: str) -> dict[str, Any]:
@@ -203,13 +269,17 @@ GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
     429: _error("too many requests waiting (--max-waiting)"),
     503: _error("the engine has stopped"),
 }
+POOLING_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "the embeddings, or the documents ranked", "content": {"application/json": {"schema": {"type": "object"}}}},
+    **{status: GENERATION_RESPONSES[status] for status in (400, 413, 404, 429, 503)},
+}
 TOKENIZE_RESPONSES: dict[int | str, dict[str, Any]] = {**BAD_REQUEST, 404: GENERATION_RESPONSES[404]}
 HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {503: GENERATION_RESPONSES[503]}
 
 
 def tokenize_schema() -> dict[str, Any]:
     """``/tokenize``'s body: :class:`TokenizeRequest`, with exactly one of ``prompt`` and ``messages`` given."""
-    extra = body_schema(TokenizeRequest, generation=False)
+    extra = body_schema(TokenizeRequest)
     schema = extra["requestBody"]["content"]["application/json"]["schema"]
     schema["anyOf"] = [{"required": [one], "properties": {one: {"not": {"type": "null"}}, other: {"type": "null"}}}
                        for one, other in (("prompt", "messages"), ("messages", "prompt"))]

@@ -54,6 +54,7 @@ class RequestOutput:
     spec_drafted: int = 0  # speculative decoding: draft tokens verified for this request so far
     spec_accepted: int = 0  # of which accepted
     error: str | None = None  # set when the request failed (finish_reason "error"): what went wrong
+    embedding: list[float] | None = None  # a pooling request's result (finish_reason "pooled")
 
 
 OutputSink = Callable[[list[RequestOutput]], None]
@@ -89,7 +90,7 @@ class Engine:
         if self.spec is not None and self.spec.governor is not None:  # drafting on or off by measured speed
             self.on_iteration.append(self.spec.governor.observe)
         self.on_finish: list[Callable[[str], None]] = []  # called with the finish reason of every request
-        self.num_finished: Counter[str] = Counter()  # requests ended, by reason (stop/length/abort/error)
+        self.num_finished: Counter[str] = Counter()  # requests ended, by reason (stop/length/pooled/abort/error)
         self.fatal: str | None = None  # why the loop died, once it has
         self._lock = threading.Lock()  # orders add_request against the loop's death
         self._seqs: dict[str, Sequence] = {}
@@ -105,11 +106,13 @@ class Engine:
         cpu_memory.release_free_heap()  # the loader's freed temporaries
 
     # -- requests (thread-safe) ---------------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, seq_id: str | None = None,
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None, seq_id: str | None = None,
                     priority: int = 0) -> Sequence:
+        """Queue a request: generation with ``params``, or with None a pooling request (an embedding input,
+        see ``Sequence``), which needs no room for output: its prompt may fill the context."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        if len(prompt_ids) >= self.max_model_len:
+        if len(prompt_ids) > self.max_model_len - (params is not None):
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_model_len}")
         seq = Sequence(prompt_ids, params, seq_id, priority)
         with self._lock:
@@ -152,6 +155,9 @@ class Engine:
             if cmd == "add":
                 assert isinstance(arg, Sequence)
                 self._seqs[arg.seq_id] = arg
+                if arg.pooling:  # emits no tokens
+                    self.scheduler.add(arg)
+                    continue
                 self._detok[arg.seq_id] = Detokenizer(self.codec.tokenizer, list(arg.params.stop))
                 stops = set(arg.params.stop_token_ids)
                 if not arg.params.ignore_eos:
@@ -197,7 +203,8 @@ class Engine:
         batch = ScheduledBatch()
         try:
             if self.spec is not None:  # drafts first: the scheduler gives each a 1 + k token gap
-                self.spec.propose([s for s in self.scheduler.running if s.num_tokens - s.num_computed_tokens == 1])
+                self.spec.propose([s for s in self.scheduler.running
+                                   if s.num_tokens - s.num_computed_tokens == 1 and not s.pooling])
             batch = self.scheduler.schedule()
             decode = sum(n for s, n in batch.items if s.num_computed_tokens >= s.num_prompt_tokens)
             results = self.runner.step(batch, self.spec)
@@ -207,19 +214,26 @@ class Engine:
         emitted: list[tuple[Sequence, RequestOutput]] = []
         for seq, toks in results:
             try:
-                out = self._emit(seq, toks)
+                out = self._pooled(seq) if seq.pooling else self._emit(seq, toks)
             except Exception as e:  # this request's own fault (detokenizer, stop strings): it alone fails
                 out = self._fail(seq, e, "its output")
             emitted.append((seq, out))
         self.scheduler.advance(batch)  # after the new tokens are appended: full blocks hash their tokens
         for seq, out in emitted:
-            if out.finish_reason in ("stop", "length"):
+            if out.finish_reason in ("stop", "length", "pooled"):
                 self._finish(seq, out.finish_reason)
         outputs = [out for _, out in emitted]
         self._record(batch, start, decode, sum(len(o.token_ids) for o in outputs if o.error is None))
         if self.config.step_sleep_ms > 0:
             time.sleep(self.config.step_sleep_ms / 1000)
         return outputs
+
+    @staticmethod
+    def _pooled(seq: Sequence) -> RequestOutput:
+        """A pooling request's one output: its embedding, its prompt now computed."""
+        assert seq.embedding is not None
+        return RequestOutput(seq.seq_id, "", [], True, "pooled", seq.num_prompt_tokens, 0, 0,
+                             embedding=seq.embedding.tolist())
 
     def _emit(self, seq: Sequence, toks: list[int]) -> RequestOutput:
         """Append this step's tokens (several when a draft was accepted) up to the first stop; a request

@@ -155,7 +155,8 @@ class Scheduler:
         candidates = self.gate.admissible(self.waiting, self.running)
         while candidates and budget > 0:
             seq = candidates[0]
-            hits = self.bm.match_prefix(seq)
+            # a pooling request needs every token's hidden state: no prefix hits
+            hits = [] if seq.pooling else self.bm.match_prefix(seq)
             remaining = seq.num_tokens - len(hits) * self.bm.block_size
             n = min(remaining, budget)
             if n < remaining and not self.enable_chunked_prefill and budget < self.max_num_batched_tokens:

@@ -41,10 +41,18 @@ _counter = itertools.count()
 
 
 class Sequence:
-    """One request. ``num_computed_tokens`` chases ``num_tokens``: that gap is all the scheduler looks at."""
+    """One request. ``num_computed_tokens`` chases ``num_tokens``: that gap is all the scheduler looks at.
+
+    ``params`` None makes a pooling request (an embedding input): its prompt is prefilled like any other,
+    in chunks under the token budget, but nothing is sampled; each chunk's final-norm hidden states are
+    summed into ``pooled`` and, once the prompt is computed, ``embedding`` holds their L2-normalised sum."""
 
     def __init__(
-        self, token_ids: list[int], params: SamplingParams, seq_id: str | None = None, priority: int = 0
+        self,
+        token_ids: list[int],
+        params: SamplingParams | None,
+        seq_id: str | None = None,
+        priority: int = 0,
     ) -> None:
         self.seq_id = seq_id if seq_id is not None else f"seq-{next(_counter)}"
         self.order = next(_counter)  # arrival order (FIFO key)
@@ -56,7 +64,10 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # prefix keys of this sequence's full, computed blocks
         self.status = SeqStatus.WAITING
-        self.params = params
+        self.pooling = params is None
+        self.params = params or SamplingParams(max_tokens=0)
+        self.pooled: torch.Tensor | None = None  # pooling: float32 sum of the computed tokens' hidden states
+        self.embedding: torch.Tensor | None = None  # pooling: set once every prompt token is computed
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         self.priority = priority  # higher first under the priority policy
@@ -64,8 +75,8 @@ class Sequence:
         self.spec_drafted = 0  # draft tokens verified for this request so far
         self.spec_accepted = 0  # of which accepted
         self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
 
     @property
     def num_tokens(self) -> int:

@@ -279,9 +279,17 @@ class LlamaModel(torch.nn.Module):
         """Run all new tokens; return float32 logits only for ``logits_rows``.
 
         ``num_layers`` runs only the first layers (then norm + head): a self-draft for speculation."""
+        return self.logits(self.hidden(input_ids, positions, kv_caches, batch, num_layers), logits_rows)
+
+    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV], batch: AttnBatch,
+               num_layers: int | None = None) -> torch.Tensor:
+        """The last layer's output for every new token, before the final norm."""
         cos, sin = self.rope_tables(positions)
         x = F.embedding(input_ids, self.embed)
         for layer, kv in zip(self.layers[:num_layers], kv_caches, strict=False):
             x = layer(x, cos, sin, kv, batch)
-        x = self.norm(x.index_select(0, logits_rows))
-        return self.lm_head(x).float()
+        return x
+
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of ``rows`` of :meth:`hidden`'s output."""
+        return self.lm_head(self.norm(hidden.index_select(0, rows))).float()

@@ -22,6 +22,7 @@ from reference_server.model.fused_decode import FusedDecode
 from reference_server.model.gguf_loader import ModelSpec, load_gguf
 from reference_server.model.kv_cache import LayerKV, allocate, block_bytes, capacity_line, pick_kv_dtype
 from reference_server.model.model import AttnBatch, LlamaModel, PagedAttention, PagedBatch, PrefillGroup
+from reference_server.model.pooling import pool
 from reference_server.model.quant import Quantizer, auto_quantization
 from reference_server.model.sampler import sample
 
@@ -263,7 +264,7 @@ class ModelRunner:
             new_slots = self._slots(seq, start, end)
             slots.extend(new_slots)
             per_seq.append((row, n, end, seq.block_table))
-            if end == len(tokens):  # a draft being verified needs the logits of all its positions
+            if end == len(tokens) and not seq.pooling:  # a draft being verified needs the logits of all its positions
                 logit_rows.extend(range(row + n - 1 - len(seq.spec_token_ids), row + n))
             if n == 1 or seq.spec_token_ids:  # a decode, or a draft being verified: a decode row per token,
                 for j in range(n):  # each seeing the context up to itself (all its KV is written first)
@@ -315,16 +316,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch, num_layers: int | None = None) -> torch.Tensor:
-        """Float32 logits, on the device, for every sequence of ``batch`` that reaches its last token this
-        step. A decode-only step of the whole model replays its CUDA graph when one is captured."""
+        """Float32 logits, on the device, for every sampling sequence of ``batch`` that reaches its last token
+        this step; the pooling sequences' rows are pooled (:func:`pooling.pool`). A decode-only step of the whole
+        model replays its CUDA graph when one is captured."""
         ids, pos, attn, rows = self.prepare(batch)
+        rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
+        if any(seq.pooling for seq, _ in batch.items):
+            hidden = self.model.hidden(ids, pos, self.kv_caches, attn, num_layers)
+            pool(self.model, batch, hidden)
+            return self.model.logits(hidden, rows_t)
         if self.graphs is not None and num_layers is None and len(rows) == len(ids):
             logits = self.graphs.run(ids, pos, attn)
             if logits is not None:
                 return logits
         if self.fused is not None and FusedDecode.serves(attn, len(ids), rows):
             return self.fused(ids, pos, attn, num_layers)
-        rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
         return self.model(ids, pos, self.kv_caches, attn, rows_t, num_layers)
 
     def _generator(self, seq: Sequence) -> None:
@@ -335,17 +341,20 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, batch: ScheduledBatch, spec: Speculator | None = None) -> list[tuple[Sequence, list[int]]]:
         """Run ``batch``; return ``(seq, new_tokens)`` for the sequences that completed their gap: one
-        sampled token each, or the verified draft prefix plus one token for a speculating sequence.
+        sampled token each, the verified draft prefix plus one token for a speculating sequence, or none for
+        a pooling sequence (its ``embedding`` is set instead).
 
         Sampling and verification run on the logits' device; their results come back to the host in one
         copy, the step's only wait for the device."""
-        done = [seq for seq, n in batch.items
-                if seq.num_computed_tokens + n == seq.num_tokens + len(seq.spec_token_ids)]  # fmt: skip
+        complete = [seq for seq, n in batch.items
+                    if seq.num_computed_tokens + n == seq.num_tokens + len(seq.spec_token_ids)]  # fmt: skip
         if not batch.items:
             return []
         logits = self.forward(batch)
-        if not done:  # only prefill chunks short of their last token: nothing to sample
-            return []
+        out: list[tuple[Sequence, list[int]]] = [(seq, []) for seq in complete if seq.pooling]  # embedding set
+        done = [seq for seq in complete if not seq.pooling]
+        if not done:  # only prefill chunks short of their last token, or pooling: nothing to sample
+            return out
         plain: list[int] = []  # logits rows of ordinary samples, in ``done`` order
         drafts: list[tuple[int, int]] = []  # (first logits row, draft tokens) of speculating sequences
         row = 0
@@ -369,7 +378,6 @@ class ModelRunner:
             pending += [spec.draws(s, logits[r : r + k + 1]) for s, (r, k) in
                         zip([s for s in done if s.spec_token_ids], drafts, strict=True)]
         values = (pending[0] if len(pending) == 1 else torch.cat(pending)).tolist()  # the one host sync
-        out: list[tuple[Sequence, list[int]]] = []
         i_plain, at = 0, len(plain)
         for seq in done:
             k = len(seq.spec_token_ids)
