@@ -199,3 +199,20 @@ def test_pooling_request_preempted_and_recomputed_without_prefix_hits():
     assert first.embedding is not None and again.embedding is not None
     assert float(first.embedding @ again.embedding) >= 1 - 1e-5
     assert engine.num_finished["pooled"] == 2 and engine.block_manager.num_used == 0
+
+
+@pytest.mark.parametrize("api", ["embeddings", "rerank"])
+def test_bench_run_measures_the_pooling_endpoints(server, tmp_path, api):
+    """Issue 36: `bench run` of a workload with api = embeddings (3 inputs per request) or rerank (a query and 3
+    documents) against this server: every request ok, its texts counted, no TTFT; embeddings' prompt tokens
+    exactly as the server counts them (a rerank's count repeats the query per document: not compared)."""
+    from support.cli import cli_point
+
+    wl = tmp_path / "pool.toml"
+    wl.write_text(f'api = "{api}"\n[[classes]]\nname = "p"\nprompt = 12\ninputs = 3\n')
+    point, out = cli_point(server.url, wl, tmp_path, api, 4)
+    assert point["counts"]["inputs"] == 12 and point["latency"]["ttft"]["count"] == 0 and "inputs/s" in out
+    if api == "embeddings":
+        assert point["prompt_lengths"]["ratio"] == 1.0, point["prompt_lengths"]
+    else:
+        assert "prompt_lengths" not in point and point["counts"]["prompt_tokens"] > 0
