@@ -1,7 +1,7 @@
 """The ``bench`` command: one sub-command per module, registered here and nowhere else.
 
 Each command lives in a command-line module beside the others (:mod:`loadgen.cli`: ``run`` for run and
-sweep, ``calibrate``, ``experiment``, ``kvbudget``) or in its package's ``cli`` (``capacity.cli``,
+sweep, ``calibrate``, ``experiment``, ``kvbudget``, ``verify``) or in its package's ``cli`` (``capacity.cli``,
 ``gate.cli``, ``report.cli`` for report and trace; ``workloads.cli``); their shared options are
 :mod:`loadgen.runoptions` (as data) and :mod:`loadgen.cli.options` (as typer options), their targets
 :mod:`loadgen.cli.targets`, their exit codes :mod:`loadgen.exitcodes` (through :mod:`loadgen.cli.exits`). Nothing imports this module but the entry point
@@ -20,6 +20,7 @@ from loadgen.cli.calibrate import calibrate_command
 from loadgen.cli.experiment import experiment_command
 from loadgen.cli.kvbudget import kv_budget_command
 from loadgen.cli.run import run, sweep
+from loadgen.cli.verify import verify
 from loadgen.exitcodes import ExitCode
 from loadgen.gate.cli import baseline_app, gate
 from loadgen.report.cli import report_command, trace_command
@@ -38,6 +39,7 @@ app.command("gate")(gate)
 app.command("report")(report_command)
 app.command("trace")(trace_command)
 app.command("capacity")(capacity_command)
+app.command("verify")(verify)
 
 
 @app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})

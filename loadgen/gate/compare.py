@@ -163,12 +163,19 @@ def compare(
         )
         return rep
     paired = baseline.paired and candidate.paired
+    # the metrics some point has: a point without one (bench verify's reference has no quality) is left out
+    somewhere = {r.metric for r in rules for p in common
+                 if _values(baseline.points[p], metric_path(r.metric)) or _values(candidate.points[p], metric_path(r.metric))}
     for pid in common:
         for rule in rules:
             path = metric_path(rule.metric)
             base, cand = _values(baseline.points[pid], path), _values(candidate.points[pid], path)
             if not base and not cand:
-                rep.errors.append(f"{pid}: metric {rule.metric} ({'.'.join(path)}) is in neither result")
+                missing = f"{pid}: metric {rule.metric} ({'.'.join(path)}) is in neither result"
+                if rule.metric in somewhere:
+                    rep.warnings.append(f"{missing}: not compared")
+                else:
+                    rep.errors.append(missing)
                 continue
             if paired:  # pair trial k with trial k; a trial without a value on either side drops its pair
                 keys = sorted(base.keys() & cand.keys())

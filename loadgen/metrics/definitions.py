@@ -105,8 +105,11 @@ GOODPUT = Metric("goodput", ("goodput", "req_per_s"), "req/s", "goodput", "goodp
                  "steady req_per_s × good / successful", True, words="requests/s within SLOs")  # fmt: skip
 CACHE_HIT_RATE = Metric("cache_hit_rate", ("prefix_cache", "hit_rate"), "ratio", "cached", "prefix-cache hits",
                         "cached_tokens / prompt_tokens", True, scale=100, shown="%")  # fmt: skip
+IDENTICAL = Metric("identical", ("quality", "identical"), "ratio", "identical", "answers identical to the reference",
+                   "identical / compared (bench verify)", True, scale=100, shown="%")  # fmt: skip
 REGISTRY = {m.tag: m for m in (TTFT, TTFO, TPOT, ITL, CHUNK_GAP, E2E, TAIL, TTFT_INTENDED, E2E_INTENDED, SCHEDULE_LAG,
-                               OUTPUT_TOK_S, TOTAL_TOK_S, INPUTS_S, REQ_S, ERROR_RATE, GOODPUT, CACHE_HIT_RATE)}  # fmt: skip
+                               OUTPUT_TOK_S, TOTAL_TOK_S, INPUTS_S, REQ_S, ERROR_RATE, GOODPUT, CACHE_HIT_RATE,
+                               IDENTICAL)}  # fmt: skip
 LATENCIES = tuple(tag for tag, m in REGISTRY.items() if m.path[0] == "latency")
 SLO_KEYS = (TTFT.tag, TPOT.tag, E2E.tag)  # what a request's --slo limits (meets_slo)
 

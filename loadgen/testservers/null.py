@@ -22,6 +22,9 @@ Faults: ``500``, ``429`` (JSON error bodies),
 after ``fault_after`` events), ``no_done`` (ends without ``[DONE]``), ``cut`` (ends mid-line),
 ``drop_request`` (reads the request, then closes the connection without a byte of response),
 ``linger`` (holds the finished stream open after ``[DONE]``, as a buffering proxy may, for up to an hour).
+Wrong answers: ``diverge_above`` N changes one token of the answer of a request that arrives while more
+than N generation requests (itself included) are in flight (the load-dependent bug ``bench verify`` finds;
+its requests need ``ttft``/``itl`` pacing to overlap).
 
 Connection faults (server-wide, from the command-line behaviour): ``keepalive`` is ``on`` (default),
 ``close`` (``Connection: close`` on every response, then the server closes), ``drop`` (closes right
@@ -29,7 +32,7 @@ after every response without saying so, as llama-server may) or ``drop_idle`` (k
 open and drops the next request that arrives on it unread: the keep-alive race, every time).
 ``die_after`` N: the process exits at once when the N-th generation request arrives (in-flight
 streams are cut). ``GET /stats`` counts ``requests`` (generation requests handled), ``dropped_idle``
-and ``dropped_requests``.
+and ``dropped_requests`` and ``inflight`` (generation responses being written now).
 
 Several serving processes (``--processes N``, ``NullServerProcess(processes=N)``): for client ceilings
 beyond what one server core can answer (``bench calibrate --servers N``). The design is the kernel's
@@ -61,7 +64,7 @@ import psutil
 from backends.launcher import ServerProcess, free_port
 from loadgen.testservers.stream import Behaviour, Stream, http_chunk
 
-_STATS = {"requests": 0, "dropped_idle": 0, "dropped_requests": 0}
+_STATS = {"requests": 0, "dropped_idle": 0, "dropped_requests": 0, "inflight": 0}
 
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error"}
 _SSE_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
@@ -139,7 +142,7 @@ class Conn(asyncio.Protocol):
             if not isinstance(body, dict):
                 raise ValueError("the request body is not a JSON object")
             b = self.default.update(body.get("nullserver") or {})
-            stream = Stream(body, b)
+            stream = Stream(body, b, wrong=b.diverge_above is not None and _STATS["inflight"] + 1 > b.diverge_above)
         except (ValueError, TypeError) as exc:
             t.write(_json_response(400, {"error": {"message": str(exc), "type": "invalid_request_error"}}))
             return
@@ -163,7 +166,9 @@ class Conn(asyncio.Protocol):
             self._done()
         else:
             self.busy = True
-            asyncio.get_running_loop().create_task(self._paced(stream, b))
+            _STATS["inflight"] += 1
+            task = asyncio.get_running_loop().create_task(self._paced(stream, b))
+            task.add_done_callback(lambda _: _STATS.__setitem__("inflight", _STATS["inflight"] - 1))
 
     async def _paced(self, stream: Stream, b: Behaviour) -> None:
         t = self.transport

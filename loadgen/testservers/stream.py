@@ -26,6 +26,9 @@ class Behaviour:
     reasoning: int = 0  # chat: the first N events are reasoning (``delta.reasoning_content``), as a thinking model's
     keepalive: str = "on"
     die_after: int | None = None
+    # wrong on purpose under load: a request that arrives while more than N generation requests (itself
+    # included) are in flight gets its middle event's text changed (``bench verify`` must catch it)
+    diverge_above: int | None = None
 
     def update(self, overrides: dict[str, Any]) -> Behaviour:
         names = {f.name for f in fields(self)}
@@ -52,13 +55,15 @@ def _words(text: str) -> int:
 
 
 class Stream:
-    """The SSE events of one response."""
+    """The SSE events of one response; ``wrong``: its middle event says ``" tak"`` for ``" tok"``
+    (:attr:`Behaviour.diverge_above`)."""
 
-    def __init__(self, body: dict[str, Any], b: Behaviour) -> None:
+    def __init__(self, body: dict[str, Any], b: Behaviour, wrong: bool = False) -> None:
         self.chat = "messages" in body
         self.b = b
         max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
         self.n = b.events if b.events is not None else max(1, -(-max_tokens // b.tokens_per_event))
+        self.wrong_at = self.n // 2 if wrong else None
         prompt = body.get("prompt") if not self.chat else " ".join(m.get("content", "") for m in body["messages"])
         self.prompt_tokens = _words(str(prompt))
         opts = body.get("stream_options") or {}
@@ -67,7 +72,7 @@ class Stream:
 
     def event(self, i: int) -> bytes:
         k = self.b.tokens_per_event
-        text = " tok" * k
+        text = (" tak" if i == self.wrong_at else " tok") * k
         finish = '"length"' if i == self.n - 1 else "null"
         if self.chat:
             field = "reasoning_content" if i < self.b.reasoning else "content"
@@ -90,7 +95,7 @@ class Stream:
         b = self.b
         spec = tuple(b.spec_decode) if b.spec_decode is not None else None  # a list where it came from JSON
         key = (self.chat, self.n, self.prompt_tokens, self.usage, self.continuous, b.tokens_per_event, b.reasoning,
-               b.usage_on_finish, spec)  # fmt: skip
+               b.usage_on_finish, spec, self.wrong_at)  # fmt: skip
         body = _WHOLE.get(key)
         if body is None:
             if len(_WHOLE) >= WHOLE_KEPT:

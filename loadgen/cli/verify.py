@@ -1,0 +1,160 @@
+"""``bench verify``: the same prompts alone and under load, answers compared (:mod:`loadgen.experiments.verify`);
+the performance table as ``bench run`` prints it, a quality table, and exit 1 when a point fails."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from loadgen.cli.exits import console, guard
+from loadgen.cli.live import LiveDisplay
+from loadgen.cli.options import check, command, param
+from loadgen.cli.run import point_outcome, summary_table
+from loadgen.cli.targets import (
+    check_tokenizer,
+    detect_server,
+    embedded_server,
+    is_finite,
+    load_workload,
+    make_backend,
+    read_api_key,
+)
+from loadgen.dispatch.engine import PointOptions
+from loadgen.dispatch.loadspec import LoadSpec
+from loadgen.dispatch.signals import run_async
+from loadgen.dispatch.sweep import loads_from, run_seed
+from loadgen.exitcodes import ExitCode, UsageError, worst
+from loadgen.experiments.verify import REFERENCE, Tolerance, plan_verify, run_verify
+from loadgen.records.results import ResultsDir, new_run_id
+from loadgen.runoptions import RunOptions, parse_list
+from loadgen.timing.clock import RunClock
+from workloads.contracts import POOLING_APIS
+
+# The RunOptions fields bench verify takes as they are, in --help order (concurrency, rate and workload are its own).
+NAMES = ("url", "backend", "api", "model", "workload", "concurrency", "rate", "arrival", "num_requests", "seed",
+         "repeat", "output_dir", "run_id", "api_key_env", "extra_body", "client", "timeout", "stall_timeout",
+         "tokenizer", "max_error_rate")  # fmt: skip
+DEFAULT_CONCURRENCY = "1,8,32"
+DEFAULT_NUM_REQUESTS = 32
+
+
+def _verify(workload: str, concurrency: str | None, rate: str | None, min_identical: float, near_tie: float,
+            max_tokens: int | None, **options: Any) -> None:  # fmt: skip
+    """Send the same prompts alone (greedy, concurrency 1) and under load; compare the answers prompt by prompt."""
+
+    def body() -> ExitCode:
+        try:
+            tol = Tolerance(min_identical, near_tie)
+        except ValueError as exc:
+            raise UsageError(f"--min-identical/--near-tie: {exc}") from None
+        if max_tokens is not None and max_tokens < 1:
+            raise UsageError(f"--max-tokens must be >= 1, got {max_tokens}")
+        conc = parse_list(concurrency, int, "--concurrency") if concurrency else []
+        rates = parse_list(rate, float, "--rate") if rate else []
+        opts = RunOptions(command="verify", workloads=[workload], concurrency=conc or ([] if rates else
+                          parse_list(DEFAULT_CONCURRENCY, int, "--concurrency")), rate=rates, poll_hz=0,
+                          telemetry_hz=0, default_num_requests=DEFAULT_NUM_REQUESTS, **options)  # fmt: skip
+        return execute(opts, tol, max_tokens)
+
+    guard(body)
+
+
+verify = command(_verify, (*NAMES, "min_identical", "near_tie", "max_tokens"), own={
+    "workload": param("workload", Annotated[str, typer.Option(help="Workload name or TOML path; its first "
+                      "--num-requests prompts are sent at every point.")], "shared-system-prompt"),
+    "concurrency": param("concurrency", Annotated[str | None, typer.Option(
+        help=f"Closed-loop concurrencies to compare with the reference (default {DEFAULT_CONCURRENCY}).")], None),
+    "rate": param("rate", Annotated[str | None, typer.Option(help="Open-loop rates in req/s, e.g. 2,4,8.")], None),
+    "min_identical": param("min_identical", Annotated[float, typer.Option(
+        help="A point passes with at least this share of answers identical to the reference's (0..1).")], 1.0),
+    "near_tie": param("near_tie", Annotated[float, typer.Option(
+        help="... or when every divergence is a near-tie: the reference's top-two logprob margin there below this.")],
+        0.1),
+    "max_tokens": param("max_tokens", Annotated[int | None, typer.Option(
+        help="Cap every answer at this many tokens (default: the workload's lengths).")], None),
+})  # fmt: skip
+
+
+def execute(opts: RunOptions, tol: Tolerance, max_tokens: int | None) -> ExitCode:
+    """Check, plan, run the reference and the load points, compare, print; returns the exit code."""
+    check(opts)
+    if opts.api in POOLING_APIS:
+        raise UsageError(f"--api {opts.api}: bench verify compares generated text; a pooling API generates none")
+    api_key = read_api_key(opts.api_key_env)
+    check_tokenizer(opts.tokenizer)
+    wl = load_workload(opts.workloads[0], opts.tokenizer, opts.dataset_field)
+    run_id = opts.run_id or new_run_id()
+    opts = opts.resolve([wl], finite=is_finite(wl))
+    if opts.seed is None:
+        opts = replace(opts, seed=run_seed(run_id))
+    try:
+        base = LoadSpec(concurrency=1, num_requests=opts.num_requests, seed=opts.seed, timeout=opts.timeout,
+                        stall_timeout=opts.stall_timeout, burstiness=opts.burstiness)  # fmt: skip
+        loads = loads_from(base, opts.concurrency, opts.rate, opts.arrival if opts.arrival not in (None, "closed") else "poisson")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if next(iter(wl.sessions(base.seed))).first().api in POOLING_APIS:
+        raise UsageError(f"workload {wl.name!r} is a pooling workload: bench verify compares generated text")
+    plans = plan_verify(wl, base, loads, opts.repeat, max_tokens)
+    results = ResultsDir(opts.output_dir / run_id)
+    config = {**opts.config(), "verify": {"max_tokens": max_tokens}}
+    clock = RunClock()
+    display = LiveDisplay(console, clock)
+
+    def go(target: str) -> list[dict[str, Any]]:
+        det = detect_server(target, api_key)
+        name = det.backend if opts.backend == "auto" else opts.backend
+        console.print(f"[dim]backend: {name} ({det.evidence})[/]")
+        be = make_backend(name, target, opts.model, opts.api, api_key, opts.continuous_usage, opts.extra_body)
+        return run_async(run_verify(be, plans, results, clock, config, tol, live=display.points(plans, None),
+                                    options=PointOptions(client_kind=opts.client)))  # fmt: skip
+
+    if opts.url is None:
+        with embedded_server(results.path / "server.log") as target:
+            summaries = go(target)
+    else:
+        summaries = go(opts.url)
+    out = Console(width=None if sys.stdout.isatty() else 200)
+    out.print(summary_table(summaries))
+    out.print(quality_table(summaries))
+    codes = []
+    for s in summaries:
+        code, message = point_outcome(s, opts.max_error_rate)
+        if message:
+            console.print(message)
+        q = s.get("quality")
+        if q is not None and q["margins_unknown"]:
+            why = next(d["margin_unknown"] for d in q["diverged"] if d["margin"] is None)
+            console.print(f"[yellow]note[/] {s['point_id']}: {q['margins_unknown']} margin(s) unknown ({why}): the "
+                          "verdict rests on the identical share alone")  # fmt: skip
+        if q is not None and q["verdict"] != "pass":
+            console.print(f"[red]fail[/] {s['point_id']}: {q['reason']}")
+            code = worst([code, ExitCode.FAILED])
+        codes.append(code)
+    out.print(f"results: {results.path}")
+    return worst(codes)
+
+
+def quality_table(summaries: list[dict[str, Any]]) -> Table:
+    """One row per load point: its answers against the reference's."""
+    ref = next((s for s in summaries if s["point_id"] == REFERENCE), None)
+    answered = ref["counts"]["ok"] if ref else 0
+    t = Table(title=f"answers against the reference (the same {answered} prompts alone, greedy); divergence at a "
+                    "character index; margin: the reference's top-two logprob gap there (- unknown)")  # fmt: skip
+    for col in ("point", "identical", "compared", "diverged", "first div p50", "worst margin", "verdict"):
+        t.add_column(col, justify="left" if col in ("point", "verdict") else "right")
+    for s in summaries:
+        if (q := s.get("quality")) is None:
+            continue
+        p50, worst_m = q["first_divergence"]["p50"], q["worst_margin"]
+        unknown = f" ({q['margins_unknown']} unknown)" if q["margins_unknown"] else ""
+        t.add_row(s["point_id"], "-" if q["identical"] is None else f"{q['identical']:.1%}", str(q["compared"]),
+                  str(len(q["diverged"])), "-" if p50 is None else f"{p50:.0f}",
+                  ("-" if worst_m is None else f"{worst_m:.3f}") + unknown,
+                  "[green]pass[/]" if q["verdict"] == "pass" else "[red]fail[/]")  # fmt: skip
+    return t

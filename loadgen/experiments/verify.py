@@ -1,0 +1,229 @@
+"""``bench verify``: does the server give the same answers under load? (the command: :mod:`loadgen.cli.verify`)
+
+Real servers have shipped answers that change with the batch size, under preemption, on a prefix-cache hit
+or on a speculative path. The check: the same prompts (one seed for every point), greedy (temperature 0),
+first alone (the ``reference`` point: concurrency 1), then under each load point, all run by the one engine
+(:func:`loadgen.dispatch.sweep.run_sweep`), so each point has its performance figures as in ``bench run``.
+Each answer's text is captured through the session protocol (:class:`RecordingWorkload`: the engine hands
+every answer to ``Session.next``), and each load point's answers are compared prompt by prompt with the
+reference's: the share that is identical, and where each diverged one first differs (a character index:
+the engine sees text, not token ids).
+
+A divergence is either a wrong token or a near-tie that floating-point reordering (another batch shape, a
+cached prefix) tipped over. Where the server gives logprobs, one request per diverged prompt (after the load,
+alone, as the reference ran) asks for the next token after the prompt and the common prefix cut back to its
+last space (most BPE tokens start with one, so that is a token boundary), with the top two logprobs
+(``POST /v1/completions``, ``logprobs: 2``: vLLM, SGLang, llama-server); the **margin** is logprob(top 1) −
+logprob(top 2) there. The verdict (:class:`Tolerance`): ``pass`` when the identical share is at least
+``min_identical``, or when every divergence has a known margin below ``near_tie``; else ``fail``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass, replace
+from os.path import commonprefix
+from typing import Any
+
+import httpx
+
+from backends.base import Backend
+from loadgen.defaults import RUN_FILE, SUMMARY_FILE
+from loadgen.dispatch.engine import DEFAULT_OPTIONS, PointOptions
+from loadgen.dispatch.loadspec import LoadSpec
+from loadgen.dispatch.progress import Progress
+from loadgen.dispatch.sweep import PointPlan, plan_points, run_sweep
+from loadgen.metrics.percentiles import stats
+from loadgen.records.results import ResultsDir
+from loadgen.records.writer import write_json
+from loadgen.timing.clock import RunClock
+from workloads.base import Session, Workload
+from workloads.contracts import GenRequest
+
+REFERENCE = "reference"  # the point id of the pass that every load point is compared with
+PROBE_PATH = "/v1/completions"
+PROBE_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """When a point passes: at least ``min_identical`` of its answers identical to the reference's, or every
+    divergence at a near-tie (a known margin below ``near_tie`` nats)."""
+
+    min_identical: float = 1.0
+    near_tie: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_identical <= 1 or self.near_tie < 0:
+            raise ValueError(f"the tolerance needs 0 <= min_identical <= 1 and near_tie >= 0, got {self}")
+
+
+class RecordingWorkload(Workload):
+    """``inner``'s sessions made greedy (temperature 0, no sampling seed; ``max_tokens`` capped when given),
+    and every answer's text kept in ``answers`` (by request id) and its request in ``requests``."""
+
+    def __init__(self, inner: Workload, max_tokens: int | None = None) -> None:
+        self.inner, self.max_tokens = inner, max_tokens
+        self.name, self.arrival, self.finite = inner.name, inner.arrival, inner.finite
+        self.answers: dict[str, str] = {}
+        self.requests: dict[str, GenRequest] = {}
+
+    def sessions(self, seed: int) -> Iterator[Session]:
+        for s in self.inner.sessions(seed):
+            yield RecordingSession(s, self)
+
+    def describe(self) -> dict[str, object]:
+        return {**self.inner.describe(), "greedy": True, "max_tokens_cap": self.max_tokens}
+
+    def shares_prefix(self) -> bool | None:
+        return self.inner.shares_prefix()
+
+    def greedy(self, req: GenRequest) -> GenRequest:
+        cap = req.max_tokens if self.max_tokens is None else min(req.max_tokens, self.max_tokens)
+        req = replace(req, temperature=0.0, seed=None, max_tokens=cap)
+        self.requests[req.request_id] = req
+        return req
+
+
+class RecordingSession(Session):
+    """One session of a :class:`RecordingWorkload`: its requests greedy, its answers recorded."""
+
+    def __init__(self, inner: Session, owner: RecordingWorkload) -> None:
+        self.inner, self.owner, self.at = inner, owner, inner.at
+        self.current: GenRequest | None = None
+
+    @property
+    def cls(self) -> str:  # type: ignore[override]
+        return self.inner.cls
+
+    def first(self) -> GenRequest:
+        self.current = self.owner.greedy(self.inner.first())
+        return self.current
+
+    def next(self, response_text: str) -> tuple[float, GenRequest] | None:
+        assert self.current is not None, "first() comes first"
+        self.owner.answers[self.current.request_id] = response_text
+        nxt = self.inner.next(response_text)
+        if nxt is None:
+            return None
+        think, req = nxt
+        self.current = self.owner.greedy(req)
+        return think, self.current
+
+
+def divergence(reference: str, answer: str) -> int | None:
+    """The character index where ``answer`` first differs from ``reference``; None when they are equal."""
+    return None if reference == answer else len(commonprefix([reference, answer]))
+
+
+def top_two(answer: dict[str, Any]) -> tuple[float, float] | None:
+    """The two highest logprobs of a completions answer's first token: llama-server's and OpenAI chat's
+    ``logprobs.content[0].top_logprobs`` list, or the legacy ``logprobs.top_logprobs[0]`` dict (vLLM)."""
+    try:
+        lp = answer["choices"][0]["logprobs"]
+        if not lp:
+            return None
+        if "content" in lp:
+            tops = [float(t["logprob"]) for t in lp["content"][0]["top_logprobs"]]
+        else:
+            tops = [float(v) for v in lp["top_logprobs"][0].values()]
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
+    tops.sort(reverse=True)
+    return (tops[0], tops[1]) if len(tops) >= 2 and all(map(math.isfinite, tops[:2])) else None
+
+
+async def margin(client: httpx.AsyncClient, backend: Backend, req: GenRequest, prefix: str) -> tuple[float | None, str]:
+    """The margin at a divergence after ``prefix`` (the answers' common text) of ``req``, and the prompt text
+    it was asked at (or why it is unknown)."""
+    if not isinstance(req.prompt, str) or (backend.api or req.api) != "completions":
+        return None, "a chat request: no completion can continue a partial answer"
+    cut = prefix[: prefix.rfind(" ")] if " " in prefix else ""
+    body = {**backend.body_extras({}), "prompt": req.prompt + cut, "max_tokens": 1, "temperature": 0, "logprobs": 2,
+            "stream": False, **({"model": backend.model} if backend.model else {})}  # fmt: skip
+    try:
+        resp = await client.post(backend.base_url + PROBE_PATH, json=body)
+        two = top_two(resp.json()) if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError) as exc:
+        return None, f"POST {PROBE_PATH}: {type(exc).__name__}: {exc}"[:200]
+    if two is None:
+        return None, f"POST {PROBE_PATH} with logprobs=2 gave no top-two logprobs (HTTP {resp.status_code})"
+    return two[0] - two[1], cut
+
+
+def judge(compared: int, identical: float | None, margins: Sequence[float | None], tol: Tolerance) -> tuple[str, str]:
+    """A point's verdict and why (see :class:`Tolerance`)."""
+    if not compared or identical is None:
+        return "fail", "no prompt was answered in both the reference and this point"
+    if identical >= tol.min_identical:
+        return "pass", f"identical {identical:.1%} >= {tol.min_identical:.1%}"
+    if all(m is not None and m < tol.near_tie for m in margins):
+        return "pass", f"every divergence is a near-tie (margin < {tol.near_tie:g})"
+    unknown = sum(m is None for m in margins)
+    wrong = sum(m is not None and m >= tol.near_tie for m in margins)
+    parts = [f"{wrong} at a margin >= {tol.near_tie:g}"] if wrong else []
+    parts += [f"{unknown} of unknown margin"] if unknown else []
+    return "fail", f"identical {identical:.1%} < {tol.min_identical:.1%}; divergences: {', '.join(parts)}"
+
+
+async def quality(
+    backend: Backend, reference: RecordingWorkload, point: RecordingWorkload, tol: Tolerance,
+    asked: dict[tuple[str, str], tuple[float | None, str]],
+) -> dict[str, Any]:  # fmt: skip
+    """A load point's ``quality`` section: its answers against the reference's, margins asked for the
+    diverged ones (``asked``: margins already asked, by request id and common text, shared by the points)."""
+    ids = sorted(reference.answers.keys() & point.answers.keys())
+    diverged: list[dict[str, Any]] = []
+    async with httpx.AsyncClient(timeout=PROBE_TIMEOUT_S, trust_env=False, headers=backend.auth_headers()) as client:
+        for rid in ids:
+            ref, got = reference.answers[rid], point.answers[rid]
+            if (at := divergence(ref, got)) is None:
+                continue
+            key = (rid, ref[:at])
+            if key not in asked:
+                asked[key] = await margin(client, backend, reference.requests[rid], ref[:at])
+            m, why = asked[key]
+            diverged.append({"id": rid, "at": at, "margin": m, "reference": ref[at:at + 40], "answer": got[at:at + 40],
+                             **({"margin_unknown": why} if m is None else {})})  # fmt: skip
+    identical = (len(ids) - len(diverged)) / len(ids) if ids else None
+    margins = [d["margin"] for d in diverged]
+    verdict, reason = judge(len(ids), identical, margins, tol)
+    known = [m for m in margins if m is not None]
+    return {
+        "identical": identical, "compared": len(ids), "diverged": diverged, "at_unit": "char",
+        "first_divergence": stats(d["at"] for d in diverged), "worst_margin": max(known, default=None),
+        "margins_unknown": len(margins) - len(known), "tolerance": asdict(tol), "verdict": verdict, "reason": reason,
+    }  # fmt: skip
+
+
+def plan_verify(workload: Workload, reference: LoadSpec, loads: Sequence[LoadSpec], repeat: int = 1,
+                max_tokens: int | None = None) -> list[PointPlan]:  # fmt: skip
+    """The ``reference`` point (``reference`` load: concurrency 1), then each load (× ``repeat`` trials), every
+    one with the reference's seed (the same prompts) and a fresh :class:`RecordingWorkload`."""
+    plans = [PointPlan(REFERENCE, workload, reference), *plan_points([workload], loads, repeat)]
+    return [replace(p, workload=RecordingWorkload(workload, max_tokens), load=replace(p.load, seed=reference.seed))
+            for p in plans]  # fmt: skip
+
+
+async def run_verify(
+    backend: Backend, plans: Sequence[PointPlan], results: ResultsDir, clock: RunClock, config: dict[str, Any],
+    tol: Tolerance, *, options: PointOptions = DEFAULT_OPTIONS,
+    live: Callable[[PointPlan, Progress], AbstractContextManager[Any]] | None = None,
+    run_extra: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Run ``plans`` (:func:`plan_verify`) and add each load point's ``quality`` to its summary (its own
+    ``summary.json`` and the run's); returns the PointSummaries, the reference's first."""
+    summaries = await run_sweep(backend, plans, results, clock, config, options=options, live=live,
+                                run_extra={**(run_extra or {}), "verify": {"tolerance": asdict(tol)}})  # fmt: skip
+    ref = plans[0].workload
+    assert isinstance(ref, RecordingWorkload)
+    asked: dict[tuple[str, str], tuple[float | None, str]] = {}
+    for plan, s in zip(plans[1:], summaries[1:], strict=False):  # an interrupted run has fewer summaries
+        assert isinstance(plan.workload, RecordingWorkload)
+        s["quality"] = await quality(backend, ref, plan.workload, tol, asked)
+        write_json(results.point_dir(plan.point_id) / SUMMARY_FILE, s)
+    results.write_summary(json.loads((results.path / RUN_FILE).read_text()), summaries)
+    return summaries

@@ -1,0 +1,108 @@
+"""``bench verify``: the comparison's parts, and the command against the null server made wrong on purpose
+(``diverge_above``: past N requests in flight it changes one token), where it must fail at every load that
+misbehaves and pass at every other, and ``bench gate --metric identical`` on its results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from loadgen.cli.app import app
+from loadgen.experiments.verify import Tolerance, divergence, judge, top_two
+from loadgen.testservers.null import NullServerProcess
+
+# llama-server's answer to POST /v1/completions {"logprobs": 2, "max_tokens": 1} (build 11434, as measured)
+LLAMA_ANSWER = {"choices": [{"text": " Paris", "index": 0, "logprobs": {"content": [{
+    "id": 7042, "token": " Paris", "logprob": -0.24842411279678345, "top_logprobs": [
+        {"id": 7042, "token": " Paris", "logprob": -0.24842411279678345},
+        {"id": 260, "token": " the", "logprob": -2.7847447395324707}]}]}, "finish_reason": "length"}]}  # fmt: skip
+# vLLM's (the legacy OpenAI completions format)
+VLLM_ANSWER = {"choices": [{"text": " Paris", "logprobs": {"tokens": [" Paris"], "token_logprobs": [-0.25],
+                                                           "top_logprobs": [{" the": -2.75, " Paris": -0.25}]}}]}  # fmt: skip
+
+
+def test_divergence_is_the_first_differing_character():
+    assert divergence(" tok tok", " tok tok") is None
+    assert divergence(" tok tok", " tok tak") == 6
+    assert divergence(" tok", " tok tok") == 4  # one answer stops early
+    assert divergence("a", "b") == 0
+
+
+def test_top_two_reads_llama_server_and_vllm_logprobs():
+    assert top_two(LLAMA_ANSWER) == pytest.approx((-0.2484241, -2.7847447))
+    assert top_two(VLLM_ANSWER) == (-0.25, -2.75)
+    assert top_two({"choices": [{"text": " Paris", "logprobs": None}]}) is None
+    assert top_two({"error": {"message": "no"}}) is None
+
+
+def test_judge_tells_a_near_tie_from_a_wrong_token():
+    tol = Tolerance(min_identical=0.9, near_tie=0.1)
+    assert judge(10, 1.0, [], tol)[0] == "pass"
+    assert judge(10, 0.9, [0.5], tol)[0] == "pass"  # within the identical share
+    assert judge(10, 0.5, [0.01, 0.05], tol) == ("pass", "every divergence is a near-tie (margin < 0.1)")
+    verdict, reason = judge(10, 0.5, [0.01, 2.0, None], tol)
+    assert verdict == "fail" and "1 at a margin >= 0.1" in reason and "1 of unknown margin" in reason
+    assert judge(10, 0.8, [None, None], tol)[0] == "fail"  # unknown margins: the identical share alone
+    assert judge(0, None, [], tol)[0] == "fail"  # nothing compared is no pass
+    with pytest.raises(ValueError):
+        Tolerance(min_identical=1.5)
+
+
+def _verify(url: str, out: Path, run_id: str, *extra: str) -> tuple[int, str, dict[str, dict]]:
+    res = CliRunner().invoke(app, [
+        "verify", "--url", url, "--workload", "chat-short", "--num-requests", "16", "--max-tokens", "8", "--seed", "1",
+        "--output-dir", str(out), "--run-id", run_id, *extra,
+    ])  # fmt: skip
+    points = json.loads((out / run_id / "summary.json").read_text())["points"] if res.exit_code in (0, 1) else []
+    return res.exit_code, " ".join(res.output.split()), {p["point_id"]: p for p in points}
+
+
+def test_verify_fails_exactly_where_the_server_goes_wrong(tmp_path):
+    """Past 4 requests in flight the server changes the middle token (event 4 of 8: character 18): the
+    points at concurrency 1 and 4 never exceed it and pass; at 8 the answers of requests that arrived with
+    more than 4 in flight differ there, and the point fails (exit 1)."""
+    with NullServerProcess(itl=0.002, diverge_above=4) as url:
+        code, out, points = _verify(url, tmp_path, "wrong", "--concurrency", "1,4,8")
+    assert code == 1, out
+    assert list(points) == ["reference", "c001", "c004", "c008"]
+    assert all(p["counts"]["errors"] == 0 and p["counts"]["ok"] == 16 for p in points.values())
+    assert "quality" not in points["reference"]
+    for pid in ("c001", "c004"):
+        q = points[pid]["quality"]
+        assert (q["verdict"], q["identical"], q["compared"], q["diverged"]) == ("pass", 1.0, 16, []), pid
+    q = points["c008"]["quality"]
+    assert q["verdict"] == "fail" and q["compared"] == 16 and 0 < q["identical"] < 1
+    assert len(q["diverged"]) == round(16 * (1 - q["identical"]))
+    assert {(d["at"], d["reference"][:4], d["answer"][:4], d["margin"]) for d in q["diverged"]} == {(18, "ok t", "ak t", None)}
+    assert q["first_divergence"]["p50"] == 18 and q["margins_unknown"] == len(q["diverged"])
+    assert "fail c008" in out and "fail c004" not in out and "verdict rests on the identical share alone" in out
+
+
+def test_gate_on_identical_fails_a_change_that_made_the_server_wrong(tmp_path):
+    """bench gate --metric identical:-1% on two verify runs (2 trials each): the candidate server goes wrong
+    past 4 in flight, so c008 regresses and c004 passes; the reference (no quality) is left out."""
+    args = ("--concurrency", "4,8", "--repeat", "2")
+    with NullServerProcess(itl=0.002) as url:
+        code, out, base = _verify(url, tmp_path, "base", *args)
+    assert code == 0, out
+    assert all(p["quality"]["identical"] == 1.0 for pid, p in base.items() if pid != "reference")
+    with NullServerProcess(itl=0.002, diverge_above=4) as url:
+        code, out, _ = _verify(url, tmp_path, "cand", *args)
+    assert code == 1, out
+    res = CliRunner().invoke(app, ["gate", "--baseline", str(tmp_path / "base"), "--candidate", str(tmp_path / "cand"), "--metric", "identical:-1%",
+                                   "--min-trials", "2", "--json", str(tmp_path / "gate.json")])  # fmt: skip
+    assert res.exit_code == 1, res.output
+    rep = json.loads((tmp_path / "gate.json").read_text())
+    assert {c["point"]: c["verdict"] for c in rep["checks"]} == {"c004": "pass", "c008": "regression"}
+    assert any(w.startswith("reference: metric identical") for w in rep["warnings"])
+
+
+@pytest.mark.parametrize("extra", [("--min-identical", "1.5"), ("--api", "embeddings"), ("--concurrency", "0"),
+                                   ("--max-tokens", "0")])  # fmt: skip
+def test_verify_refuses_bad_input_with_exit_2(tmp_path, extra):
+    res = CliRunner().invoke(app, ["verify", "--url", "http://127.0.0.1:9", "--output-dir", str(tmp_path), *extra])
+    assert res.exit_code == 2, res.output
+    assert "error" in res.output
