@@ -4,7 +4,7 @@ its exact per-iteration records fetched into iterations.jsonl for every point.""
 import json
 
 import pytest
-from support.cli import cli_point, fixed_workload
+from support.cli import cli_point, fixed_workload, word_tokenizer
 from test_robust_runs import default_cli_run  # tests/ is on sys.path
 from typer.testing import CliRunner
 
@@ -107,18 +107,32 @@ def test_without_tokenizer_flag_the_served_models_own_is_used(tmp_path):
     assert point["prompt_lengths"]["intended"] == point["prompt_lengths"]["counted"] == 900
 
 
+def test_tokenizer_auto_falls_back_to_the_workloads_own_and_the_servers_count_judges_it(reference_url, tmp_path):
+    """--tokenizer auto (the default) against a server whose model id names no tokenizer here (the reference
+    server's: its GGUF's stem): the workload's own tokenizer, with no warning where the server's /tokenize counts
+    the first prompt as meant (the bundled model served), with one naming auto's fallback where it does not (a
+    workload file naming another tokenizer)."""
+    wl = fixed_workload(tmp_path / "w.toml", 300, 4)
+    point, out = cli_point(reference_url, wl, tmp_path, "auto", 2)
+    assert "tokenizer: the workload's own (no tokenizer of the served model" in out
+    assert "the server counts" not in out and "no tokenize endpoint" not in out
+    assert point["prompt_lengths"]["intended"] == point["prompt_lengths"]["counted"] == 600
+    assert json.loads((tmp_path / "auto" / "run.json").read_text())["config"]["tokenizer"] is None
+    other = tmp_path / "other.toml"
+    other.write_text(f'tokenizer = "{word_tokenizer(tmp_path / "words.json")}"\n{wl.read_text()}')
+    point, out = cli_point(reference_url, other, tmp_path, "other", 2, "--tokenizer", "auto")
+    assert "the server counts" in out and "(--tokenizer auto: no tokenizer of the served model" in out
+    assert point["prompt_lengths"]["ratio"] > 1.02
+
+
 def test_the_servers_own_count_is_asked_before_the_run(reference_url, tmp_path):
     """targets.server_counts: the reference server (driven by the plain OpenAI backend, whose profile has no
     tokenize path) is found through the known servers' endpoints; prompts cut with another tokenizer are
     named before any load, prompts cut with its own are not."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     from loadgen.cli.targets import make_backend, server_counts
     from workloads.loader import load_workload
 
-    words = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
-    words.pre_tokenizer = pre_tokenizers.Whitespace()
-    words.save(str(tmp_path / "words.json"))
+    word_tokenizer(tmp_path / "words.json")
     wl = fixed_workload(tmp_path / "w.toml", 300, 4)
     be = make_backend("openai", reference_url, None, None, None, False, None)
     assert server_counts(be, [load_workload(str(wl))], 5) == []
