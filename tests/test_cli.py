@@ -123,7 +123,8 @@ def test_tokenizer_option_uses_the_given_file_and_rejects_bad_ones(null_server, 
     res = runner.invoke(app, [*base, "--run-id", "auto"])
     assert res.exit_code == 0, res.output
     out = " ".join(res.output.split())
-    assert "warning: the server has no tokenize endpoint" in out and "--tokenizer auto: no tokenizer of the served model" in out
+    assert "warning: the server has no tokenize endpoint" in out
+    assert "(--tokenizer auto: no tokenizer of the served model 'null' here)" in out
     assert json.loads((tmp_path / "auto" / "run.json").read_text())["config"]["tokenizer"] is None
     bad = tmp_path / "bad.json"
     bad.write_text("not a tokenizer")

@@ -107,7 +107,7 @@ def test_without_tokenizer_flag_the_served_models_own_is_used(tmp_path):
     assert point["prompt_lengths"]["intended"] == point["prompt_lengths"]["counted"] == 900
 
 
-def test_tokenizer_auto_falls_back_to_the_workloads_own_and_the_servers_count_judges_it(reference_url, tmp_path):
+def test_tokenizer_auto_falls_back_to_the_workloads_own_and_the_servers_count_judges_it(reference_url, tmp_path):  # fmt: skip
     """--tokenizer auto (the default) against a server whose model id names no tokenizer here (the reference
     server's: its GGUF's stem): the workload's own tokenizer, with no warning where the server's /tokenize counts
     the first prompt as meant (the bundled model served), with one naming auto's fallback where it does not (a
