@@ -37,11 +37,12 @@ def vllm_server(tmp_path_factory):
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir, "--served-model-name", "smol",
             "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "4096"]
     log = tmp_path_factory.mktemp("vllm") / "server.log"
-    with pytest.MonkeyPatch.context() as env:  # for this module's tests only (bench keeps to the HF cache too)
-        # dev mode serves POST /reset_prefix_cache (vllm/entrypoints/serve/dev/cache/api_router.py)
-        for name, value in (("HF_HUB_OFFLINE", "1"), ("VLLM_CPU_KVCACHE_SPACE", "2"), ("VLLM_SERVER_DEV_MODE", "1")):
+    # dev mode serves POST /reset_prefix_cache (vllm/entrypoints/serve/dev/cache/api_router.py)
+    server_env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_SERVER_DEV_MODE": "1"}
+    with pytest.MonkeyPatch.context() as env:  # this module's alone (bench keeps to the HF cache too)
+        for name, value in server_env.items():
             env.setenv(name, value)
-        with ServerProcess(argv, port, log, health_timeout_s=900, stop_grace_s=20) as srv:
+        with ServerProcess(argv, port, log, health_timeout_s=600, stop_grace_s=20) as srv:
             yield srv
 
 
