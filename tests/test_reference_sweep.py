@@ -2,9 +2,11 @@
 its exact per-iteration records fetched into iterations.jsonl for every point."""
 
 import json
+from pathlib import Path
 
 import pytest
 from support.cli import cli_point, fixed_workload, word_tokenizer
+from support.hub import offline_hub_cache
 from test_robust_runs import default_cli_run  # tests/ is on sys.path
 from typer.testing import CliRunner
 
@@ -85,25 +87,33 @@ def test_tokenize_counts_what_the_server_counts(reference_url):
             assert 400 <= r.status_code < 500 and "message" in r.json()["error"], (bad, r.text)
 
 
-def test_without_tokenizer_flag_the_served_models_own_is_used(tmp_path):
-    """`bench run --url` with no --tokenizer: a server whose model id names a folder with a tokenizer.json (as
-    vLLM serving a local model does) gets prompts cut with that tokenizer; their lengths are the server's count."""
+@pytest.mark.parametrize("by", ["folder", "hub id"])
+def test_without_tokenizer_flag_the_served_models_own_is_used(tmp_path, monkeypatch, by):
+    """`bench run --url` with no --tokenizer (auto): a server whose model id names a folder with a tokenizer.json
+    (as vLLM serving a local model does) or a Hugging Face id in the cache (offline) gets prompts cut with that
+    tokenizer; their lengths are the server's count."""
     import sys
 
     from backends.launcher import ServerProcess, free_port
     from reference_server.model_files import default_model_path, tokenizer_from_gguf
 
-    folder = tmp_path / "served-model"
-    folder.mkdir()
-    tokenizer_from_gguf(default_model_path()).save(str(folder / "tokenizer.json"))
+    tokenizer = tokenizer_from_gguf(default_model_path())
+    if by == "folder":
+        served = str(tmp_path / "served-model")
+        Path(served).mkdir()
+        tokenizer.save(f"{served}/tokenizer.json")
+    else:
+        served = "acme/served-lm"
+        offline_hub_cache(tmp_path / "hf", served, tokenizer, monkeypatch)
     wl = fixed_workload(tmp_path / "w.toml", 300, 4)
     port = free_port()
-    cmd = [sys.executable, "-m", "reference_server", "--port", str(port), "--threads", "1", "--served-model-name", str(folder)]
+    cmd = [sys.executable, "-m", "reference_server", "--port", str(port), "--threads", "1", "--served-model-name",
+           served]  # fmt: skip
     with ServerProcess(cmd, port, tmp_path / "server.log", health_timeout_s=180) as srv:
         point, out = cli_point(srv.base_url, wl, tmp_path, "auto", 3)
-    assert f"tokenizer: the served model's ({folder})" in out
+    assert f"tokenizer: the served model's ({served})" in out
     assert "the server counts" not in out  # its /tokenize, asked before the run, agrees
-    assert json.loads((tmp_path / "auto" / "run.json").read_text())["config"]["tokenizer"] == str(folder)
+    assert json.loads((tmp_path / "auto" / "run.json").read_text())["config"]["tokenizer"] == served
     assert point["prompt_lengths"]["intended"] == point["prompt_lengths"]["counted"] == 900
 
 
