@@ -145,7 +145,8 @@ def _capacity(slo: str, mode: str, workload: str, arrival: str, **options: Any) 
     out = o.output_dir / (o.run_id or f"capacity-{new_run_id()}")
     out.mkdir(parents=True, exist_ok=True)
     config = {"command": "capacity", "slo": slo, "mode": mode, "url": o.url, "backend": o.backend, "workload": workload,
-              "tokenizer": tokenizer.spec, "arrival": arrival, "server": o.server, "grid": o.grid, "search": cfg.__dict__, **fleet.describe()}  # fmt: skip
+              "tokenizer": tokenizer.spec, "arrival": arrival, "server": o.server, "grid": o.grid, "search": cfg.__dict__,
+              **fleet.describe()}  # fmt: skip
     entries: list[dict[str, Any]] = []
     stdout = Console(width=None if sys.stdout.isatty() else 200)
 
