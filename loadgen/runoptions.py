@@ -108,11 +108,13 @@ class RunOptions:
                                 "-np {np} --port {port}' ({model}: bundled GGUF, {port}: free port).", "--server",
                                 meta=_incomparable())  # fmt: skip
     grid: list[str] | None = option(None, "Server grid axis NAME=V1,V2 (repeat for a product).")
-    tokenizer: str | None = option(None, "The target model's tokenizer for exact prompt lengths: a tokenizer.json or "
-                                   ".gguf file, a model folder, or a Hugging Face id such as "
+    # run.json records what auto resolved to (None: each workload's own tokenizer)
+    tokenizer: str | None = option("auto", "The target model's tokenizer for exact prompt lengths: auto, bundled, a "
+                                   "tokenizer.json or .gguf file, a model folder, or a Hugging Face id such as "
                                    "HuggingFaceTB/SmolLM2-135M-Instruct (through the HF cache; HF_HUB_OFFLINE=1 keeps "
-                                   "to it). Default: the served model's where its id (GET /v1/models) names one this "
-                                   "machine has (a folder, a file, a cached hub id), else the bundled model's.")  # fmt: skip
+                                   "to it). auto: the served model's where its id (GET /v1/models) names one (a "
+                                   "folder, a file, a hub id), else the workload's own (bundled), with a warning "
+                                   "unless the server's tokenize endpoint counts the first prompt as meant.")  # fmt: skip
     # a JSONL dataset of text: the key holding each prompt
     dataset_field: str | None = option(None, "A JSONL dataset of text as --workload: the key holding each line's "
                                        "prompt (ShareGPT .json and request-body .jsonl need none; "

@@ -60,14 +60,20 @@ def test_cli_exit_codes(tmp_path):
     assert bad.returncode == ExitCode.USAGE and "tbt_p99" in bad.stderr
     gone = _bench("capacity", "--url", "http://127.0.0.1:9", "--slo", "ttft_p99=1s", *common)
     assert gone.returncode == ExitCode.SERVER_GONE and "unreachable" in gone.stderr
+    no_tokenizer = ("--url", "http://127.0.0.1:9", "--slo", "ttft_p99=1s", "--tokenizer", "none.json")
+    notok = _bench("capacity", *no_tokenizer, *common)
+    assert notok.returncode == ExitCode.USAGE, notok.stdout + notok.stderr
+    assert "--tokenizer: tokenizer 'none.json' not found" in notok.stderr
     with ServiceModelProcess(LIVE) as url:
+        # --tokenizer auto (the default): the server has no tokenize endpoint to confirm the bundled one
         never = _bench("capacity", "--url", url, "--slo", "ttft_p90=1ms", "--run-id", "never", *common)
         assert never.returncode == ExitCode.SLO_UNREACHABLE, never.stdout + never.stderr
-        assert "unreachable" in never.stdout
+        assert "unreachable" in never.stdout and "no tokenize endpoint" in " ".join(never.stderr.split())
         easy = _bench("capacity", "--url", url, "--slo", "e2e_p90=60s", "--run-id", "easy", "--max-concurrency", "4",
-                      *common)  # fmt: skip
+                      "--tokenizer", "bundled", *common)  # fmt: skip
         assert easy.returncode == ExitCode.NOT_SATURATED, easy.stdout + easy.stderr
-        assert "still hold" in easy.stdout
+        assert "still hold" in easy.stdout and "no tokenize endpoint" not in " ".join(easy.stderr.split())
+    assert json.loads((tmp_path / "easy" / "capacity.json").read_text())["config"]["tokenizer"] == "bundled"
     for run in ("never", "easy"):
         doc = json.loads((tmp_path / run / "capacity.json").read_text())["result"]
         assert doc["probes"] and all(p["errors"] == 0 for p in doc["probes"]), (run, doc["probes"])

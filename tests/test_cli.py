@@ -113,6 +113,8 @@ def test_bench_run_replays_a_whole_trace_by_default(null_server, tmp_path):
 
 
 def test_tokenizer_option_uses_the_given_file_and_rejects_bad_ones(null_server, tmp_path):
+    """A given --tokenizer is used as it is; auto (the default) against a server whose model names no tokenizer
+    here and that has no tokenize endpoint to confirm the bundled one (the null server) warns."""
     from reference_server.model_files import default_model_path, tokenizer_from_gguf
 
     good = tmp_path / "tokenizer.json"
@@ -121,7 +123,14 @@ def test_tokenizer_option_uses_the_given_file_and_rejects_bad_ones(null_server, 
             "--poll-hz", "0", "--telemetry-hz", "0"]
     res = runner.invoke(app, [*base, "--tokenizer", str(good), "--run-id", "ok"])
     assert res.exit_code == 0, res.output
+    assert "no tokenize endpoint" not in res.output
     assert json.loads((tmp_path / "ok" / "run.json").read_text())["config"]["tokenizer"] == str(good)
+    res = runner.invoke(app, [*base, "--run-id", "auto"])
+    assert res.exit_code == 0, res.output
+    out = " ".join(res.output.split())
+    assert "warning: the server has no tokenize endpoint" in out
+    assert "(--tokenizer auto: no tokenizer of the served model 'null' here)" in out
+    assert json.loads((tmp_path / "auto" / "run.json").read_text())["config"]["tokenizer"] is None
     bad = tmp_path / "bad.json"
     bad.write_text("not a tokenizer")
     for path, message in ((tmp_path / "missing.json", "not found"), (bad, "tokenizer")):

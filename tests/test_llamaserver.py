@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from support.cli import cli_point, fixed_workload
+from support.cli import cli_point, fixed_workload, word_tokenizer
 from test_robust_runs import WAVE_TOKENS, default_cli_run  # tests/ is on sys.path
 from typer.testing import CliRunner
 
@@ -201,11 +201,7 @@ def test_prompts_of_another_tokenizer_are_caught_by_the_servers_count(server, tm
     (usage): with the served model's own (bundled) tokenizer they agree; with another's (a word-level
     tokenizer.json) the header (the server's /tokenize before the run), the summary, the table and the report say
     the prompts are not the lengths asked."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
-    words.pre_tokenizer = pre_tokenizers.Whitespace()
-    words.save(str(tmp_path / "words.json"))
+    word_tokenizer(tmp_path / "words.json")
     wl = fixed_workload(tmp_path / "long.toml", 600, 4)
     own, own_out = cli_point(server.base_url, wl, tmp_path, "own", 2, "--seed", "31")
     other, out = cli_point(server.base_url, wl, tmp_path, "other", 2, "--seed", "31", "--tokenizer", str(tmp_path / "words.json"))

@@ -1,4 +1,5 @@
-"""Peer agreement with vLLM's `bench serve` (``-m vllm``; excluded from the default run: ~20 minutes).
+"""Peer agreement with vLLM's `bench serve` (``-m vllm`` and ``slow``: ~20 minutes, so in neither the default
+run nor ``make test-vllm``; run it with ``pytest -m vllm tests/test_peers.py``).
 
 Runs scripts/compare_peers.py: vLLM's `bench serve` and `bench run` at the same time on the same server
 (paired: each at c/2, at c = 1 taking turns), three rounds, the same traffic (32-token prompts from a fresh
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -2,9 +2,11 @@
 its exact per-iteration records fetched into iterations.jsonl for every point."""
 
 import json
+from pathlib import Path
 
 import pytest
-from support.cli import cli_point, fixed_workload
+from support.cli import cli_point, fixed_workload, word_tokenizer
+from support.hub import offline_hub_cache
 from test_robust_runs import default_cli_run  # tests/ is on sys.path
 from typer.testing import CliRunner
 
@@ -85,40 +87,62 @@ def test_tokenize_counts_what_the_server_counts(reference_url):
             assert 400 <= r.status_code < 500 and "message" in r.json()["error"], (bad, r.text)
 
 
-def test_without_tokenizer_flag_the_served_models_own_is_used(tmp_path):
-    """`bench run --url` with no --tokenizer: a server whose model id names a folder with a tokenizer.json (as
-    vLLM serving a local model does) gets prompts cut with that tokenizer; their lengths are the server's count."""
+@pytest.mark.parametrize("by", ["folder", "hub id"])
+def test_without_tokenizer_flag_the_served_models_own_is_used(tmp_path, monkeypatch, by):
+    """`bench run --url` with no --tokenizer (auto): a server whose model id names a folder with a tokenizer.json
+    (as vLLM serving a local model does) or a Hugging Face id in the cache (offline) gets prompts cut with that
+    tokenizer; their lengths are the server's count."""
     import sys
 
     from backends.launcher import ServerProcess, free_port
     from reference_server.model_files import default_model_path, tokenizer_from_gguf
 
-    folder = tmp_path / "served-model"
-    folder.mkdir()
-    tokenizer_from_gguf(default_model_path()).save(str(folder / "tokenizer.json"))
+    tokenizer = tokenizer_from_gguf(default_model_path())
+    if by == "folder":
+        served = str(tmp_path / "served-model")
+        Path(served).mkdir()
+        tokenizer.save(f"{served}/tokenizer.json")
+    else:
+        served = "acme/served-lm"
+        offline_hub_cache(tmp_path / "hf", served, tokenizer, monkeypatch)
     wl = fixed_workload(tmp_path / "w.toml", 300, 4)
     port = free_port()
-    cmd = [sys.executable, "-m", "reference_server", "--port", str(port), "--threads", "1", "--served-model-name", str(folder)]
+    cmd = [sys.executable, "-m", "reference_server", "--port", str(port), "--threads", "1", "--served-model-name",
+           served]  # fmt: skip
     with ServerProcess(cmd, port, tmp_path / "server.log", health_timeout_s=180) as srv:
         point, out = cli_point(srv.base_url, wl, tmp_path, "auto", 3)
-    assert f"tokenizer: the served model's ({folder})" in out
+    assert f"tokenizer: the served model's ({served})" in out
     assert "the server counts" not in out  # its /tokenize, asked before the run, agrees
-    assert json.loads((tmp_path / "auto" / "run.json").read_text())["config"]["tokenizer"] == str(folder)
+    assert json.loads((tmp_path / "auto" / "run.json").read_text())["config"]["tokenizer"] == served
     assert point["prompt_lengths"]["intended"] == point["prompt_lengths"]["counted"] == 900
+
+
+def test_tokenizer_auto_falls_back_to_the_workloads_own_and_the_servers_count_judges_it(reference_url, tmp_path):  # fmt: skip
+    """--tokenizer auto (the default) against a server whose model id names no tokenizer here (the reference
+    server's: its GGUF's stem): the workload's own tokenizer, with no warning where the server's /tokenize counts
+    the first prompt as meant (the bundled model served), with one naming auto's fallback where it does not (a
+    workload file naming another tokenizer)."""
+    wl = fixed_workload(tmp_path / "w.toml", 300, 4)
+    point, out = cli_point(reference_url, wl, tmp_path, "auto", 2)
+    assert "tokenizer: the workload's own (no tokenizer of the served model" in out
+    assert "the server counts" not in out and "no tokenize endpoint" not in out
+    assert point["prompt_lengths"]["intended"] == point["prompt_lengths"]["counted"] == 600
+    assert json.loads((tmp_path / "auto" / "run.json").read_text())["config"]["tokenizer"] is None
+    other = tmp_path / "other.toml"
+    other.write_text(f'tokenizer = "{word_tokenizer(tmp_path / "words.json")}"\n{wl.read_text()}')
+    point, out = cli_point(reference_url, other, tmp_path, "other", 2, "--tokenizer", "auto")
+    assert "the server counts" in out and "(--tokenizer auto: no tokenizer of the served model" in out
+    assert point["prompt_lengths"]["ratio"] > 1.02
 
 
 def test_the_servers_own_count_is_asked_before_the_run(reference_url, tmp_path):
     """targets.server_counts: the reference server (driven by the plain OpenAI backend, whose profile has no
     tokenize path) is found through the known servers' endpoints; prompts cut with another tokenizer are
     named before any load, prompts cut with its own are not."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     from loadgen.cli.targets import make_backend, server_counts
     from workloads.loader import load_workload
 
-    words = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
-    words.pre_tokenizer = pre_tokenizers.Whitespace()
-    words.save(str(tmp_path / "words.json"))
+    word_tokenizer(tmp_path / "words.json")
     wl = fixed_workload(tmp_path / "w.toml", 300, 4)
     be = make_backend("openai", reference_url, None, None, None, False, None)
     assert server_counts(be, [load_workload(str(wl))], 5) == []

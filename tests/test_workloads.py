@@ -9,6 +9,7 @@ from dataclasses import asdict
 from itertools import islice
 
 import pytest
+from support.hub import offline_hub_cache
 from support.workload_file import write
 
 from workloads.loader import builtin_names, load_workload
@@ -102,17 +103,7 @@ def test_tokenizer_from_a_model_folder_or_a_hugging_face_id_in_the_cache(tmp_pat
     folder = tmp_path / "model"
     folder.mkdir()
     tok.save(str(folder / "tokenizer.json"))
-    snapshot = tmp_path / "hf" / "hub" / "models--acme--tiny-lm" / "snapshots" / ("a" * 40)
-    snapshot.mkdir(parents=True)
-    tok.save(str(snapshot / "tokenizer.json"))
-    (snapshot.parents[1] / "refs").mkdir()
-    (snapshot.parents[1] / "refs" / "main").write_text("a" * 40)
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    import huggingface_hub.constants as hf
-
-    monkeypatch.setattr(hf, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
-    monkeypatch.setattr(hf, "HF_HUB_OFFLINE", True)
+    offline_hub_cache(tmp_path / "hf", "acme/tiny-lm", tok, monkeypatch)
     wf = write(tmp_path, '[[classes]]\nname = "a"\nprompt = 77\n')
     for spec in (str(folder), "acme/tiny-lm"):
         req = next(iter(load_workload(str(wf), tokenizer=spec).sessions(0))).first()

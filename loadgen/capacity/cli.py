@@ -31,7 +31,15 @@ from loadgen.cli.options import (
     command,
     param,
 )
-from loadgen.cli.targets import check_pooling_slos, embedded_server, load_workload, make_backend, read_api_key
+from loadgen.cli.targets import (
+    check_pooling_slos,
+    embedded_server,
+    load_workload,
+    make_backend,
+    read_api_key,
+    resolve_tokenizer,
+    server_counts,
+)
 from loadgen.defaults import CAPACITY_FILE
 from loadgen.dispatch.fleet import Fleet
 from loadgen.dispatch.signals import run_async
@@ -97,7 +105,8 @@ OWN = {  # bench capacity's own options (the RunOptions ones it shares are spell
     "max_rate": param("max_rate", Annotated[float, typer.Option(help="Highest rate searched, req/s.")], 1000.0),
 }  # fmt: skip
 OPTIONS = ("slo", "mode", "url", "backend", "api", "model", "workload", "arrival", *SEARCH, "seed", "output_dir", "run_id",
-           "api_key_env", "extra_body", "client", "timeout", "server", "grid", "server_timeout", "workers", "ray")  # fmt: skip
+           "api_key_env", "extra_body", "client", "timeout", "server", "grid", "server_timeout", "workers", "ray",
+           "tokenizer")  # fmt: skip
 
 
 def _capacity(slo: str, mode: str, workload: str, arrival: str, **options: Any) -> None:
@@ -126,7 +135,8 @@ def _capacity(slo: str, mode: str, workload: str, arrival: str, **options: Any) 
             raise UsageError(str(exc)) from None
         grid_points = server_grid(o.server, [a for g in o.grid or [] for a in g.split()]) if o.server else []
         api_key = read_api_key(o.api_key_env)
-        wl = load_workload(workload)
+        tokenizer = resolve_tokenizer(o.tokenizer, o.url, o.model, api_key)
+        wl = load_workload(workload, tokenizer.spec)
         check_pooling_slos([s.metric for s in slos], o.api, [wl])
     except SloError as exc:
         console.print(f"[red]error[/]: {exc}")
@@ -137,13 +147,16 @@ def _capacity(slo: str, mode: str, workload: str, arrival: str, **options: Any) 
     out = o.output_dir / (o.run_id or f"capacity-{new_run_id()}")
     out.mkdir(parents=True, exist_ok=True)
     config = {"command": "capacity", "slo": slo, "mode": mode, "url": o.url, "backend": o.backend, "workload": workload,
-              "arrival": arrival, "server": o.server, "grid": o.grid, "search": cfg.__dict__, **fleet.describe()}  # fmt: skip
+              "tokenizer": tokenizer.spec, "arrival": arrival, "server": o.server, "grid": o.grid, "search": cfg.__dict__,
+              **fleet.describe()}  # fmt: skip
     entries: list[dict[str, Any]] = []
     stdout = Console(width=None if sys.stdout.isatty() else 200)
 
     def one(target: str, gp: GridPoint | None = None, previous: Any = None) -> list[dict[str, Any]]:
         _check_reachable(target)
         be = make_backend(o.backend, target, o.model, o.api, api_key, False, o.extra_body)
+        for warning in server_counts(be, [wl], o.seed, tokenizer.unconfirmed):
+            console.print(f"[yellow]warning[/]: {warning}")
         where = out / gp.label if gp else out
         prober = LiveProber(be, wl, slos, where, RunClock(), process=arrival, seed=o.seed, timeout=o.timeout,
                             client_kind=o.client, fleet=fleet)  # fmt: skip

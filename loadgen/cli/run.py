@@ -22,7 +22,6 @@ from loadgen.cli.live import LiveDisplay
 from loadgen.cli.options import WorkloadOpt, check, command, param
 from loadgen.cli.targets import (
     check_pooling_slos,
-    check_tokenizer,
     detect_server,
     embedded_server,
     is_finite,
@@ -30,7 +29,7 @@ from loadgen.cli.targets import (
     make_backend,
     read_api_key,
     reset_cache_path,
-    served_tokenizer,
+    resolve_tokenizer,
     server_counts,
 )
 from loadgen.defaults import RUN_FILE
@@ -104,10 +103,8 @@ def execute(opts: RunOptions) -> ExitCode:
     worst of the points')."""
     grid_points = check(opts)
     api_key = read_api_key(opts.api_key_env)
-    check_tokenizer(opts.tokenizer)
-    if opts.tokenizer is None and opts.url is not None and (served := served_tokenizer(opts.url, api_key)) is not None:
-        console.print(f"[dim]tokenizer: the served model's ({served})[/]")
-        opts = replace(opts, tokenizer=served)
+    tokenizer = resolve_tokenizer(opts.tokenizer, opts.url, opts.model, api_key)  # type: ignore[arg-type]
+    opts = replace(opts, tokenizer=tokenizer.spec)
     wls = [load_workload(w, opts.tokenizer, opts.dataset_field) for w in opts.workloads]
     check_pooling_slos(list(parse_slo(opts.slo) or {}), opts.api, wls)
     run_id = opts.run_id or new_run_id()
@@ -139,7 +136,7 @@ def execute(opts: RunOptions) -> ExitCode:
             name, how = opts.backend, f"forced; the server looks like {det.server}" if det.server else "forced"
         console.print(f"[dim]backend: {name} ({how}; {det.evidence})[/]")
         be = make_backend(name, target, opts.model, opts.api, api_key, opts.continuous_usage, opts.extra_body)
-        for warning in server_counts(be, wls, opts.seed):  # type: ignore[arg-type]
+        for warning in server_counts(be, wls, opts.seed, tokenizer.unconfirmed):  # type: ignore[arg-type]
             console.print(f"[yellow]warning[/]: {warning}")
         reset_path = reset_cache_path(be) if opts.reset_cache else None
         todo = plans if gp is None else [

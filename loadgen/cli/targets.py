@@ -11,6 +11,7 @@ import os
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,17 +39,48 @@ def load_workload(name: str, tokenizer: str | None = None, field: str | None = N
         raise UsageError(f"workload {name!r}: {exc}") from None
 
 
-def check_tokenizer(spec: str | None) -> None:
-    """``--tokenizer``: a tokenizer that loads (a file, a model folder, a Hugging Face id), checked before
-    anything starts."""
-    if spec is None:
-        return
+AUTO_TOKENIZER = "auto"
+
+
+@dataclass(frozen=True)
+class TokenizerChoice:
+    """What ``--tokenizer`` resolved to. ``spec``: the tokenizer the workloads cut prompts with (None: each
+    workload's own, the bundled model's unless its file names another). ``unconfirmed``: ``auto`` found no
+    tokenizer of the served model's, so only the server's own count (:func:`server_counts`) can say whether
+    the prompts are the lengths asked."""
+
+    spec: str | None
+    unconfirmed: bool = False
+
+
+def resolve_tokenizer(spec: str, url: str | None, model: str | None, api_key: str | None) -> TokenizerChoice:
+    """``--tokenizer``, checked and resolved before anything starts. A given one must load (a file, a model
+    folder, a Hugging Face id). ``auto`` (the default), against ``--url``: the served model's own, where its id
+    (``model``, else GET /v1/models) names a folder or a file here, or a Hugging Face id (through the cache;
+    ``HF_HUB_OFFLINE=1`` keeps to it); else, and for a server bench starts itself, the workload's own, which
+    :func:`server_counts` then holds against the server's tokenize endpoint."""
     from workloads.text import load_tokenizer
 
-    try:
-        load_tokenizer(spec)
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"--tokenizer: {exc}") from None
+    if spec != AUTO_TOKENIZER:
+        try:
+            load_tokenizer(spec)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--tokenizer: {exc}") from None
+        return TokenizerChoice(spec)
+    if url is None:
+        return TokenizerChoice(None, unconfirmed=True)
+    served = model or _first_model(url, api_key)
+    if served is not None:
+        try:
+            load_tokenizer(served)
+        except (OSError, ValueError):
+            pass
+        else:
+            console.print(f"[dim]tokenizer: the served model's ({served})[/]")
+            return TokenizerChoice(served)
+    why = f"no tokenizer of the served model {served!r} here" if served else "the server names no model"
+    console.print(f"[dim]tokenizer: the workload's own ({why})[/]")
+    return TokenizerChoice(None, unconfirmed=True)
 
 
 def is_finite(workload: Workload) -> bool:
@@ -124,11 +156,15 @@ def make_backend(
 TOKENIZE_TIMEOUT_S = 10.0  # a tokenize endpoint's answer, asked before any load
 
 
-def server_counts(backend: Backend, workloads: Sequence[Workload], seed: int) -> list[str]:
+def server_counts(
+    backend: Backend, workloads: Sequence[Workload], seed: int, unconfirmed: bool = False
+) -> list[str]:
     """Before any load: the first completions prompt of each workload counted by the server's own tokenizer
     (its tokenize endpoint: the backend's, else the first known server's that answers) against the length the
-    workload meant; a warning for each past :data:`loadgen.metrics.definitions.PROMPT_MISMATCH` (every run compares all its
-    prompts with the server's usage afterwards; this says it before the run is spent). None without an endpoint."""
+    workload meant; a warning for each past :data:`loadgen.metrics.definitions.PROMPT_MISMATCH` (every run
+    compares all its prompts with the server's usage afterwards; this says it before the run is spent).
+    ``unconfirmed`` (:class:`TokenizerChoice`): the tokenizer is auto's fallback, so a server without an
+    endpoint to confirm it gets a warning too; one whose count agrees (the bundled model served) gets none."""
     from loadgen.metrics.definitions import PROMPT_MISMATCH
 
     firsts = []
@@ -137,19 +173,24 @@ def server_counts(backend: Backend, workloads: Sequence[Workload], seed: int) ->
         first = req.first() if req is not None else None
         if first is not None and isinstance(first.prompt, str) and first.prompt_tokens:
             firsts.append((wl.name, first))
+    fallback = (
+        f" (--tokenizer auto: no tokenizer of the served model {backend.model!r} here)" if unconfirmed else ""
+    )
     ways = dict.fromkeys(t for t in (profile_of(backend).tokenize, *(p.tokenize for p in server_profiles())) if t)
-    out: list[str] = []
     with httpx.Client(base_url=backend.base_url, timeout=TOKENIZE_TIMEOUT_S, trust_env=False,
                       headers=backend.auth_headers()) as c:  # fmt: skip
         for path, key in ways:
             counted = [_count(c, path, {key: first.prompt, "model": backend.model}) for _, first in firsts]
             if firsts and None not in counted:
-                for (name, first), n in zip(firsts, counted, strict=True):
-                    if abs(n / first.prompt_tokens - 1) > PROMPT_MISMATCH:  # type: ignore[operator]
-                        out.append(f"the server counts {n} tokens in {name}'s first prompt, cut to {first.prompt_tokens}: "
-                                   "the prompts are not the lengths asked (pass the served model's --tokenizer)")  # fmt: skip
-                break
-    return out
+                return [f"the server counts {n} tokens in {name}'s first prompt, cut to {first.prompt_tokens}: the "
+                        f"prompts are not the lengths asked{fallback}; pass the served model's --tokenizer"
+                        for (name, first), n in zip(firsts, counted, strict=True)
+                        if abs(n / first.prompt_tokens - 1) > PROMPT_MISMATCH]  # type: ignore[operator]  # fmt: skip
+    if unconfirmed and firsts:
+        return [f"the server has no tokenize endpoint to check the prompts against{fallback}: they are cut with the "
+                "workload's own tokenizer (bundled unless its file names one) and may not be the lengths asked "
+                "(each run compares them with the server's usage); pass the served model's --tokenizer"]  # fmt: skip
+    return []
 
 
 def _count(client: httpx.Client, path: str, body: dict[str, Any]) -> int | None:
@@ -163,23 +204,6 @@ def _count(client: httpx.Client, path: str, body: dict[str, Any]) -> int | None:
         return data["count"]
     tokens = data.get("tokens") if isinstance(data, dict) else data
     return len(tokens) if isinstance(tokens, list) else None
-
-
-def served_tokenizer(url: str, api_key: str | None) -> str | None:
-    """``--tokenizer`` left out: the served model's own, where its id (GET /v1/models) names one this machine has
-    (a model folder, a tokenizer file, or a Hugging Face id already in the cache: nothing is downloaded
-    for it); None: the bundled one. Prompts cut with another model's tokenizer are not the lengths asked
-    (each run compares them with the server's counts)."""
-    from workloads.text import load_tokenizer
-
-    model = _first_model(url, api_key)
-    if model is None:
-        return None
-    try:
-        load_tokenizer(model, offline=True)
-    except (OSError, ValueError):
-        return None
-    return model
 
 
 def _first_model(url: str, api_key: str | None) -> str | None:

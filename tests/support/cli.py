@@ -1,5 +1,5 @@
-"""`bench run` as a user types it, for the live tests: a one-class workload file of fixed lengths, and one
-point run through the CLI whose requests must all succeed."""
+"""`bench run` as a user types it, for the live tests: a one-class workload file of fixed lengths, a tokenizer
+that is no served model's, and one point run through the CLI whose requests must all succeed."""
 
 from __future__ import annotations
 
@@ -15,6 +15,17 @@ def fixed_workload(path: Path, prompt: int, output: int) -> Path:
     """A workload file of one class: every prompt ``prompt`` tokens, every answer ``output``."""
     path.write_text(f'[[classes]]\nname = "fixed"\nprompt = {{ dist = "fixed", value = {prompt} }}\n'
                     f'output = {{ dist = "fixed", value = {output} }}\n')  # fmt: skip
+    return path
+
+
+def word_tokenizer(path: Path) -> Path:
+    """A word-level ``tokenizer.json`` (every word and punctuation mark one token): another model's tokenizer,
+    whose prompts a real model's server counts as longer than meant."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.save(str(path))
     return path
 
 
