@@ -16,13 +16,13 @@ from loadgen.cli.live import LiveDisplay
 from loadgen.cli.options import check, command, param
 from loadgen.cli.run import point_outcome, summary_table
 from loadgen.cli.targets import (
-    check_tokenizer,
     detect_server,
     embedded_server,
     is_finite,
     load_workload,
     make_backend,
     read_api_key,
+    resolve_tokenizer,
 )
 from loadgen.dispatch.engine import PointOptions
 from loadgen.dispatch.loadspec import LoadSpec
@@ -86,7 +86,7 @@ def execute(opts: RunOptions, tol: Tolerance, max_tokens: int | None) -> ExitCod
     if opts.api in POOLING_APIS:
         raise UsageError(f"--api {opts.api}: bench verify compares generated text; a pooling API generates none")
     api_key = read_api_key(opts.api_key_env)
-    check_tokenizer(opts.tokenizer)
+    opts = replace(opts, tokenizer=resolve_tokenizer(opts.tokenizer, opts.url, opts.model, api_key).spec)  # type: ignore[arg-type]
     wl = load_workload(opts.workloads[0], opts.tokenizer, opts.dataset_field)
     run_id = opts.run_id or new_run_id()
     opts = opts.resolve([wl], finite=is_finite(wl))
