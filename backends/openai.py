@@ -66,7 +66,7 @@ class OpenAIBackend(Backend):
         api = self.api or req.api
         if api in POOLING_APIS:
             return self._pooling(req, api)
-        body: dict[str, Any] = {"model": self.model or "default", "max_tokens": req.max_tokens}
+        body: dict[str, Any] = {"model": req.model or self.model or "default", "max_tokens": req.max_tokens}
         if api == "chat":
             prompt = req.prompt
             body["messages"] = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
@@ -91,7 +91,7 @@ class OpenAIBackend(Backend):
         query, its inputs the documents, else the prompt itself)."""
         text = req.prompt if isinstance(req.prompt, str) else _flatten_chat(req.prompt)
         texts = list(req.inputs) or [text]
-        body: dict[str, Any] = {"model": self.model or "default"}
+        body: dict[str, Any] = {"model": req.model or self.model or "default"}
         if api == "embeddings":
             body.update(input=texts, encoding_format="float")
         else:

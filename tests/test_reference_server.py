@@ -159,3 +159,29 @@ def test_iterations_endpoint(server):
     assert rec["t_end_unix"] >= rec["t_unix"] and rec["seq_ids"] and rec["kv_blocks_total"] == 256
     tail = httpx.get(server.url + "/v1/iterations", params={"since": 1 << 40}).json()
     assert tail["iterations"] == [] and tail["next"] == server.engine.num_iterations
+
+
+def test_a_mix_of_classes_asks_for_the_models_each_names(server, tmp_path):
+    """Issue 36: a workload's classes name the served model (or LoRA adapter) their requests ask for; `bench run`
+    sends each class's name: the one this server serves is answered, another is its 404 `model_not_found`."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from loadgen.cli.app import app
+    from workloads.contracts import read_jsonl
+
+    wl = tmp_path / "models.toml"
+    wl.write_text('[[classes]]\nname = "served"\nmodel = "smol"\nprompt = 8\noutput = 4\n'
+                  '[[classes]]\nname = "other"\nmodel = "lora-x"\nprompt = 8\noutput = 4\n')  # fmt: skip
+    res = CliRunner().invoke(app, ["run", "--url", server.url, "--workload", str(wl), "--num-requests", "16",
+                                   "--concurrency", "2", "--max-error-rate", "1", "--output-dir", str(tmp_path),
+                                   "--run-id", "m"])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    (point,) = json.loads((tmp_path / "m" / "summary.json").read_text())["points"]
+    recs = read_jsonl(tmp_path / "m" / "points" / point["point_id"] / "requests.jsonl")
+    served = [r for r in recs if r["cls"] == "served"]
+    other = [r for r in recs if r["cls"] == "other"]
+    assert served and other and len(served) + len(other) == 16
+    assert all(r["error"] is None and r["output_tokens"] == 4 for r in served)
+    assert all(r["status"] == 404 and "lora-x" in r["error"]["message"] for r in other), other[0]

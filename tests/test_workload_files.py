@@ -36,8 +36,9 @@ def test_scheduled_classes_are_sent_in_time_order(tmp_path):
     sent = [(s.at, s.first().workload_class, s.first().prompt_tokens) for s in wl.sessions(3)]
     assert sent == [(0.0, "a", 9), (0.0, "b", 11), (1.5, "b", 11), (2.0, "a", 9)]
     assert wl.describe()["spec"]["classes"][0]["at"] == [2.0, 0.0]
-    # a workload without a schedule describes (and fingerprints) as before schedules existed
-    assert "at" not in load_workload("chat-short").describe()["spec"]["classes"][0]
+    # a workload without a schedule (or texts per request, or a model) describes and fingerprints as before
+    assert not {"at", "inputs", "model"} & set(load_workload("chat-short").describe()["spec"]["classes"][0])
+    assert load_workload("embeddings").describe()["spec"]["classes"][0]["inputs"] == 8
 
 
 BAD = [
@@ -192,3 +193,16 @@ def test_an_embeddings_class_sends_its_inputs_of_the_lengths_meant():
         assert req.api == "embeddings" and len(lengths) == 8 and all(32 <= n <= 256 for n in lengths), lengths
         assert req.prompt_tokens == sum(lengths)
     assert len({r.inputs for r in reqs}) == 5
+
+
+def test_a_class_names_the_served_model_or_adapter_its_requests_ask_for(tmp_path):
+    """A mix of classes splits traffic over served names (LoRA adapters): each request carries its class's
+    `model`, the backend sends it (else --model's)."""
+    from backends.openai import OpenAIBackend
+
+    p = write(tmp_path, '[[classes]]\nname = "a"\nmodel = "lora-a"\n[[classes]]\nname = "base"\n')
+    reqs = [s.first() for s in islice(load_workload(str(p)).sessions(0), 40)]
+    be = OpenAIBackend("http://x", model="served")
+    sent = {(r.workload_class, be.build(r).body["model"]) for r in reqs}
+    assert sent == {("a", "lora-a"), ("base", "served")}
+    assert load_workload(str(p)).describe()["spec"]["classes"][0]["model"] == "lora-a"

@@ -47,6 +47,7 @@ class GenRequest:
     temperature: float = 0.0
     seed: int | None = None
     extra_body: dict[str, Any] = field(default_factory=dict)  # passed through verbatim
+    model: str | None = None  # the served model (or LoRA adapter) asked for; None: the backend's
     # a pooling request's texts: an embeddings request's inputs, a rerank request's documents (its query is
     # ``prompt``); empty: the prompt is the one input (or document)
     inputs: tuple[str, ...] = ()

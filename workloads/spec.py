@@ -83,6 +83,7 @@ class ClassSpec:
     turns: Turns | None = None
     extra_body: dict[str, Any] = field(default_factory=dict)
     at: tuple[float, ...] | None = None  # send times (s): one request each, the workload is the schedule
+    model: str | None = None  # the served model or LoRA adapter its requests ask for (default: --model's)
     inputs: int | None = None  # a pooling request's texts (embeddings inputs, rerank documents), each a `prompt` long
 
 
@@ -178,6 +179,7 @@ def _parse_class(value: object, source: str, key: str, index: int) -> ClassSpec:
         extra_body=t.get("extra_body", dict, {}),
         at=at,
         inputs=t.integer("inputs", minimum=1),
+        model=t.get("model", str),
     )
     t.done()
     return spec

@@ -176,7 +176,7 @@ class Conversation(Session):
         return GenRequest(
             request_id=rid, prompt=prompt, max_tokens=max_tokens, workload_class=cls.name, api=self.c.spec.api,
             prompt_tokens=prompt_tokens, ignore_eos=cls.ignore_eos, temperature=cls.temperature,
-            seed=sampling_seed, extra_body=dict(cls.extra_body), inputs=inputs,
+            seed=sampling_seed, extra_body=dict(cls.extra_body), inputs=inputs, model=cls.model,
         )  # fmt: skip
 
     def _wrap(self) -> tuple[str, str]:
@@ -239,6 +239,9 @@ class SyntheticWorkload(Workload):
                 "corpus_sha256": _sha256(DATA / "corpus.txt")}  # fmt: skip
 
 
+LATER_KEYS = ("at", "inputs", "model")  # ClassSpec's keys that a fingerprint holds only where they are set
+
+
 def spec_dict(spec: WorkloadSpec) -> dict[str, Any]:
     """The spec as plain JSON-able data (distributions in their file form)."""
 
@@ -255,8 +258,9 @@ def spec_dict(spec: WorkloadSpec) -> dict[str, Any]:
 
     out = {k: getattr(spec, k) for k in spec.__dataclass_fields__ if k != "source"}
     out["arrival"] = asdict(spec.arrival)
-    # `at` only where set: a workload without a schedule describes (and fingerprints) as before it existed
-    out["classes"] = [{k: getattr(c, k) for k in c.__dataclass_fields__ if k != "at" or c.at is not None}
+    # the keys added since fingerprints were first kept, only where set: a workload without them describes (and
+    # fingerprints) as before they existed
+    out["classes"] = [{k: getattr(c, k) for k in c.__dataclass_fields__ if k not in LATER_KEYS or getattr(c, k) is not None}
                       for c in spec.classes]  # fmt: skip
     for c in out["classes"]:
         for key in ("shared_prefix", "turns"):
