@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from support.cli import cli_point, fixed_workload, word_tokenizer
+from support.pooling import embeddings_end_to_end
 from test_robust_runs import WAVE_TOKENS, default_cli_run  # tests/ is on sys.path
 from typer.testing import CliRunner
 
@@ -329,48 +330,10 @@ def test_reasoning_stream_from_llama_server(tmp_path):
 EMBEDDING_SERVER = SERVER + " --embeddings --pooling mean"
 
 
-def _embeddings_workload(path: Path, tokens: int, inputs: int) -> Path:
-    path.write_text(f'api = "embeddings"\n[[classes]]\nname = "passages"\nprompt = {tokens}\ninputs = {inputs}\n')
-    return path
-
-
 def test_embeddings_live_through_run_sweep_report_and_gate(tmp_path):
-    """Issue 36: llama-server `--embeddings` measured as a user would: `bench run --api embeddings` on the default
-    workload, `bench sweep` of an embeddings workload (2 texts per request) at two concurrencies and two
-    trials, its report, and `bench gate` on two sweeps. Every request ok, no TTFT (nothing is generated),
-    inputs/s = 2 x req/s, and the server counts exactly the tokens the workload meant. (This build embeds
-    only ~100-170 tokens/s on one thread here, so the texts are short.)"""
-    runner = CliRunner()
+    """Issue 36: llama-server `--embeddings` measured as a user would (support.pooling.embeddings_end_to_end).
+    This build embeds only ~100-170 tokens/s on one thread here, so the texts are short."""
     port = free_port()
     with ServerProcess(render_command(EMBEDDING_SERVER, {"np": "4"}, port), port, tmp_path / "server.log",
                        health_timeout_s=60) as srv:  # fmt: skip
-        one, out = cli_point(srv.base_url, ROOT / "workloads/builtin/chat-short.toml", tmp_path, "one", 2,
-                             "--api", "embeddings")  # fmt: skip
-        assert one["counts"]["inputs"] == 2 and "inputs/s" in out and one["latency"]["ttft"]["count"] == 0
-        wl = _embeddings_workload(tmp_path / "emb.toml", 16, 2)
-        for run_id in ("base", "cand"):
-            res = runner.invoke(app, ["sweep", "--url", srv.base_url, "--workload", str(wl), "--concurrency", "1,2",
-                                      "--num-requests", "4", "--repeat", "2", "--output-dir", str(tmp_path),
-                                      "--run-id", run_id])  # fmt: skip
-            assert res.exit_code == 0, res.output
-    points = json.loads((tmp_path / "base" / "summary.json").read_text())["points"]
-    assert len(points) == 4
-    for p in points:
-        assert p["counts"]["ok"] == 4 and p["counts"]["errors"] == 0 and p["counts"]["inputs"] == 8, p["counts"]
-        assert p["latency"]["ttft"]["count"] == 0 and p["counts"]["output_tokens"] == 0
-        for scope in ("whole", "steady"):
-            rates = p["throughput"][scope]
-            assert rates["inputs_per_s"] == pytest.approx(2 * rates["req_per_s"]), rates
-        assert p["prompt_lengths"]["ratio"] == 1.0, p["prompt_lengths"]  # the server counted what was meant
-        recs = read_jsonl(tmp_path / "base" / "points" / p["point_id"] / "requests.jsonl")
-        assert all(r["extra"]["inputs"] == 2 and r["events"] == [] for r in recs)
-    report = (tmp_path / "base" / "report.html").read_text()
-    assert "inputs/s" in report
-    verdict = tmp_path / "verdict.json"
-    res = runner.invoke(app, ["gate", "--baseline", str(tmp_path / "base"), "--candidate", str(tmp_path / "cand"),
-                              "--metric", "inputs_s:-50%", "--metric", "e2e_p50:+100%", "--min-trials", "2",
-                              "--json", str(verdict)])  # fmt: skip
-    assert res.exit_code in (0, 2), res.output  # pass, or inconclusive on 2 trials
-    rules = json.loads(verdict.read_text())["checks"]
-    assert {(r["point"], r["metric"]) for r in rules} == {(c, m) for c in ("c001", "c002") for m in ("inputs_s", "e2e_p50")}
-    assert all(r["verdict"] in ("pass", "inconclusive") and r["baseline_mean"] > 0 for r in rules), rules
+        embeddings_end_to_end(srv.base_url, tmp_path)

@@ -165,6 +165,14 @@ def test_layer_switches_to_dequantised_matmul_for_many_rows():
         assert ((out - ref).abs() <= 2.0**-7 * ref.abs() + 0.05).all()
 
 
+def test_a_layer_given_no_rows_returns_none():
+    """A step whose rows are all pooled (embeddings) asks the head for no logits: an empty answer, not the native
+    kernel (which needs a row: it crashed the server on its first embeddings request)."""
+    w, _ = gguf_blocks(gguf.GGMLQuantizationType.Q4_1, 48, 576, 1)
+    out = QuantLinear(w, kernels())(torch.empty(0, 576, dtype=torch.bfloat16))
+    assert out.shape == (0, 48) and out.dtype == torch.bfloat16
+
+
 def test_bad_layout_is_refused():
     w = quantize_int8(torch.randn(4, 64))
     with pytest.raises(ValueError, match="layout"):
