@@ -37,7 +37,7 @@ class EngineConfig:
     kernels: str = flag("auto", "model", "auto: on CPU in bf16 the native kernels (paged decode attention, RMSNorm, "
                         "RoPE + KV write, SiLU) when the CPU has AVX-512 BF16, on CUDA the Triton paged-attention "
                         "kernel when Triton is installed, else PyTorch ops; native, triton or torch insist on one")
-    quantization: str = flag("none", "model", "weight-only quantised linears on the native CPU kernels: none (bf16), "
+    quantization: str = flag("auto", "model", "weight-only quantised linears on the native CPU kernels: none (bf16), "
                              "int8 (per output channel; Q8_0 blocks as they are), int4 (groups of 32; Q4_0/Q4_1 "
                              "blocks as they are) or auto (from the GGUF's block types)")
     kv_cache_dtype: str = flag("auto", "engine", "KV cache storage: auto (the model's dtype), bf16, int8 (a float32 "

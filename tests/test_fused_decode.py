@@ -91,5 +91,5 @@ def test_native_step_serves_decode_only_steps_and_refuses_bad_input():
 
 def test_bf16_weights_keep_the_per_op_path():
     spec, w = _weights()
-    cfg = EngineConfig(model=default_model_path(), dtype="bf16", threads=1, num_kv_blocks=64)
+    cfg = EngineConfig(model=default_model_path(), dtype="bf16", quantization="none", threads=1, num_kv_blocks=64)
     assert ModelRunner(cfg, spec, w).fused is None

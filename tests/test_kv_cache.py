@@ -200,8 +200,8 @@ def test_int8_cache_under_preemption_prefix_hits_and_speculation():
     spec, w = _weights()
 
     def run(**kw: object) -> tuple[list[list[int]], Engine]:
-        cfg = EngineConfig(model=default_model_path(), device="cpu", dtype="bf16", threads=1, block_size=16,
-                           kv_cache_dtype="int8", max_num_batched_tokens=64, **kw)  # type: ignore[arg-type]
+        cfg = EngineConfig(model=default_model_path(), device="cpu", dtype="bf16", quantization="none", threads=1,
+                           block_size=16, kv_cache_dtype="int8", max_num_batched_tokens=64, **kw)  # type: ignore[arg-type]
         engine = Engine(cfg, ModelRunner(cfg, spec, w), _codec())
         return run_greedy(engine), engine
 
