@@ -53,7 +53,7 @@ def test_judge_tells_a_near_tie_from_a_wrong_token():
 
 def _verify(url: str, out: Path, run_id: str, *extra: str) -> tuple[int, str, dict[str, dict]]:
     res = CliRunner().invoke(app, [
-        "verify", "--url", url, "--workload", "chat-short", "--num-requests", "16", "--max-tokens", "8", "--seed", "1",
+        "verify", *(["--url", url] if url else []), "--workload", "chat-short", "--num-requests", "16", "--max-tokens", "8", "--seed", "1",
         "--output-dir", str(out), "--run-id", run_id, *extra,
     ])  # fmt: skip
     points = json.loads((out / run_id / "summary.json").read_text())["points"] if res.exit_code in (0, 1) else []
@@ -98,6 +98,31 @@ def test_gate_on_identical_fails_a_change_that_made_the_server_wrong(tmp_path):
     rep = json.loads((tmp_path / "gate.json").read_text())
     assert {c["point"]: c["verdict"] for c in rep["checks"]} == {"c004": "pass", "c008": "regression"}
     assert any(w.startswith("reference: metric identical") for w in rep["warnings"])
+
+
+# the null server with its behaviour a grid parameter: d=null never diverges, d=N past N requests in flight
+NULL_GRID = "python -m loadgen.testservers.null --port {port} --behaviour '{{\"itl\": 0.002, \"diverge_above\": {d}}}'"
+
+
+def test_verify_grid_compares_every_configuration_with_the_first(tmp_path):
+    """--server/--grid d=null,0,4: the first configuration (never wrong) gives the reference; d0 is wrong at
+    every load, so its own reference pass, which agrees with its own load points, fails against the first's;
+    d4 is right alone and wrong at concurrency 8. One results dir, points labelled by configuration."""
+    code, out, points = _verify("", tmp_path, "grid", "--server", NULL_GRID, "--grid", "d=null,0,4",
+                                "--concurrency", "8")  # fmt: skip
+    assert code == 1, out
+    assert list(points) == [f"{d}/{p}" for d in ("dnull", "d0", "d4") for p in ("reference", "c008")]
+    assert all(p["counts"]["errors"] == 0 and p["counts"]["ok"] == 16 for p in points.values()), out
+    assert points["d4/c008"]["labels"]["d"] == "4" and "server_launch" in points["d4/c008"]
+    assert "quality" not in points["dnull/reference"]
+    verdicts = {pid: (p["quality"]["against"], p["quality"]["verdict"]) for pid, p in points.items() if "quality" in p}
+    assert verdicts == {"dnull/c008": ("dnull/reference", "pass"), "d0/reference": ("dnull/reference", "fail"),
+                        "d0/c008": ("dnull/reference", "fail"), "d4/reference": ("dnull/reference", "pass"),
+                        "d4/c008": ("dnull/reference", "fail")}  # fmt: skip
+    assert points["d0/reference"]["quality"]["identical"] == 0.0
+    assert {d["at"] for d in points["d0/reference"]["quality"]["diverged"]} == {18}
+    assert "fail d0/reference" in out and "fail d4/c008" in out and "fail d4/reference" not in out
+    assert (tmp_path / "grid" / "report.html").is_file()
 
 
 @pytest.mark.parametrize("extra", [("--min-identical", "1.5"), ("--api", "embeddings"), ("--concurrency", "0"),
