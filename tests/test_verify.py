@@ -5,14 +5,16 @@ misbehaves and pass at every other, and ``bench gate --metric identical`` on its
 from __future__ import annotations
 
 import json
+from itertools import islice
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from loadgen.cli.app import app
-from loadgen.experiments.verify import Tolerance, divergence, judge, top_two
+from loadgen.experiments.verify import RecordingWorkload, Tolerance, divergence, judge, top_two
 from loadgen.testservers.null import NullServerProcess
+from workloads.loader import load_workload
 
 # llama-server's answer to POST /v1/completions {"logprobs": 2, "max_tokens": 1} (build 11434, as measured)
 LLAMA_ANSWER = {"choices": [{"text": " Paris", "index": 0, "logprobs": {"content": [{
@@ -29,6 +31,21 @@ def test_divergence_is_the_first_differing_character():
     assert divergence(" tok tok", " tok tak") == 6
     assert divergence(" tok", " tok tok") == 4  # one answer stops early
     assert divergence("a", "b") == 0
+
+
+def test_sampled_passes_ask_for_the_same_draws():
+    """--temperature: every request of every pass sampled with one seed per prompt (made from the request id
+    where the workload gives none), so two passes ask for the same draws; greedy passes send no seed."""
+    wl = load_workload("chat-short")
+
+    def firsts(rec: RecordingWorkload) -> list:
+        return [s.first() for s in islice(rec.sessions(7), 4)]
+
+    a, b = firsts(RecordingWorkload(wl, 8, 0.8)), firsts(RecordingWorkload(wl, 8, 0.8))
+    assert [(r.request_id, r.temperature, r.seed, r.max_tokens <= 8) for r in a] == \
+        [(r.request_id, 0.8, r.seed, True) for r in b]  # fmt: skip
+    assert all(isinstance(r.seed, int) for r in a) and len({r.seed for r in a}) == 4
+    assert {(r.temperature, r.seed) for r in firsts(RecordingWorkload(wl))} == {(0.0, None)}
 
 
 def test_top_two_reads_llama_server_and_vllm_logprobs():
@@ -126,7 +143,8 @@ def test_verify_grid_compares_every_configuration_with_the_first(tmp_path):
 
 
 @pytest.mark.parametrize("extra", [("--min-identical", "1.5"), ("--api", "embeddings"), ("--concurrency", "0"),
-                                   ("--max-tokens", "0")])  # fmt: skip
+                                   ("--max-tokens", "0"), ("--temperature", "-1"),
+                                   ("--grid", "d=1,2"), ("--server", "srv {d} --port {port}")])  # fmt: skip
 def test_verify_refuses_bad_input_with_exit_2(tmp_path, extra):
     res = CliRunner().invoke(app, ["verify", "--url", "http://127.0.0.1:9", "--output-dir", str(tmp_path), *extra])
     assert res.exit_code == 2, res.output
