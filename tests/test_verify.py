@@ -96,6 +96,13 @@ def test_verify_fails_exactly_where_the_server_goes_wrong(tmp_path):
     assert {(d["at"], d["reference"][:4], d["answer"][:4], d["margin"]) for d in q["diverged"]} == {(18, "ok t", "ak t", None)}
     assert q["first_divergence"]["p50"] == 18 and q["margins_unknown"] == len(q["diverged"])
     assert "fail c008" in out and "fail c004" not in out and "verdict rests on the identical share alone" in out
+    res = CliRunner().invoke(app, ["report", str(tmp_path / "wrong"), "-o", str(tmp_path / "r.html"), "--plotly", "cdn"])
+    assert res.exit_code == 0, res.output
+    html = (tmp_path / "r.html").read_text()
+    table = html[html.index("<h2>Answers against the reference</h2>"):]
+    table = table[:table.index("</table>")]
+    assert table.count("<tr>") == 4 and '<span class="up">fail</span>' in table  # header, c001, c004, c008
+    assert "<td>c008</td><td>reference</td>" in table and "<td>c004</td><td>reference</td><td>100.0%</td>" in table
 
 
 def test_gate_on_identical_fails_a_change_that_made_the_server_wrong(tmp_path):
@@ -139,7 +146,10 @@ def test_verify_grid_compares_every_configuration_with_the_first(tmp_path):
     assert points["d0/reference"]["quality"]["identical"] == 0.0
     assert {d["at"] for d in points["d0/reference"]["quality"]["diverged"]} == {18}
     assert "fail d0/reference" in out and "fail d4/c008" in out and "fail d4/reference" not in out
-    assert (tmp_path / "grid" / "report.html").is_file()
+    html = (tmp_path / "grid" / "report.html").read_text()  # the report written at the end
+    table = html[html.index('<div class="quality">'):]
+    table = table[:table.index("</table>")]
+    assert table.count("<td>dnull/reference</td>") == 5  # the against column of every configuration × point
 
 
 @pytest.mark.parametrize("extra", [("--min-identical", "1.5"), ("--api", "embeddings"), ("--concurrency", "0"),
