@@ -16,6 +16,11 @@ last space (most BPE tokens start with one, so that is a token boundary), with t
 (``POST /v1/completions``, ``logprobs: 2``: vLLM, SGLang, llama-server); the **margin** is logprob(top 1) −
 logprob(top 2) there. The verdict (:class:`Tolerance`): ``pass`` when the identical share is at least
 ``min_identical``, or when every divergence has a known margin below ``near_tie``; else ``fail``.
+
+Across server configurations (``--server``/``--grid``), every point is compared with the first
+configuration's reference (``against`` in :func:`run_verify`). Sampled (``temperature`` > 0), every pass
+asks for the same seeded draws (:class:`RecordingWorkload`): the comparison holds where the server's
+sampling honours the seed.
 """
 
 from __future__ import annotations
