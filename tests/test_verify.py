@@ -5,14 +5,16 @@ misbehaves and pass at every other, and ``bench gate --metric identical`` on its
 from __future__ import annotations
 
 import json
+from itertools import islice
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from loadgen.cli.app import app
-from loadgen.experiments.verify import Tolerance, divergence, judge, top_two
+from loadgen.experiments.verify import RecordingWorkload, Tolerance, divergence, judge, top_two
 from loadgen.testservers.null import NullServerProcess
+from workloads.loader import load_workload
 
 # llama-server's answer to POST /v1/completions {"logprobs": 2, "max_tokens": 1} (build 11434, as measured)
 LLAMA_ANSWER = {"choices": [{"text": " Paris", "index": 0, "logprobs": {"content": [{
@@ -29,6 +31,21 @@ def test_divergence_is_the_first_differing_character():
     assert divergence(" tok tok", " tok tak") == 6
     assert divergence(" tok", " tok tok") == 4  # one answer stops early
     assert divergence("a", "b") == 0
+
+
+def test_sampled_passes_ask_for_the_same_draws():
+    """--temperature: every request of every pass sampled with one seed per prompt (made from the request id
+    where the workload gives none), so two passes ask for the same draws; greedy passes send no seed."""
+    wl = load_workload("chat-short")
+
+    def firsts(rec: RecordingWorkload) -> list:
+        return [s.first() for s in islice(rec.sessions(7), 4)]
+
+    a, b = firsts(RecordingWorkload(wl, 8, 0.8)), firsts(RecordingWorkload(wl, 8, 0.8))
+    assert [(r.request_id, r.temperature, r.seed, r.max_tokens <= 8) for r in a] == \
+        [(r.request_id, 0.8, r.seed, True) for r in b]  # fmt: skip
+    assert all(isinstance(r.seed, int) for r in a) and len({r.seed for r in a}) == 4
+    assert {(r.temperature, r.seed) for r in firsts(RecordingWorkload(wl))} == {(0.0, None)}
 
 
 def test_top_two_reads_llama_server_and_vllm_logprobs():
@@ -53,7 +70,7 @@ def test_judge_tells_a_near_tie_from_a_wrong_token():
 
 def _verify(url: str, out: Path, run_id: str, *extra: str) -> tuple[int, str, dict[str, dict]]:
     res = CliRunner().invoke(app, [
-        "verify", "--url", url, "--workload", "chat-short", "--num-requests", "16", "--max-tokens", "8", "--seed", "1",
+        "verify", *(["--url", url] if url else []), "--workload", "chat-short", "--num-requests", "16", "--max-tokens", "8", "--seed", "1",
         "--output-dir", str(out), "--run-id", run_id, *extra,
     ])  # fmt: skip
     points = json.loads((out / run_id / "summary.json").read_text())["points"] if res.exit_code in (0, 1) else []
@@ -79,6 +96,13 @@ def test_verify_fails_exactly_where_the_server_goes_wrong(tmp_path):
     assert {(d["at"], d["reference"][:4], d["answer"][:4], d["margin"]) for d in q["diverged"]} == {(18, "ok t", "ak t", None)}
     assert q["first_divergence"]["p50"] == 18 and q["margins_unknown"] == len(q["diverged"])
     assert "fail c008" in out and "fail c004" not in out and "verdict rests on the identical share alone" in out
+    res = CliRunner().invoke(app, ["report", str(tmp_path / "wrong"), "-o", str(tmp_path / "r.html"), "--plotly", "cdn"])
+    assert res.exit_code == 0, res.output
+    html = (tmp_path / "r.html").read_text()
+    table = html[html.index("<h2>Answers against the reference</h2>"):]
+    table = table[:table.index("</table>")]
+    assert table.count("<tr>") == 4 and '<span class="up">fail</span>' in table  # header, c001, c004, c008
+    assert "<td>c008</td><td>reference</td>" in table and "<td>c004</td><td>reference</td><td>100.0%</td>" in table
 
 
 def test_gate_on_identical_fails_a_change_that_made_the_server_wrong(tmp_path):
@@ -100,8 +124,37 @@ def test_gate_on_identical_fails_a_change_that_made_the_server_wrong(tmp_path):
     assert any(w.startswith("reference: metric identical") for w in rep["warnings"])
 
 
+# the null server with its behaviour a grid parameter: d=null never diverges, d=N past N requests in flight
+NULL_GRID = "python -m loadgen.testservers.null --port {port} --behaviour '{{\"itl\": 0.002, \"diverge_above\": {d}}}'"
+
+
+def test_verify_grid_compares_every_configuration_with_the_first(tmp_path):
+    """--server/--grid d=null,0,4: the first configuration (never wrong) gives the reference; d0 is wrong at
+    every load, so its own reference pass, which agrees with its own load points, fails against the first's;
+    d4 is right alone and wrong at concurrency 8. One results dir, points labelled by configuration."""
+    code, out, points = _verify("", tmp_path, "grid", "--server", NULL_GRID, "--grid", "d=null,0,4",
+                                "--concurrency", "8")  # fmt: skip
+    assert code == 1, out
+    assert list(points) == [f"{d}/{p}" for d in ("dnull", "d0", "d4") for p in ("reference", "c008")]
+    assert all(p["counts"]["errors"] == 0 and p["counts"]["ok"] == 16 for p in points.values()), out
+    assert points["d4/c008"]["labels"]["d"] == "4" and "server_launch" in points["d4/c008"]
+    assert "quality" not in points["dnull/reference"]
+    verdicts = {pid: (p["quality"]["against"], p["quality"]["verdict"]) for pid, p in points.items() if "quality" in p}
+    assert verdicts == {"dnull/c008": ("dnull/reference", "pass"), "d0/reference": ("dnull/reference", "fail"),
+                        "d0/c008": ("dnull/reference", "fail"), "d4/reference": ("dnull/reference", "pass"),
+                        "d4/c008": ("dnull/reference", "fail")}  # fmt: skip
+    assert points["d0/reference"]["quality"]["identical"] == 0.0
+    assert {d["at"] for d in points["d0/reference"]["quality"]["diverged"]} == {18}
+    assert "fail d0/reference" in out and "fail d4/c008" in out and "fail d4/reference" not in out
+    html = (tmp_path / "grid" / "report.html").read_text()  # the report written at the end
+    table = html[html.index('<div class="quality">'):]
+    table = table[:table.index("</table>")]
+    assert table.count("<td>dnull/reference</td>") == 5  # the against column of every configuration × point
+
+
 @pytest.mark.parametrize("extra", [("--min-identical", "1.5"), ("--api", "embeddings"), ("--concurrency", "0"),
-                                   ("--max-tokens", "0")])  # fmt: skip
+                                   ("--max-tokens", "0"), ("--temperature", "-1"),
+                                   ("--grid", "d=1,2"), ("--server", "srv {d} --port {port}")])  # fmt: skip
 def test_verify_refuses_bad_input_with_exit_2(tmp_path, extra):
     res = CliRunner().invoke(app, ["verify", "--url", "http://127.0.0.1:9", "--output-dir", str(tmp_path), *extra])
     assert res.exit_code == 2, res.output

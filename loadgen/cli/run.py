@@ -15,7 +15,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from backends.launcher import GridPoint, sweep_servers
+from backends.launcher import GridPoint, RunInner, sweep_servers
 from backends.profile import profile_of
 from loadgen.cli.exits import console, guard
 from loadgen.cli.live import LiveDisplay
@@ -139,15 +139,13 @@ def execute(opts: RunOptions) -> ExitCode:
         for warning in server_counts(be, wls, opts.seed, tokenizer.unconfirmed):  # type: ignore[arg-type]
             console.print(f"[yellow]warning[/]: {warning}")
         reset_path = reset_cache_path(be) if opts.reset_cache else None
-        todo = plans if gp is None else [
-            replace(p, point_id=f"{gp.label}/{p.point_id}", labels={**p.labels, **gp.params}) for p in plans
-        ]  # fmt: skip
+        todo = plans if gp is None else on_server(plans, gp)
 
         def pollers(plan: PointPlan) -> list[Sidecar]:
             polls = [ServerStatePoller(target, profile_of(be), opts.poll_hz)] if opts.poll_hz > 0 else []
             return [*polls, *telemetry.sidecars(target, opts.telemetry_hz, opts.telemetry_url)]
 
-        where = (grid_points.index(gp) + 1, len(grid_points), gp.label) if gp is not None else None
+        where = grid_position(grid_points, gp)
         options = PointOptions(slo=config["slo"], slo_from=opts.slo_from, client_kind=opts.client,
                                fleet=Fleet(opts.workers, opts.ray))
         return run_async(run_sweep(be, todo, results, clock, config, pollers, options=options,
@@ -158,14 +156,7 @@ def execute(opts: RunOptions) -> ExitCode:
     log = results.path / "server.log" if opts.url is None and not opts.server else None  # the embedded server's
     try:
         if opts.server:
-            console.print(f"[dim]server sweep: {len(grid_points)} server configuration(s)[/]")
-            summaries = sweep_servers(opts.server, grid_points, results.path, go, health_timeout_s=opts.server_timeout,
-                                      stop_on_abort=opts.wait_for_server == 0)  # fmt: skip
-            run_path = results.path / RUN_FILE  # written by run_sweep unless every server failed
-            run_meta = json.loads(run_path.read_text()) if run_path.exists() else results.write_run(config, clock.t0_unix, [])
-            run_meta["points"] = [s["point_id"] for s in summaries]
-            write_json(run_path, run_meta)
-            results.write_summary(run_meta, summaries)  # adds the launch info and launch failures
+            summaries = sweep_grid(opts, grid_points, results, config, clock, go)
         elif opts.url is None:
             with embedded_server(log) as target:  # type: ignore[arg-type]
                 summaries = go(target)
@@ -178,16 +169,45 @@ def execute(opts: RunOptions) -> ExitCode:
     summaries = [s for s in summaries if "counts" in s]
     _report(summaries, results)
     Console().print(auto_report(results.path))
-    codes = []
-    for s in failed:
-        console.print(f"[red]failed[/] {s['point_id']}: {s['failed']['message']}")
-        codes.append(ExitCode.SERVER_GONE)
+    codes = server_failures(failed)
     for s in summaries:
         code, message = point_outcome(s, opts.max_error_rate, log)
         if message:
             console.print(message)
         codes.append(code)
     return worst(codes)
+
+
+def on_server(plans: list[PointPlan], gp: GridPoint) -> list[PointPlan]:
+    """``plans`` on one server configuration: point ids under its label, its parameters among the labels."""
+    return [replace(p, point_id=f"{gp.label}/{p.point_id}", labels={**p.labels, **gp.params}) for p in plans]
+
+
+def grid_position(grid_points: list[GridPoint], gp: GridPoint | None) -> tuple[int, int, str] | None:
+    """Where ``gp`` is in the grid, for the live display (None without a grid)."""
+    return (grid_points.index(gp) + 1, len(grid_points), gp.label) if gp is not None else None
+
+
+def sweep_grid(opts: RunOptions, grid_points: list[GridPoint], results: ResultsDir, config: dict[str, Any],
+               clock: RunClock, go: RunInner) -> list[dict[str, Any]]:  # fmt: skip
+    """Start each configuration of ``--server``/``--grid`` in turn and run ``go`` against it; run.json and
+    summary.json list every point, with the launch info and the launch failures."""
+    console.print(f"[dim]server sweep: {len(grid_points)} server configuration(s)[/]")
+    summaries = sweep_servers(opts.server or "", grid_points, results.path, go, health_timeout_s=opts.server_timeout,
+                              stop_on_abort=opts.wait_for_server == 0)  # fmt: skip
+    run_path = results.path / RUN_FILE  # written by run_sweep unless every server failed
+    run_meta = json.loads(run_path.read_text()) if run_path.exists() else results.write_run(config, clock.t0_unix, [])
+    run_meta["points"] = [s["point_id"] for s in summaries]
+    write_json(run_path, run_meta)
+    results.write_summary(run_meta, summaries)  # adds the launch info and launch failures
+    return summaries
+
+
+def server_failures(failed: list[dict[str, Any]]) -> list[ExitCode]:
+    """Say why each failed server configuration failed; its exit codes."""
+    for s in failed:
+        console.print(f"[red]failed[/] {s['point_id']}: {s['failed']['message']}")
+    return [ExitCode.SERVER_GONE for _ in failed]
 
 
 def point_outcome(s: dict[str, Any], max_error_rate: float, log: Path | None = None) -> tuple[ExitCode, str | None]:

@@ -1,5 +1,6 @@
-"""``bench verify``: the same prompts alone and under load, answers compared (:mod:`loadgen.experiments.verify`);
-the performance table as ``bench run`` prints it, a quality table, and exit 1 when a point fails."""
+"""``bench verify``: the same prompts alone and under load, answers compared (:mod:`loadgen.experiments.verify`),
+on one server or on each configuration of ``--server``/``--grid`` (every one against the first's reference);
+the performance table as ``bench run`` prints it, a quality table, the report, and exit 1 when a point fails."""
 
 from __future__ import annotations
 
@@ -11,10 +12,18 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from backends.launcher import GridPoint
 from loadgen.cli.exits import console, guard
 from loadgen.cli.live import LiveDisplay
 from loadgen.cli.options import check, command, param
-from loadgen.cli.run import point_outcome, summary_table
+from loadgen.cli.run import (
+    grid_position,
+    on_server,
+    point_outcome,
+    server_failures,
+    summary_table,
+    sweep_grid,
+)
 from loadgen.cli.targets import (
     detect_server,
     embedded_server,
@@ -27,10 +36,12 @@ from loadgen.cli.targets import (
 from loadgen.dispatch.engine import PointOptions
 from loadgen.dispatch.loadspec import LoadSpec
 from loadgen.dispatch.signals import run_async
-from loadgen.dispatch.sweep import loads_from, run_seed
+from loadgen.dispatch.sweep import PointPlan, loads_from, run_seed
 from loadgen.exitcodes import ExitCode, UsageError, worst
-from loadgen.experiments.verify import REFERENCE, Tolerance, plan_verify, run_verify
+from loadgen.experiments.verify import Tolerance, plan_verify, run_verify
+from loadgen.metrics import pointsummary
 from loadgen.records.results import ResultsDir, new_run_id
+from loadgen.report.cli import auto_report
 from loadgen.runoptions import RunOptions, parse_list
 from loadgen.timing.clock import RunClock
 from workloads.contracts import POOLING_APIS
@@ -38,14 +49,15 @@ from workloads.contracts import POOLING_APIS
 # The RunOptions fields bench verify takes as they are, in --help order (concurrency, rate and workload are its own).
 NAMES = ("url", "backend", "api", "model", "workload", "concurrency", "rate", "arrival", "num_requests", "seed",
          "repeat", "output_dir", "run_id", "api_key_env", "extra_body", "client", "timeout", "stall_timeout",
-         "tokenizer", "max_error_rate")  # fmt: skip
+         "tokenizer", "max_error_rate", "server", "grid", "server_timeout")  # fmt: skip
 DEFAULT_CONCURRENCY = "1,8,32"
 DEFAULT_NUM_REQUESTS = 32
 
 
 def _verify(workload: str, concurrency: str | None, rate: str | None, min_identical: float, near_tie: float,
-            max_tokens: int | None, **options: Any) -> None:  # fmt: skip
-    """Send the same prompts alone (greedy, concurrency 1) and under load; compare the answers prompt by prompt."""
+            max_tokens: int | None, temperature: float, grid: list[str] | None, **options: Any) -> None:  # fmt: skip
+    """Send the same prompts alone (greedy, concurrency 1) and under load; compare the answers prompt by prompt
+    (with --server/--grid: every configuration's with the first configuration's reference)."""
 
     def body() -> ExitCode:
         try:
@@ -54,17 +66,20 @@ def _verify(workload: str, concurrency: str | None, rate: str | None, min_identi
             raise UsageError(f"--min-identical/--near-tie: {exc}") from None
         if max_tokens is not None and max_tokens < 1:
             raise UsageError(f"--max-tokens must be >= 1, got {max_tokens}")
+        if temperature < 0:
+            raise UsageError(f"--temperature must be >= 0, got {temperature}")
         conc = parse_list(concurrency, int, "--concurrency") if concurrency else []
         rates = parse_list(rate, float, "--rate") if rate else []
         opts = RunOptions(command="verify", workloads=[workload], concurrency=conc or ([] if rates else
                           parse_list(DEFAULT_CONCURRENCY, int, "--concurrency")), rate=rates, poll_hz=0,
-                          telemetry_hz=0, default_num_requests=DEFAULT_NUM_REQUESTS, **options)  # fmt: skip
-        return execute(opts, tol, max_tokens)
+                          telemetry_hz=0, default_num_requests=DEFAULT_NUM_REQUESTS,
+                          grid=[axis for g in grid or [] for axis in g.split()], **options)  # fmt: skip
+        return execute(opts, tol, max_tokens, temperature)
 
     guard(body)
 
 
-verify = command(_verify, (*NAMES, "min_identical", "near_tie", "max_tokens"), own={
+verify = command(_verify, (*NAMES, "min_identical", "near_tie", "max_tokens", "temperature"), own={
     "workload": param("workload", Annotated[str, typer.Option(help="Workload name or TOML path; its first "
                       "--num-requests prompts are sent at every point.")], "shared-system-prompt"),
     "concurrency": param("concurrency", Annotated[str | None, typer.Option(
@@ -77,12 +92,17 @@ verify = command(_verify, (*NAMES, "min_identical", "near_tie", "max_tokens"), o
         0.1),
     "max_tokens": param("max_tokens", Annotated[int | None, typer.Option(
         help="Cap every answer at this many tokens (default: the workload's lengths).")], None),
+    "temperature": param("temperature", Annotated[float, typer.Option(
+        help="Sample at this temperature, one seed per prompt (the workload's, else one made from the request id): "
+             "the answers compare only where the server honours the seed (the reference server, vLLM, "
+             "llama-server). 0: greedy.")], 0.0),
 })  # fmt: skip
 
 
-def execute(opts: RunOptions, tol: Tolerance, max_tokens: int | None) -> ExitCode:
-    """Check, plan, run the reference and the load points, compare, print; returns the exit code."""
-    check(opts)
+def execute(opts: RunOptions, tol: Tolerance, max_tokens: int | None, temperature: float) -> ExitCode:
+    """Check, plan, run the reference and the load points (on each server configuration), compare, print;
+    returns the exit code."""
+    grid_points = check(opts)
     if opts.api in POOLING_APIS:
         raise UsageError(f"--api {opts.api}: bench verify compares generated text; a pooling API generates none")
     api_key = read_api_key(opts.api_key_env)
@@ -100,29 +120,43 @@ def execute(opts: RunOptions, tol: Tolerance, max_tokens: int | None) -> ExitCod
         raise UsageError(str(exc)) from None
     if next(iter(wl.sessions(base.seed))).first().api in POOLING_APIS:
         raise UsageError(f"workload {wl.name!r} is a pooling workload: bench verify compares generated text")
-    plans = plan_verify(wl, base, loads, opts.repeat, max_tokens)
     results = ResultsDir(opts.output_dir / run_id)
-    config = {**opts.config(), "verify": {"max_tokens": max_tokens}}
+    config = {**opts.config(), "verify": {"max_tokens": max_tokens, "temperature": temperature}}
     clock = RunClock()
     display = LiveDisplay(console, clock)
+    first: list[PointPlan] = []  # the reference point of the first configuration that ran
 
-    def go(target: str) -> list[dict[str, Any]]:
+    def go(target: str, gp: GridPoint | None = None, previous: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         det = detect_server(target, api_key)
         name = det.backend if opts.backend == "auto" else opts.backend
         console.print(f"[dim]backend: {name} ({det.evidence})[/]")
         be = make_backend(name, target, opts.model, opts.api, api_key, opts.continuous_usage, opts.extra_body)
-        return run_async(run_verify(be, plans, results, clock, config, tol, live=display.points(plans, None),
+        plans = plan_verify(wl, base, loads, opts.repeat, max_tokens, temperature)  # fresh answers per configuration
+        plans = plans if gp is None else on_server(plans, gp)
+        against = first[0] if first else None
+        if not first:
+            first.append(plans[0])
+        return run_async(run_verify(be, plans, results, clock, config, tol, against=against, previous=previous or [],
+                                    live=display.points(plans, grid_position(grid_points, gp)),
                                     options=PointOptions(client_kind=opts.client)))  # fmt: skip
 
-    if opts.url is None:
+    if temperature:
+        console.print(f"[yellow]note[/]: sampled at temperature {temperature:g}, one seed per prompt: the answers "
+                      "compare only where the server's sampling honours the seed")  # fmt: skip
+    if opts.server:
+        summaries = sweep_grid(opts, grid_points, results, config, clock, go)
+    elif opts.url is None:
         with embedded_server(results.path / "server.log") as target:
             summaries = go(target)
     else:
         summaries = go(opts.url)
+    failed = [s for s in summaries if "failed" in s]
+    summaries = [s for s in summaries if "counts" in s]
     out = Console(width=None if sys.stdout.isatty() else 200)
     out.print(summary_table(summaries))
-    out.print(quality_table(summaries))
-    codes = []
+    out.print(quality_table(summaries, temperature))
+    Console().print(auto_report(results.path))
+    codes = server_failures(failed)
     for s in summaries:
         code, message = point_outcome(s, opts.max_error_rate)
         if message:
@@ -140,21 +174,14 @@ def execute(opts: RunOptions, tol: Tolerance, max_tokens: int | None) -> ExitCod
     return worst(codes)
 
 
-def quality_table(summaries: list[dict[str, Any]]) -> Table:
-    """One row per load point: its answers against the reference's."""
-    ref = next((s for s in summaries if s["point_id"] == REFERENCE), None)
-    answered = ref["counts"]["ok"] if ref else 0
-    t = Table(title=f"answers against the reference (the same {answered} prompts alone, greedy); divergence at a "
-                    "character index; margin: the reference's top-two logprob gap there (- unknown)")  # fmt: skip
-    for col in ("point", "identical", "compared", "diverged", "first div p50", "worst margin", "verdict"):
-        t.add_column(col, justify="left" if col in ("point", "verdict") else "right")
+def quality_table(summaries: list[dict[str, Any]], temperature: float = 0.0) -> Table:
+    """One row per point compared: its answers against the reference's (:func:`pointsummary.quality_cells`)."""
+    how = f"sampled at temperature {temperature:g} with one seed per prompt" if temperature else "greedy"
+    t = Table(title=f"answers against the reference (the same prompts alone, {how}); {pointsummary.QUALITY_NOTE}")
+    for col in pointsummary.QUALITY_HEADER:
+        t.add_column(col, justify="left" if col in ("point", "against", "verdict") else "right")
     for s in summaries:
-        if (q := s.get("quality")) is None:
-            continue
-        p50, worst_m = q["first_divergence"]["p50"], q["worst_margin"]
-        unknown = f" ({q['margins_unknown']} unknown)" if q["margins_unknown"] else ""
-        t.add_row(s["point_id"], "-" if q["identical"] is None else f"{q['identical']:.1%}", str(q["compared"]),
-                  str(len(q["diverged"])), "-" if p50 is None else f"{p50:.0f}",
-                  ("-" if worst_m is None else f"{worst_m:.3f}") + unknown,
-                  "[green]pass[/]" if q["verdict"] == "pass" else "[red]fail[/]")  # fmt: skip
+        if (q := s.get("quality")) is not None:
+            *cells, verdict = pointsummary.quality_cells(s["point_id"], q)
+            t.add_row(*cells, f"[green]{verdict}[/]" if verdict == "pass" else f"[red]{verdict}[/]")
     return t

@@ -16,12 +16,18 @@ last space (most BPE tokens start with one, so that is a token boundary), with t
 (``POST /v1/completions``, ``logprobs: 2``: vLLM, SGLang, llama-server); the **margin** is logprob(top 1) −
 logprob(top 2) there. The verdict (:class:`Tolerance`): ``pass`` when the identical share is at least
 ``min_identical``, or when every divergence has a known margin below ``near_tie``; else ``fail``.
+
+Across server configurations (``--server``/``--grid``), every point is compared with the first
+configuration's reference (``against`` in :func:`run_verify`). Sampled (``temperature`` > 0), every pass
+asks for the same seeded draws (:class:`RecordingWorkload`): the comparison holds where the server's
+sampling honours the seed.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, replace
@@ -62,11 +68,12 @@ class Tolerance:
 
 
 class RecordingWorkload(Workload):
-    """``inner``'s sessions made greedy (temperature 0, no sampling seed; ``max_tokens`` capped when given),
-    and every answer's text kept in ``answers`` (by request id) and its request in ``requests``."""
+    """``inner``'s sessions at ``temperature`` (0: greedy, no sampling seed; above 0: sampled with a seed per
+    request, the workload's or one made from the request id, so every pass asks for the same draws; ``max_tokens``
+    capped when given), and every answer's text kept in ``answers`` (by request id) and its request in ``requests``."""
 
-    def __init__(self, inner: Workload, max_tokens: int | None = None) -> None:
-        self.inner, self.max_tokens = inner, max_tokens
+    def __init__(self, inner: Workload, max_tokens: int | None = None, temperature: float = 0.0) -> None:
+        self.inner, self.max_tokens, self.temperature = inner, max_tokens, temperature
         self.name, self.arrival, self.finite = inner.name, inner.arrival, inner.finite
         self.answers: dict[str, str] = {}
         self.requests: dict[str, GenRequest] = {}
@@ -76,20 +83,23 @@ class RecordingWorkload(Workload):
             yield RecordingSession(s, self)
 
     def describe(self) -> dict[str, object]:
-        return {**self.inner.describe(), "greedy": True, "max_tokens_cap": self.max_tokens}
+        return {**self.inner.describe(), "greedy": not self.temperature, "temperature": self.temperature,
+                "max_tokens_cap": self.max_tokens}  # fmt: skip
 
     def shares_prefix(self) -> bool | None:
         return self.inner.shares_prefix()
 
-    def greedy(self, req: GenRequest) -> GenRequest:
+    def fix(self, req: GenRequest) -> GenRequest:
         cap = req.max_tokens if self.max_tokens is None else min(req.max_tokens, self.max_tokens)
-        req = replace(req, temperature=0.0, seed=None, max_tokens=cap)
+        seed = None if not self.temperature else req.seed if req.seed is not None else zlib.crc32(req.request_id.encode())
+        req = replace(req, temperature=self.temperature, seed=seed, max_tokens=cap)
         self.requests[req.request_id] = req
         return req
 
 
 class RecordingSession(Session):
-    """One session of a :class:`RecordingWorkload`: its requests greedy, its answers recorded."""
+    """One session of a :class:`RecordingWorkload`: its requests fixed (:meth:`RecordingWorkload.fix`), its
+    answers recorded."""
 
     def __init__(self, inner: Session, owner: RecordingWorkload) -> None:
         self.inner, self.owner, self.at = inner, owner, inner.at
@@ -100,7 +110,7 @@ class RecordingSession(Session):
         return self.inner.cls
 
     def first(self) -> GenRequest:
-        self.current = self.owner.greedy(self.inner.first())
+        self.current = self.owner.fix(self.inner.first())
         return self.current
 
     def next(self, response_text: str) -> tuple[float, GenRequest] | None:
@@ -110,7 +120,7 @@ class RecordingSession(Session):
         if nxt is None:
             return None
         think, req = nxt
-        self.current = self.owner.greedy(req)
+        self.current = self.owner.fix(req)
         return think, self.current
 
 
@@ -139,6 +149,8 @@ def top_two(answer: dict[str, Any]) -> tuple[float, float] | None:
 async def margin(client: httpx.AsyncClient, backend: Backend, req: GenRequest, prefix: str) -> tuple[float | None, str]:
     """The margin at a divergence after ``prefix`` (the answers' common text) of ``req``, and the prompt text
     it was asked at (or why it is unknown)."""
+    if req.temperature:
+        return None, "a sampled answer: a seeded draw can flip at any token, not only at a near-tie of the top two"
     if not isinstance(req.prompt, str) or (backend.api or req.api) != "completions":
         return None, "a chat request: no completion can continue a partial answer"
     cut = prefix[: prefix.rfind(" ")] if " " in prefix else ""
@@ -200,30 +212,35 @@ async def quality(
 
 
 def plan_verify(workload: Workload, reference: LoadSpec, loads: Sequence[LoadSpec], repeat: int = 1,
-                max_tokens: int | None = None) -> list[PointPlan]:  # fmt: skip
+                max_tokens: int | None = None, temperature: float = 0.0) -> list[PointPlan]:  # fmt: skip
     """The ``reference`` point (``reference`` load: concurrency 1), then each load (× ``repeat`` trials), every
     one with the reference's seed (the same prompts) and a fresh :class:`RecordingWorkload`."""
     plans = [PointPlan(REFERENCE, workload, reference), *plan_points([workload], loads, repeat)]
-    return [replace(p, workload=RecordingWorkload(workload, max_tokens), load=replace(p.load, seed=reference.seed))
-            for p in plans]  # fmt: skip
+    return [replace(p, workload=RecordingWorkload(workload, max_tokens, temperature),
+                    load=replace(p.load, seed=reference.seed)) for p in plans]  # fmt: skip
 
 
 async def run_verify(
     backend: Backend, plans: Sequence[PointPlan], results: ResultsDir, clock: RunClock, config: dict[str, Any],
-    tol: Tolerance, *, options: PointOptions = DEFAULT_OPTIONS,
+    tol: Tolerance, *, against: PointPlan | None = None, options: PointOptions = DEFAULT_OPTIONS,
     live: Callable[[PointPlan, Progress], AbstractContextManager[Any]] | None = None,
-    run_extra: dict[str, Any] | None = None,
+    run_extra: dict[str, Any] | None = None, previous: Sequence[dict[str, Any]] = (),
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """Run ``plans`` (:func:`plan_verify`) and add each load point's ``quality`` to its summary (its own
-    ``summary.json`` and the run's); returns the PointSummaries, the reference's first."""
-    summaries = await run_sweep(backend, plans, results, clock, config, options=options, live=live,
+    """Run ``plans`` (:func:`plan_verify`) and add a ``quality`` section to the summary (its own
+    ``summary.json`` and the run's) of every point but the one compared with: ``against``, the reference
+    point of a server grid's first configuration, else this server's own (``plans[0]``); its ``against``
+    names it. Margins are asked of this server (``backend``). ``previous``: as for
+    :func:`loadgen.dispatch.sweep.run_sweep`. Returns this server's PointSummaries, its reference's first."""
+    summaries = await run_sweep(backend, plans, results, clock, config, options=options, live=live, previous=previous,
                                 run_extra={**(run_extra or {}), "verify": {"tolerance": asdict(tol)}})  # fmt: skip
-    ref = plans[0].workload
-    assert isinstance(ref, RecordingWorkload)
+    ref = against or plans[0]
+    assert isinstance(ref.workload, RecordingWorkload)
     asked: dict[tuple[str, str], tuple[float | None, str]] = {}
-    for plan, s in zip(plans[1:], summaries[1:], strict=False):  # an interrupted run has fewer summaries
+    for plan, s in zip(plans, summaries, strict=False):  # an interrupted run has fewer summaries
         assert isinstance(plan.workload, RecordingWorkload)
-        s["quality"] = await quality(backend, ref, plan.workload, tol, asked)
+        if plan is ref:
+            continue
+        s["quality"] = {"against": ref.point_id, **await quality(backend, ref.workload, plan.workload, tol, asked)}
         write_json(results.point_dir(plan.point_id) / SUMMARY_FILE, s)
-    results.write_summary(json.loads((results.path / RUN_FILE).read_text()), summaries)
+    results.write_summary(json.loads((results.path / RUN_FILE).read_text()), [*previous, *summaries])
     return summaries

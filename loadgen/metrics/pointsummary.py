@@ -127,6 +127,21 @@ class Window(NamedTuple):
     reason: str | None
 
 
+# bench verify's quality table (the terminal's and the report's): a row per point compared with a reference
+QUALITY_HEADER = ("point", "against", "identical", "compared", "diverged", "first div p50", "worst margin", "verdict")
+QUALITY_NOTE = ("first divergence: a character index; worst margin: the top-two logprob gap there, asked of the "
+                "point's server alone (- unknown)")  # fmt: skip
+
+
+def quality_cells(point_id: str, q: dict[str, Any]) -> list[str]:
+    """A point's row of :data:`QUALITY_HEADER` from its ``quality`` section (bench verify)."""
+    p50, worst = q["first_divergence"]["p50"], q["worst_margin"]
+    unknown = f" ({q['margins_unknown']} unknown)" if q["margins_unknown"] else ""
+    return [point_id, q.get("against", "reference"), "-" if q["identical"] is None else f"{q['identical']:.1%}",
+            str(q["compared"]), str(len(q["diverged"])), "-" if p50 is None else f"{p50:.0f}",
+            ("-" if worst is None else f"{worst:.3f}") + unknown, q["verdict"]]  # fmt: skip
+
+
 def steady_window(records: Sequence[Record]) -> Window:
     """[first measured send + d, last measured send], d = the median request length (send to end of
     body) of the successful measured requests.

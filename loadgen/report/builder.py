@@ -31,7 +31,7 @@ from loadgen.metrics.definitions import (
     TTFT,
     Metric,
 )
-from loadgen.metrics.pointsummary import pooling, reasoning_note
+from loadgen.metrics.pointsummary import QUALITY_HEADER, QUALITY_NOTE, pooling, quality_cells, reasoning_note
 from loadgen.records.results import leaves
 from loadgen.report import cdf, sweep_chart, timeline
 from loadgen.report.load import RunData, load_run
@@ -226,6 +226,17 @@ def answer_first(runs: list[RunData]) -> dict[str, Any] | None:
     return {"table": Table(header, rows, "answer"), "notes": notes} if rows else None
 
 
+def quality_table(runs: list[RunData]) -> Table | None:
+    """bench verify's points against the reference each was compared with; None when no point has ``quality``."""
+    rows: list[list[Cell]] = []
+    for run in runs:
+        for p in run.summary.get("points") or []:
+            if isinstance(p, dict) and isinstance(q := p.get("quality"), dict):
+                *cells, verdict = quality_cells((f"{run.run_id} " if len(runs) > 1 else "") + str(p["point_id"]), q)
+                rows.append([*cells, Span(verdict, "down" if verdict == "pass" else "up")])
+    return Table(list(QUALITY_HEADER), rows, "quality") if rows else None
+
+
 @functools.cache
 def _template() -> jinja2.Template:
     env = jinja2.Environment(
@@ -247,7 +258,7 @@ def build_html(runs: list[RunData], plotly: str = "inline") -> str:
     tag, src = _plotly_tag(plotly)
     return _template().render(
         title="servelab report: " + ", ".join(r.run_id for r in runs), paths=[str(r.path) for r in runs],
-        answer=answer_first(runs), sweep=sweep is not None, diff=diff_table(runs) if len(runs) > 1 else None,
+        answer=answer_first(runs), quality=quality_table(runs), quality_note=QUALITY_NOTE, sweep=sweep is not None, diff=diff_table(runs) if len(runs) > 1 else None,
         runs=views, csp_script=src, plotly_tag=tag, data=data,
     )  # fmt: skip
 

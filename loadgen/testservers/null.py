@@ -167,8 +167,15 @@ class Conn(asyncio.Protocol):
         else:
             self.busy = True
             _STATS["inflight"] += 1
-            task = asyncio.get_running_loop().create_task(self._paced(stream, b))
-            task.add_done_callback(lambda _: _STATS.__setitem__("inflight", _STATS["inflight"] - 1))
+            asyncio.get_running_loop().create_task(self._counted(stream, b))
+
+    async def _counted(self, stream: Stream, b: Behaviour) -> None:
+        """``_paced``, out of ``inflight`` in the same step as its last write: a task's done callback may run
+        after the next request is read (uvloop), so a closed loop's next request would count the finished one."""
+        try:
+            await self._paced(stream, b)
+        finally:
+            _STATS["inflight"] -= 1
 
     async def _paced(self, stream: Stream, b: Behaviour) -> None:
         t = self.transport
