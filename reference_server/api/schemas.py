@@ -119,10 +119,11 @@ class CompletionRequest(GenerationRequest):
     prompt: str | list[Int] | list[str] = Field(json_schema_extra={"anyOf": [
         {"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "integer"}, "minItems": 1},
         {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1}]})
-    # OpenAI's legacy logprobs: this many top ones per output token; null or false (before logprobs, this
-    # server's neutral value) ask for none
+    # false: this server's neutral value before it gave logprobs
     logprobs: Annotated[Int | None, BeforeValidator(_false_is_null)] = Field(
-        default=None, ge=0, le=MAX_LOGPROBS, json_schema_extra={"anyOf": [_TOP, {"type": "null"}, {"const": False}]})
+        default=None, ge=0, le=MAX_LOGPROBS, json_schema_extra={"anyOf": [_TOP, {"type": "null"}, {"const": False}]},
+        description="each output token's raw logprob (before temperature, top-k, top-p) and this many top ones "
+                    "(OpenAI's legacy shape); null or false: none")
 
     def asked_logprobs(self) -> int | None:
         return self.logprobs
@@ -143,8 +144,10 @@ class Message(BaseModel):
 class ChatRequest(GenerationRequest):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Int | None = Field(default=None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: bool | None = Field(default=None, description="each output token's raw logprob (before temperature, "
+                                                           "top-k, top-p)")
+    top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS,
+                                     description="and this many top ones per token; above 0 needs logprobs true")
 
     def asked_logprobs(self) -> int | None:
         if not self.logprobs:
