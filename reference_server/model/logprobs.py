@@ -11,8 +11,6 @@ import torch
 
 from reference_server.engine.sequence import Sequence
 
-MAX_LOGPROBS = 20  # top alternatives per token a request may ask for (vLLM's default max_logprobs)
-
 
 @dataclass(frozen=True)
 class TokenLogprobs:
@@ -28,7 +26,8 @@ class StepLogprobs:
 
     def __init__(self) -> None:
         self.rows: list[int] = []  # logits rows, in order of addition
-        self.candidates: list[torch.Tensor] = []  # [n, 2] token ids per added request (see add)
+        self.drafted: list[int] = []  # per row: its draft token (0 where none)
+        self.chosen: list[torch.Tensor] = []  # per added request: its rows' tokens (on the device)
         self.owners: dict[str, tuple[int, list[int]]] = {}  # seq_id -> (its first gathered row, its draft)
         self.k = 0  # the most top alternatives any of them asked for
         self.values: list[float] = []
@@ -43,20 +42,22 @@ class StepLogprobs:
         n = len(draft) + 1
         self.owners[seq.seq_id] = (len(self.rows), draft)
         self.rows += range(first_row, first_row + n)
-        drafted = torch.tensor(draft + [0], dtype=torch.long, device=tokens.device)
-        self.candidates.append(torch.stack((tokens[start : start + n], drafted), dim=1))
+        self.drafted += [*draft, 0]
+        self.chosen.append(tokens[start : start + n])
         self.k = max(self.k, seq.params.logprobs)
 
     def read_back(self, tokens: torch.Tensor, logits: torch.Tensor) -> list[int]:
         """``tokens`` (int64, on the device) on the host, and with them the added rows' logprobs: one copy."""
         if not self.rows:
             return tokens.tolist()
-        rows = logits.index_select(0, torch.tensor(self.rows, device=logits.device))
-        logp = torch.log_softmax(rows.float(), dim=-1)
+        n = len(self.rows)
+        meta = torch.tensor(self.rows + self.drafted, device=logits.device)  # one host-to-device copy
+        logp = torch.log_softmax(logits.index_select(0, meta[:n]).float(), dim=-1)
         top = logp.topk(self.k, dim=-1)
-        gathered = torch.cat([t.double() for t in (logp.gather(1, torch.cat(self.candidates)), top.values, top.indices)], 1)
+        candidates = torch.stack((torch.cat(self.chosen), meta[n:]), dim=1)
+        gathered = torch.cat([t.double() for t in (logp.gather(1, candidates), top.values, top.indices)], 1)
         values = torch.cat((tokens.double(), gathered.view(-1))).tolist()
-        self.values = values[tokens.shape[0]:]
+        self.values = values[tokens.shape[0] :]
         return [int(v) for v in values[: tokens.shape[0]]]
 
     def of(self, seq: Sequence, emitted: list[int]) -> list[TokenLogprobs] | None:
@@ -69,6 +70,6 @@ class StepLogprobs:
         for j, tok in enumerate(emitted):
             v = self.values[(first + j) * width : (first + j + 1) * width]
             logprob = v[1] if j < len(draft) and tok == draft[j] else v[0]
-            out.append(TokenLogprobs(logprob, [(int(i), lp) for lp, i in zip(v[2 : 2 + k], v[2 + self.k : 2 + self.k + k],
-                                                                             strict=True)]))
+            top = zip(v[2 + self.k : 2 + self.k + k], v[2 : 2 + k], strict=True)  # (id, logprob), best first
+            out.append(TokenLogprobs(logprob, [(int(i), lp) for i, lp in top]))
         return out
