@@ -95,7 +95,7 @@ def torch_logits():  # noqa: ANN201
         ({"prompt": "hi", "stop": "x" * 513}, 400, ["stop", "512"]),
         ({"prompt": "hi", "stop_token_ids": [-1]}, 400, ["stop_token_ids"]),
         ({"prompt": "hi", "stop_token_ids": list(range(1025))}, 400, ["stop_token_ids"]),
-        ({"prompt": "hi", "logprobs": 1}, 400, ["logprobs", "not supported"]),
+        ({"prompt": "hi", "top_logprobs": 1}, 400, ["top_logprobs", "not supported"]),  # chat's field
         ({"prompt": "hi", "echo": True}, 400, ["echo"]),
         ({"prompt": "hi", "best_of": 3}, 400, ["best_of"]),
         ({"prompt": "hi", "presence_penalty": 0.5}, 400, ["presence_penalty"]),
@@ -121,7 +121,6 @@ def test_bad_input_is_a_clear_4xx(server, body, status, needles):
 @pytest.mark.parametrize(
     ("path", "body", "needle"),
     [
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                   "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),

@@ -13,8 +13,8 @@ A divergence is either a wrong token or a near-tie that floating-point reorderin
 cached prefix) tipped over. Where the server gives logprobs, one request per diverged prompt (after the load,
 alone, as the reference ran) asks for the next token after the prompt and the common prefix cut back to its
 last space (most BPE tokens start with one, so that is a token boundary), with the top two logprobs
-(``POST /v1/completions``, ``logprobs: 2``: vLLM, SGLang, llama-server); the **margin** is logprob(top 1) −
-logprob(top 2) there. The verdict (:class:`Tolerance`): ``pass`` when the identical share is at least
+(``POST /v1/completions``, ``logprobs: 2``: vLLM, SGLang, llama-server, the reference server); the **margin** is
+logprob(top 1) − logprob(top 2) there. The verdict (:class:`Tolerance`): ``pass`` when the identical share is at least
 ``min_identical``, or when every divergence has a known margin below ``near_tie``; else ``fail``.
 
 Across server configurations (``--server``/``--grid``), every point is compared with the first

@@ -19,18 +19,19 @@ from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
 from reference_server.api.errors import ApiError, clip
+from reference_server.api.logprobs import RequestLogprobs, TokenPieces
 from reference_server.api.metrics import Metrics
 from reference_server.api.schemas import (
     MAX_BODY_BYTES,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
-    UNSUPPORTED,
     ChatRequest,
     CompletionRequest,
     GenerationRequest,
     StreamOptions,
     TokenizeRequest,
     asks_nothing,
+    unsupported,
     validated,
 )
 from reference_server.engine.engine import Engine, EngineDead, RequestOutput
@@ -66,6 +67,7 @@ class Server:
         self.streams: dict[str, Stream] = {}
         self._noted: set[str] = set()  # unknown request fields already logged
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.pieces = TokenPieces(engine.codec.tokenizer)
 
     def sink(self, outputs: list[RequestOutput]) -> None:
         """Engine thread -> event loop, one hop per step."""
@@ -115,6 +117,7 @@ class Server:
         return SamplingParams(
             temperature=req.temperature, top_p=req.top_p, top_k=max(0, req.top_k), seed=req.seed,
             max_tokens=max_tokens, ignore_eos=req.ignore_eos, stop=stop, stop_token_ids=stop_ids,
+            logprobs=req.asked_logprobs(),
         )
 
     def check_priority(self, priority: int) -> None:
@@ -217,7 +220,7 @@ class Server:
                                     "leave it out or send null", name, "unsupported_parameter")
 
     def note_extra(self, req: BaseModel) -> None:
-        """Fields outside the API (and outside UNSUPPORTED) are accepted, as by vLLM, and logged once."""
+        """Fields outside the API (and outside the unsupported ones) are accepted, as by vLLM, and logged once."""
         for name in (req.model_extra or {}).keys() - self._noted:
             if len(self._noted) < 1000:
                 self._noted.add(name)
@@ -262,8 +265,9 @@ class Server:
     async def handle(self, request: Request, chat: bool) -> Response:
         self.check_alive()
         body = await self.read_body(request)
-        self.check_supported(body, UNSUPPORTED)
-        req = validated(ChatRequest if chat else CompletionRequest, body)
+        model = ChatRequest if chat else CompletionRequest
+        self.check_supported(body, unsupported(model))
+        req = validated(model, body)
         self.check_model(req.model)
         self.note_extra(req)
         if isinstance(req, ChatRequest):
@@ -275,23 +279,27 @@ class Server:
             prompt_ids = await asyncio.to_thread(self._completion_prompt, req)
             asked = req.max_tokens
             max_tokens = asked or 16  # the OpenAI default for completions
-        seq_id, stream = self._submit(prompt_ids, self._params(req, max_tokens), asked is not None, req.priority)
+        params = self._params(req, max_tokens)
+        seq_id, stream = self._submit(prompt_ids, params, asked is not None, req.priority)
         rid = ("chatcmpl-" if chat else "cmpl-") + seq_id
+        logprobs = RequestLogprobs(self.pieces, chat, params.logprobs is not None)
         if req.stream:
             opts = req.stream_options or StreamOptions()
-            return StreamingResponse(self._sse(rid, seq_id, stream, chat, opts), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        return await until_disconnect(request, self._complete(rid, seq_id, stream, chat))
+            return StreamingResponse(self._sse(rid, seq_id, stream, chat, opts, logprobs),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await until_disconnect(request, self._complete(rid, seq_id, stream, chat, logprobs))
 
-    async def _complete(self, rid: str, seq_id: str, stream: Stream, chat: bool) -> Response:
+    async def _complete(self, rid: str, seq_id: str, stream: Stream, chat: bool, logprobs: RequestLogprobs) -> Response:
         text, last = [], None
         async for out in self.outputs(seq_id, stream):
             text.append(out.text)
+            logprobs.add(out)
             last = out
         assert last is not None
         if last.error is not None:
             return self.error(last).response()
-        return Response(json.dumps(self._final(rid, chat, "".join(text), last)), media_type="application/json")
+        return Response(json.dumps(self._final(rid, chat, "".join(text), last, logprobs.take())),
+                        media_type="application/json")
 
     def _usage(self, out: RequestOutput) -> dict[str, Any]:
         usage: dict[str, Any] = {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
@@ -301,8 +309,9 @@ class Server:
             usage["spec_decode"] = {"draft_tokens": out.spec_drafted, "accepted_tokens": out.spec_accepted}
         return usage
 
-    def _final(self, rid: str, chat: bool, text: str, out: RequestOutput) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": out.finish_reason, "logprobs": None}
+    def _final(self, rid: str, chat: bool, text: str, out: RequestOutput,
+               logprobs: dict[str, Any] | None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": out.finish_reason, "logprobs": logprobs}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -310,7 +319,8 @@ class Server:
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": [choice], "usage": self._usage(out)}
 
-    async def _sse(self, rid: str, seq_id: str, stream: Stream, chat: bool, opts: StreamOptions) -> AsyncIterator[bytes]:
+    async def _sse(self, rid: str, seq_id: str, stream: Stream, chat: bool, opts: StreamOptions,
+                   logprobs: RequestLogprobs) -> AsyncIterator[bytes]:
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -328,15 +338,17 @@ class Server:
             if out.error is not None:  # as vLLM: an error event, then [DONE]
                 yield b"data: " + json.dumps(self.error(out).body).encode() + b"\n\n"
                 break
+            logprobs.add(out)  # a chunk not sent hands its tokens' logprobs to the next one
             if not out.text and not out.finished:
                 continue
             if chat:
                 delta: dict[str, Any] = {"content": out.text}
                 if first:
                     delta["role"] = "assistant"
-                choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": out.finish_reason}
+                choice: dict[str, Any] = {"index": 0, "delta": delta}
             else:
-                choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
+                choice = {"index": 0, "text": out.text}
+            choice |= {"logprobs": logprobs.take(), "finish_reason": out.finish_reason}
             first = False
             yield chunk([choice], self._usage(out) if opts.include_usage and opts.continuous_usage_stats else None)
         if opts.include_usage and last is not None and last.error is None:

@@ -14,6 +14,7 @@ MAX_STOP_STRINGS = 32  # stop strings are scanned on the engine thread for every
 MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
 MAX_POOLING_INPUTS = 2048  # texts of an embeddings request (OpenAI's limit), documents of a rerank
+MAX_LOGPROBS = 20  # top alternatives per output token a request may ask for (vLLM's default max_logprobs)
 
 
 def _integral(v: object) -> object:
@@ -45,8 +46,9 @@ def int64(default: int | None) -> Any:
 # Fields of the OpenAI/vLLM APIs that this server does not implement, each with the values that ask for
 # nothing: accepted only as null or one of those (clients such as vLLM's bench serve send ``"logprobs": null,
 # "repetition_penalty": 1.0``), otherwise a 400 -- never silently ignored. The OpenAPI schema says the same.
+# A field that the endpoint's request model defines is supported there (``top_logprobs``: chat's).
 UNSUPPORTED: dict[str, tuple[object, ...]] = {
-    "logprobs": (False,), "top_logprobs": (0,), "prompt_logprobs": (), "echo": (False,), "best_of": (1,),
+    "top_logprobs": (0,), "prompt_logprobs": (), "echo": (False,), "best_of": (1,),
     "suffix": ("",), "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
     "length_penalty": (1,), "min_p": (0,), "min_tokens": (0,), "logit_bias": ({},), "allowed_token_ids": (),
     "bad_words": ([],), "response_format": ({"type": "text"},), "tools": ([],), "functions": ([],),
@@ -77,7 +79,7 @@ class StreamOptions(BaseModel):
 
 
 class GenerationRequest(BaseModel):
-    """The fields that completions and chat requests share."""
+    """The fields that completions and chat requests share; :meth:`asked_logprobs` reads their own."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
@@ -94,6 +96,22 @@ class GenerationRequest(BaseModel):
     ignore_eos: bool = False
     priority: Int64 = int64(0)  # --policy priority: higher first
 
+    def asked_logprobs(self) -> int | None:
+        """How many top logprobs per output token the request asks for (0: the chosen token's only), or None."""
+        raise NotImplementedError
+
+
+def unsupported(model: type[GenerationRequest]) -> dict[str, tuple[object, ...]]:
+    """The UNSUPPORTED fields of ``model``'s endpoint: those it does not define."""
+    return {name: neutral for name, neutral in UNSUPPORTED.items() if name not in model.model_fields}
+
+
+def _false_is_null(v: object) -> object:
+    return None if v is False else v
+
+
+_TOP = {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}
+
 
 class CompletionRequest(GenerationRequest):
     # One prompt, never empty (the front end says so in words; the schema tells a client generated from it):
@@ -101,6 +119,14 @@ class CompletionRequest(GenerationRequest):
     prompt: str | list[Int] | list[str] = Field(json_schema_extra={"anyOf": [
         {"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "integer"}, "minItems": 1},
         {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1}]})
+    # false: this server's neutral value before it gave logprobs
+    logprobs: Annotated[Int | None, BeforeValidator(_false_is_null)] = Field(
+        default=None, ge=0, le=MAX_LOGPROBS, json_schema_extra={"anyOf": [_TOP, {"type": "null"}, {"const": False}]},
+        description="each output token's raw logprob (before temperature, top-k, top-p) and this many top ones "
+                    "(OpenAI's legacy shape); null or false: none")
+
+    def asked_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -118,6 +144,17 @@ class Message(BaseModel):
 class ChatRequest(GenerationRequest):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Int | None = Field(default=None, ge=1)
+    logprobs: bool | None = Field(default=None, description="each output token's raw logprob (before temperature, "
+                                                           "top-k, top-p)")
+    top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS,
+                                     description="and this many top ones per token; above 0 needs logprobs true")
+
+    def asked_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:  # as vLLM and OpenAI
+                raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+            return None
+        return self.top_logprobs or 0
 
 
 class PoolingRequest(BaseModel):
@@ -218,7 +255,7 @@ def generation_schema(model: type[GenerationRequest], vocab: int, max_model_len:
     ``Server._params`` checks them, and without ``priorities`` (no ``--policy priority``) a priority of 0.
     What a schema cannot say, prompt tokens + max_tokens within the context, stays a 400
     ``context_length_exceeded``."""
-    extra, props = _served_schema(model, UNSUPPORTED, priorities)
+    extra, props = _served_schema(model, unsupported(model), priorities)
     token_id = _token_id(vocab)
     stop = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
     props["stop"] = {"anyOf": [stop, {"type": "array", "items": stop, "maxItems": MAX_STOP_STRINGS}, {"type": "null"}]}
@@ -226,6 +263,10 @@ def generation_schema(model: type[GenerationRequest], vocab: int, max_model_len:
                                          {"type": "null"}]}
     if "prompt" in props:
         props["prompt"]["anyOf"][1].update(items=token_id, maxItems=max_model_len - 1)
+    if "top_logprobs" in model.model_fields:  # chat: top_logprobs above 0 needs logprobs true
+        extra["requestBody"]["content"]["application/json"]["schema"]["anyOf"] = [
+            {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+            {"properties": {"top_logprobs": {"enum": [0, None]}}}]
     return extra
 
 

@@ -34,6 +34,7 @@ from reference_server.engine.policies import make_policy
 from reference_server.engine.scheduler import Policy, ScheduledBatch, Scheduler
 from reference_server.engine.sequence import SamplingParams, SeqStatus, Sequence
 from reference_server.model.gguf_loader import gguf_reader
+from reference_server.model.logprobs import TokenLogprobs
 from reference_server.model.model_runner import ModelRunner
 from reference_server.model.text import Detokenizer, TextCodec
 from reference_server.speculation.spec_decode import make_spec_decoder
@@ -55,6 +56,7 @@ class RequestOutput:
     spec_accepted: int = 0  # of which accepted
     error: str | None = None  # set when the request failed (finish_reason "error"): what went wrong
     embedding: list[float] | None = None  # a pooling request's result (finish_reason "pooled")
+    logprobs: list[TokenLogprobs] | None = None  # of ``token_ids``, when the request asked (SamplingParams.logprobs)
 
 
 OutputSink = Callable[[list[RequestOutput]], None]
@@ -212,9 +214,9 @@ class Engine:
             victims = [s for s, _ in batch.items] or self.scheduler.running + self.scheduler.waiting
             return [self._fail(s, e, "the engine step") for s in list(victims)]
         emitted: list[tuple[Sequence, RequestOutput]] = []
-        for seq, toks in results:
+        for seq, toks, logprobs in results:
             try:
-                out = self._pooled(seq) if seq.pooling else self._emit(seq, toks)
+                out = self._pooled(seq) if seq.pooling else self._emit(seq, toks, logprobs)
             except Exception as e:  # this request's own fault (detokenizer, stop strings): it alone fails
                 out = self._fail(seq, e, "its output")
             emitted.append((seq, out))
@@ -235,9 +237,9 @@ class Engine:
         return RequestOutput(seq.seq_id, "", [], True, "pooled", seq.num_prompt_tokens, 0, 0,
                              embedding=seq.embedding.tolist())
 
-    def _emit(self, seq: Sequence, toks: list[int]) -> RequestOutput:
-        """Append this step's tokens (several when a draft was accepted) up to the first stop; a request
-        that stops is finished by the caller once the step's blocks are published."""
+    def _emit(self, seq: Sequence, toks: list[int], logprobs: list[TokenLogprobs] | None) -> RequestOutput:
+        """Append this step's tokens (several when a draft was accepted) up to the first stop, with their
+        ``logprobs``; a request that stops is finished by the caller once the step's blocks are published."""
         detok = self._detok[seq.seq_id]
         reason = None
         text = ""
@@ -258,7 +260,8 @@ class Engine:
         if reason is not None:
             text += detok.flush()
         return RequestOutput(seq.seq_id, text, emitted, reason is not None, reason, seq.num_prompt_tokens,
-                             seq.num_output_tokens, seq.num_cached_tokens, seq.spec_drafted, seq.spec_accepted)
+                             seq.num_output_tokens, seq.num_cached_tokens, seq.spec_drafted, seq.spec_accepted,
+                             logprobs=None if logprobs is None else logprobs[: len(emitted)])
 
     def _record(self, batch: ScheduledBatch, start: float, decode: int, output_tokens: int) -> None:
         """``decode``: tokens computed for rows past their prompt (a decode, or a draft being verified)."""

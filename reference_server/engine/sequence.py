@@ -31,6 +31,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: int | None = None  # per output token: its raw logprob and this many top ones; None: none
 
     @property
     def greedy(self) -> bool:

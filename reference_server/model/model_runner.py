@@ -7,6 +7,7 @@ kernel choice share the runner's buffers.
 from __future__ import annotations
 
 import os
+from itertools import accumulate
 from pathlib import Path
 from typing import Protocol
 
@@ -21,6 +22,7 @@ from reference_server.model.cuda_graphs import DecodeGraphs, graph_buckets
 from reference_server.model.fused_decode import FusedDecode
 from reference_server.model.gguf_loader import ModelSpec, load_gguf
 from reference_server.model.kv_cache import LayerKV, allocate, block_bytes, capacity_line, pick_kv_dtype
+from reference_server.model.logprobs import StepLogprobs, TokenLogprobs
 from reference_server.model.model import AttnBatch, LlamaModel, PagedAttention, PagedBatch, PrefillGroup
 from reference_server.model.pooling import pool
 from reference_server.model.quant import Quantizer, auto_quantization
@@ -339,54 +341,56 @@ class ModelRunner:
             seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed)
 
     @torch.inference_mode()
-    def step(self, batch: ScheduledBatch, spec: Speculator | None = None) -> list[tuple[Sequence, list[int]]]:
-        """Run ``batch``; return ``(seq, new_tokens)`` for the sequences that completed their gap: one
-        sampled token each, the verified draft prefix plus one token for a speculating sequence, or none for
-        a pooling sequence (its ``embedding`` is set instead).
+    def step(self, batch: ScheduledBatch,
+             spec: Speculator | None = None) -> list[tuple[Sequence, list[int], list[TokenLogprobs] | None]]:
+        """Run ``batch``; return ``(seq, new_tokens, their logprobs)`` for the sequences that completed their
+        gap: one sampled token each, the verified draft prefix plus one token for a speculating sequence, or
+        none for a pooling sequence (its ``embedding`` is set instead); logprobs None unless asked for.
 
-        Sampling and verification run on the logits' device; their results come back to the host in one
-        copy, the step's only wait for the device."""
+        Sampling, verification and the logprobs asked for run on the logits' device; their results come back
+        to the host in one copy, the step's only wait for the device."""
         complete = [seq for seq, n in batch.items
                     if seq.num_computed_tokens + n == seq.num_tokens + len(seq.spec_token_ids)]  # fmt: skip
         if not batch.items:
             return []
         logits = self.forward(batch)
-        out: list[tuple[Sequence, list[int]]] = [(seq, []) for seq in complete if seq.pooling]  # embedding set
+        out: list[tuple[Sequence, list[int], list[TokenLogprobs] | None]] = [
+            (seq, [], None) for seq in complete if seq.pooling]  # embedding set
         done = [seq for seq in complete if not seq.pooling]
         if not done:  # only prefill chunks short of their last token, or pooling: nothing to sample
             return out
-        plain: list[int] = []  # logits rows of ordinary samples, in ``done`` order
-        drafts: list[tuple[int, int]] = []  # (first logits row, draft tokens) of speculating sequences
-        row = 0
         for seq in done:
             self._generator(seq)
-            k = len(seq.spec_token_ids)
-            if k:
-                assert spec is not None, "draft tokens without a speculative decoder"
-                drafts.append((row, k))
-            else:
-                plain.append(row)
-            row += k + 1
+            assert spec is not None or not seq.spec_token_ids, "draft tokens without a speculative decoder"
+        first_rows = list(accumulate((len(s.spec_token_ids) + 1 for s in done[:-1]), initial=0))  # in the logits
+        plain = [(s, r) for s, r in zip(done, first_rows, strict=True) if not s.spec_token_ids]
+        wanted = StepLogprobs()
         pending: list[torch.Tensor] = []
         if plain:
             rows = logits
-            if plain != list(range(len(logits))):  # index_select: advanced indexing by a list is ~10x slower
-                rows = logits.index_select(0, torch.tensor(plain, device=logits.device))
+            if len(plain) != len(logits):  # index_select: advanced indexing by a list is ~10x slower
+                rows = logits.index_select(0, torch.tensor([r for _, r in plain], device=logits.device))
             argmax = self.native.argmax if self.native is not None else None
-            pending.append(sample(rows, [s for s in done if not s.spec_token_ids], argmax))
-        if spec is not None:
-            pending += [spec.draws(s, logits[r : r + k + 1]) for s, (r, k) in
-                        zip([s for s in done if s.spec_token_ids], drafts, strict=True)]
-        values = (pending[0] if len(pending) == 1 else torch.cat(pending)).tolist()  # the one host sync
+            pending.append(sample(rows, [s for s, _ in plain], argmax))
+            for i, (s, r) in enumerate(plain):
+                wanted.add(s, r, pending[0], i, [])
+        for s, r in zip(done, first_rows, strict=True):
+            if s.spec_token_ids:
+                assert spec is not None
+                k = len(s.spec_token_ids)
+                pending.append(spec.draws(s, logits[r : r + k + 1]))
+                wanted.add(s, r, pending[-1], pending[-1].shape[0] - k - 1, s.spec_token_ids)  # see add
+        values = wanted.read_back(pending[0] if len(pending) == 1 else torch.cat(pending), logits)  # the one sync
         i_plain, at = 0, len(plain)
         for seq in done:
             k = len(seq.spec_token_ids)
             if k:
                 assert spec is not None
                 n = k + 1 if seq.params.greedy else 2 * k + 1
-                out.append((seq, spec.verify(seq, k, values[at : at + n])))
+                toks = spec.verify(seq, k, values[at : at + n])
                 at += n
             else:
-                out.append((seq, [values[i_plain]]))
+                toks = [values[i_plain]]
                 i_plain += 1
+            out.append((seq, toks, wanted.of(seq, toks)))
         return out
