@@ -15,15 +15,18 @@ SPEC_GRID = ("--server", "python -m reference_server --port {port} --threads 1 -
              "spec=off,ngram")
 
 
+N = 4  # prompts
+
+
 def _grid(tmp_path: Path, run_id: str, *extra: str) -> tuple[int, str, dict[str, dict]]:
-    """8 prompts of 24 tokens, 16-token answers, on each configuration; every point without an error."""
+    """N prompts of 24 tokens, 16-token answers, on each configuration; every point without an error."""
     wl = fixed_workload(tmp_path / "wl.toml", prompt=24, output=16)
     res = CliRunner().invoke(app, [
-        "verify", *SPEC_GRID, "--workload", str(wl), "--num-requests", "8", "--seed", "1", "--server-timeout", "180",
+        "verify", *SPEC_GRID, "--workload", str(wl), "--num-requests", str(N), "--seed", "1", "--server-timeout", "180",
         "--output-dir", str(tmp_path), "--run-id", run_id, *extra,
     ])  # fmt: skip
     points = {p["point_id"]: p for p in json.loads((tmp_path / run_id / "summary.json").read_text())["points"]}
-    assert all(p["counts"]["errors"] == 0 and p["counts"]["ok"] == 8 for p in points.values()), res.output
+    assert all(p["counts"]["errors"] == 0 and p["counts"]["ok"] == N for p in points.values()), res.output
     return res.exit_code, " ".join(res.output.split()), points
 
 
@@ -36,7 +39,7 @@ def test_speculation_is_lossless_greedy(tmp_path):
     code, out, points = _grid(tmp_path, "greedy", "--concurrency", "4")
     assert list(points) == ["specoff/reference", "specoff/c004", "specngram/reference", "specngram/c004"]
     q = points["specngram/reference"]["quality"]
-    assert (q["against"], q["compared"], q["identical"], q["verdict"]) == ("specoff/reference", 8, 1.0, "pass"), out
+    assert (q["against"], q["compared"], q["identical"], q["verdict"]) == ("specoff/reference", N, 1.0, "pass"), out
     verdicts = [points[pid]["quality"]["verdict"] for pid in ("specoff/c004", "specngram/c004")]
     assert all(points[pid]["quality"]["against"] == "specoff/reference" for pid in ("specoff/c004", "specngram/c004"))
     assert code == (1 if "fail" in verdicts else 0), out
@@ -46,7 +49,7 @@ def test_seeded_sampling_repeats_and_speculation_changes_the_draws(tmp_path):
     """--temperature 0.8, one seed per prompt: alone, the reference server repeats its sampled answers exactly
     (specoff/c001 100 %: it honours the seed); with n-gram speculation the same seeds give other answers
     (speculative sampling keeps the distribution, not the draws), so a seeded comparison calls it a fail
-    (measured: 0 of 8 identical), and the output says the comparison rests on seeded sampling."""
+    (measured with 8 prompts: 0 of 8 identical), and the output says the comparison rests on seeded sampling."""
     code, out, points = _grid(tmp_path, "sampled", "--concurrency", "1", "--temperature", "0.8")
     assert code == 1, out
     assert "honours the seed" in out
