@@ -27,7 +27,7 @@ from loadgen.defaults import REQUEST_TIMEOUT_S
 from loadgen.dispatch.sweep import RESET_TIMEOUT_S
 from loadgen.exitcodes import ServerGone, UsageError
 from workloads.base import Workload
-from workloads.contracts import POOLING_APIS
+from workloads.contracts import POOLING_APIS, GenRequest
 
 
 def load_workload(name: str, tokenizer: str | None = None, field: str | None = None) -> Workload:
@@ -180,7 +180,7 @@ def server_counts(
     with httpx.Client(base_url=backend.base_url, timeout=TOKENIZE_TIMEOUT_S, trust_env=False,
                       headers=backend.auth_headers()) as c:  # fmt: skip
         for path, key in ways:
-            counted = [_count(c, path, {key: first.prompt, "model": backend.model}) for _, first in firsts]
+            counted = [_counted(c, path, key, backend.model, first) for _, first in firsts]
             if firsts and None not in counted:
                 return [f"the server counts {n} tokens in {name}'s first prompt, cut to {first.prompt_tokens}: the "
                         f"prompts are not the lengths asked{fallback}; pass the served model's --tokenizer"
@@ -191,6 +191,13 @@ def server_counts(
                 "workload's own tokenizer (bundled unless its file names one) and may not be the lengths asked "
                 "(each run compares them with the server's usage); pass the served model's --tokenizer"]  # fmt: skip
     return []
+
+
+def _counted(client: httpx.Client, path: str, key: str, model: str | None, req: GenRequest) -> int | None:
+    """The server's count of what ``req``'s intended prompt tokens count: its prompt, or a pooling request's
+    inputs (summed); None when the endpoint does not answer."""
+    counts = [_count(client, path, {key: text, "model": model}) for text in req.inputs or (req.prompt,)]
+    return None if None in counts else sum(counts)  # type: ignore[arg-type]
 
 
 def _count(client: httpx.Client, path: str, body: dict[str, Any]) -> int | None:

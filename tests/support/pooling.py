@@ -30,6 +30,7 @@ def embeddings_end_to_end(url: str, tmp_path: Path) -> None:
                                   "--num-requests", "4", "--repeat", "2", "--output-dir", str(tmp_path),
                                   "--run-id", run_id])  # fmt: skip
         assert res.exit_code == 0, res.output
+        assert "not the lengths asked" not in res.output  # the server's count of the inputs, before the load
     points = json.loads((tmp_path / "base" / "summary.json").read_text())["points"]
     assert len(points) == 4
     for p in points:
