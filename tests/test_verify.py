@@ -152,7 +152,8 @@ def test_verify_grid_compares_every_configuration_with_the_first(tmp_path):
     assert table.count("<td>dnull/reference</td>") == 5  # the against column of every configuration × point
 
 
-@pytest.mark.parametrize("extra", [("--min-identical", "1.5"), ("--api", "embeddings"), ("--concurrency", "0"),
+@pytest.mark.parametrize("extra", [("--min-identical", "1.5"), ("--api", "embeddings"), ("--workload", "embeddings"),
+                                   ("--concurrency", "0"),
                                    ("--max-tokens", "0"), ("--temperature", "-1"),
                                    ("--grid", "d=1,2"), ("--server", "srv {d} --port {port}")])  # fmt: skip
 def test_verify_refuses_bad_input_with_exit_2(tmp_path, extra):

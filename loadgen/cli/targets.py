@@ -242,13 +242,19 @@ def embedded_server(log_path: Path, timeout: float = REQUEST_TIMEOUT_S) -> Itera
         srv.stop()
 
 
+def pooling_run(api: str | None, workloads: Sequence[Workload]) -> bool:
+    """Does the run call a pooling API (embeddings, rerank): ``--api``, else its workloads' requests?"""
+    if api is not None:
+        return api in POOLING_APIS
+    firsts = [next(iter(wl.sessions(0)), None) for wl in workloads]
+    return all(s is not None and s.first().api in POOLING_APIS for s in firsts)
+
+
 def check_pooling_slos(metric_tags: Sequence[str], api: str | None, workloads: Sequence[Workload]) -> None:
-    """A pooling run (embeddings, rerank: ``--api``, else its workloads' requests) generates no token, so an SLO on
-    a token's latency could never hold: refused before any load (its E2E is the latency to limit)."""
+    """A pooling run generates no token, so an SLO on a token's latency could never hold: refused before any
+    load (its E2E is the latency to limit)."""
     from loadgen.metrics.definitions import TPOT, TTFO, TTFT
 
-    firsts = [next(iter(wl.sessions(0)), None) for wl in workloads]
-    pooled = api in POOLING_APIS if api is not None else all(s is not None and s.first().api in POOLING_APIS for s in firsts)
-    if pooled and (bad := [t for t in metric_tags if t in (TTFT.tag, TTFO.tag, TPOT.tag)]):
+    if pooling_run(api, workloads) and (bad := [t for t in metric_tags if t in (TTFT.tag, TTFO.tag, TPOT.tag)]):
         raise UsageError(f"--slo {', '.join(bad)}: an embeddings or rerank run generates no token, so it has no "
                          f"{' or '.join(bad)}; limit its e2e instead (e.g. --slo e2e_p90=2s)")  # fmt: skip

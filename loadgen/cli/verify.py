@@ -30,6 +30,7 @@ from loadgen.cli.targets import (
     is_finite,
     load_workload,
     make_backend,
+    pooling_run,
     read_api_key,
     resolve_tokenizer,
 )
@@ -44,7 +45,6 @@ from loadgen.records.results import ResultsDir, new_run_id
 from loadgen.report.cli import auto_report
 from loadgen.runoptions import RunOptions, parse_list
 from loadgen.timing.clock import RunClock
-from workloads.contracts import POOLING_APIS
 
 # The RunOptions fields bench verify takes as they are, in --help order (concurrency, rate and workload are its own).
 NAMES = ("url", "backend", "api", "model", "workload", "concurrency", "rate", "arrival", "num_requests", "seed",
@@ -103,11 +103,11 @@ def execute(opts: RunOptions, tol: Tolerance, max_tokens: int | None, temperatur
     """Check, plan, run the reference and the load points (on each server configuration), compare, print;
     returns the exit code."""
     grid_points = check(opts)
-    if opts.api in POOLING_APIS:
-        raise UsageError(f"--api {opts.api}: bench verify compares generated text; a pooling API generates none")
     api_key = read_api_key(opts.api_key_env)
     opts = replace(opts, tokenizer=resolve_tokenizer(opts.tokenizer, opts.url, opts.model, api_key).spec)  # type: ignore[arg-type]
     wl = load_workload(opts.workloads[0], opts.tokenizer, opts.dataset_field)
+    if pooling_run(opts.api, [wl]):
+        raise UsageError("bench verify compares generated text; an embeddings or rerank run generates none")
     run_id = opts.run_id or new_run_id()
     opts = opts.resolve([wl], finite=is_finite(wl))
     if opts.seed is None:
@@ -118,8 +118,6 @@ def execute(opts: RunOptions, tol: Tolerance, max_tokens: int | None, temperatur
         loads = loads_from(base, opts.concurrency, opts.rate, opts.arrival if opts.arrival not in (None, "closed") else "poisson")
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    if next(iter(wl.sessions(base.seed))).first().api in POOLING_APIS:
-        raise UsageError(f"workload {wl.name!r} is a pooling workload: bench verify compares generated text")
     results = ResultsDir(opts.output_dir / run_id)
     config = {**opts.config(), "verify": {"max_tokens": max_tokens, "temperature": temperature}}
     clock = RunClock()
