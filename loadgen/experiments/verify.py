@@ -155,7 +155,7 @@ async def margin(client: httpx.AsyncClient, backend: Backend, req: GenRequest, p
         return None, "a chat request: no completion can continue a partial answer"
     cut = prefix[: prefix.rfind(" ")] if " " in prefix else ""
     body = {**backend.body_extras({}), "prompt": req.prompt + cut, "max_tokens": 1, "temperature": 0, "logprobs": 2,
-            "stream": False, **({"model": backend.model} if backend.model else {})}  # fmt: skip
+            "stream": False, **({"model": model} if (model := req.model or backend.model) else {})}  # fmt: skip
     try:
         resp = await client.post(backend.base_url + PROBE_PATH, json=body)
         two = top_two(resp.json()) if resp.status_code == 200 else None

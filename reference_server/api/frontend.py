@@ -253,10 +253,14 @@ class Server:
         if len(p) >= self.engine.max_model_len:  # before looking at each id
             raise ApiError(400, f"the prompt has {len(p)} tokens but this model's context holds "
                                 f"{self.engine.max_model_len}; shorten the prompt", "prompt", "context_length_exceeded")
+        return self.token_ids(p, "prompt", "prompt ")  # type: ignore[arg-type]
+
+    def token_ids(self, ids: list[int], param: str, what: str = "") -> list[int]:
+        """Token ids a request gave for a prompt (or an input), each checked to be in the vocabulary."""
         vocab = self.engine.runner.spec.vocab
-        if any(not 0 <= t < vocab for t in p):  # type: ignore[operator]
-            raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
-        return [int(t) for t in p]  # type: ignore[arg-type]
+        if any(not 0 <= t < vocab for t in ids):
+            raise ApiError(400, f"{what}token ids must be in [0, {vocab})", param)
+        return [int(t) for t in ids]
 
     def check_alive(self) -> None:
         if not self.engine.alive:

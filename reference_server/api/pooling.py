@@ -51,10 +51,7 @@ def _pooling_prompt(server: Server, text_or_ids: str | list[int], param: str, wh
     if len(ids) > limit:
         raise ApiError(400, f"{what} has {len(ids)} tokens but this model's context holds {limit}; shorten it",
                        param, "context_length_exceeded")
-    vocab = server.engine.runner.spec.vocab
-    if any(not 0 <= t < vocab for t in ids):
-        raise ApiError(400, f"token ids must be in [0, {vocab})", param)
-    return ids
+    return server.token_ids(ids, param)
 
 
 def _embedding_prompts(server: Server, inp: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
