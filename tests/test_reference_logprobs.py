@@ -133,18 +133,26 @@ def test_openai_package_reads_them(server):
     assert len(chat.choices[0].logprobs.content) == 3 and len(chat.choices[0].logprobs.content[0].top_logprobs) == 2
 
 
-def test_verify_margin_is_known(server):
-    """``bench verify``'s probe at a divergence: the margin between the top two, in nats."""
+def test_verify_margin_is_the_divergent_tokens(server):
+    """``bench verify``'s probe at a divergence: the reference's top-two margin, in nats, at the token that holds
+    the first differing character (here the middle of the answer's fourth token), and whether the answer under
+    load took the runner-up there."""
+    whole = _complete(server, max_tokens=6, logprobs=2)["choices"][0]
+    tokens, tops = whole["logprobs"]["tokens"], whole["logprobs"]["top_logprobs"]
+    reference, start = whole["text"], sum(map(len, tokens[:3]))
+    at = start + len(tokens[3]) // 2 + 1 if len(tokens[3]) > 1 else start
+    second = min(tops[3], key=tops[3].get)
     backend = OpenAIBackend(server.url, model="smol")
     req = GenRequest("r0", PROMPT, 8)
 
-    async def probe() -> tuple[float | None, str]:
+    async def probe(answer: str) -> dict:
         async with httpx.AsyncClient(timeout=120) as client:
-            return await margin(client, backend, req, " Berlin. The")
+            return (await margin(client, backend, req, reference, at)).cells(answer)
 
-    found, at = asyncio.run(probe())
-    top = _complete(server, prompt=PROMPT + at, max_tokens=1, logprobs=2)["choices"][0]["logprobs"]["top_logprobs"][0]
-    assert found is not None and found >= 0 and found == pytest.approx(max(top.values()) - min(top.values()))
+    took = asyncio.run(probe(reference[:start] + second + "!"))
+    assert took["margin"] == pytest.approx(max(tops[3].values()) - min(tops[3].values()))
+    assert (took["token"], took["second"], took["took_second"]) == (tokens[3], second, True)
+    assert asyncio.run(probe(reference[:at] + "\u2603"))["took_second"] is False
 
 
 def test_speculative_logprobs_are_the_target_models():

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from loadgen.cli.app import app
-from loadgen.experiments.verify import RecordingWorkload, Tolerance, divergence, judge, top_two
+from loadgen.experiments.verify import RecordingWorkload, Tolerance, divergence, judge, token_tops
 from loadgen.testservers.null import NullServerProcess
 from workloads.loader import load_workload
 
@@ -48,11 +48,11 @@ def test_sampled_passes_ask_for_the_same_draws():
     assert {(r.temperature, r.seed) for r in firsts(RecordingWorkload(wl))} == {(0.0, None)}
 
 
-def test_top_two_reads_llama_server_and_vllm_logprobs():
-    assert top_two(LLAMA_ANSWER) == pytest.approx((-0.2484241, -2.7847447))
-    assert top_two(VLLM_ANSWER) == (-0.25, -2.75)
-    assert top_two({"choices": [{"text": " Paris", "logprobs": None}]}) is None
-    assert top_two({"error": {"message": "no"}}) is None
+def test_token_tops_reads_llama_server_and_vllm_logprobs():
+    assert token_tops(LLAMA_ANSWER) == [(" Paris", [(" Paris", pytest.approx(-0.2484241)), (" the", pytest.approx(-2.7847447))])]
+    assert token_tops(VLLM_ANSWER) == [(" Paris", [(" Paris", -0.25), (" the", -2.75)])]
+    assert token_tops({"choices": [{"text": " Paris", "logprobs": None}]}) is None
+    assert token_tops({"error": {"message": "no"}}) is None
 
 
 def test_judge_tells_a_near_tie_from_a_wrong_token():

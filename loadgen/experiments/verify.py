@@ -11,10 +11,11 @@ the engine sees text, not token ids).
 
 A divergence is either a wrong token or a near-tie that floating-point reordering (another batch shape, a
 cached prefix) tipped over. Where the server gives logprobs, one request per diverged prompt (after the load,
-alone, as the reference ran) asks for the next token after the prompt and the common prefix cut back to its
-last space (most BPE tokens start with one, so that is a token boundary), with the top two logprobs
-(``POST /v1/completions``, ``logprobs: 2``: vLLM, SGLang, llama-server, the reference server); the **margin** is
-logprob(top 1) − logprob(top 2) there. The verdict (:class:`Tolerance`): ``pass`` when the identical share is at least
+alone, as the reference ran) continues the prompt from the reference's last space before the divergence
+(most BPE tokens start with one, so that is a token boundary) up to the divergent token, with the top two
+logprobs of each token (``POST /v1/completions``, ``logprobs: 2``: vLLM, SGLang, llama-server, the reference
+server); the **margin** is logprob(top 1) − logprob(top 2) at the token holding the first differing character,
+and the entry says whether the answer under load took the runner-up there. The verdict (:class:`Tolerance`): ``pass`` when the identical share is at least
 ``min_identical``, or when every divergence has a known margin below ``near_tie``; else ``fail``.
 
 Across server configurations (``--server``/``--grid``), every point is compared with the first
@@ -52,6 +53,8 @@ from workloads.contracts import GenRequest
 REFERENCE = "reference"  # the point id of the pass that every load point is compared with
 PROBE_PATH = "/v1/completions"
 PROBE_TIMEOUT_S = 60.0
+PROBE_SLACK_TOKENS = 4  # a continuation of n characters has at most n tokens, a few more where bytes split a character
+PROBE_MAX_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -129,41 +132,77 @@ def divergence(reference: str, answer: str) -> int | None:
     return None if reference == answer else len(commonprefix([reference, answer]))
 
 
-def top_two(answer: dict[str, Any]) -> tuple[float, float] | None:
-    """The two highest logprobs of a completions answer's first token: llama-server's and OpenAI chat's
-    ``logprobs.content[0].top_logprobs`` list, or the legacy ``logprobs.top_logprobs[0]`` dict (vLLM)."""
+def token_tops(answer: dict[str, Any]) -> list[tuple[str, list[tuple[str, float]]]] | None:
+    """Each generated token of a completions answer with its top logprobs, highest first: llama-server's and
+    OpenAI chat's ``logprobs.content`` list, or the legacy ``logprobs.tokens``/``top_logprobs`` (vLLM, the
+    reference server); None when the answer has none."""
     try:
         lp = answer["choices"][0]["logprobs"]
         if not lp:
             return None
         if "content" in lp:
-            tops = [float(t["logprob"]) for t in lp["content"][0]["top_logprobs"]]
+            pairs = [(c["token"], [(t["token"], float(t["logprob"])) for t in c["top_logprobs"]]) for c in lp["content"]]
         else:
-            tops = [float(v) for v in lp["top_logprobs"][0].values()]
-    except (KeyError, IndexError, TypeError, ValueError):
+            pairs = [(tok, [(k, float(v)) for k, v in tops.items()]) for tok, tops in zip(lp["tokens"], lp["top_logprobs"], strict=True)]
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError):
         return None
-    tops.sort(reverse=True)
-    return (tops[0], tops[1]) if len(tops) >= 2 and all(map(math.isfinite, tops[:2])) else None
+    return [(str(tok), sorted(tops, key=lambda t: -t[1])) for tok, tops in pairs]
 
 
-async def margin(client: httpx.AsyncClient, backend: Backend, req: GenRequest, prefix: str) -> tuple[float | None, str]:
-    """The margin at a divergence after ``prefix`` (the answers' common text) of ``req``, and the prompt text
-    it was asked at (or why it is unknown)."""
+@dataclass(frozen=True)
+class Margin:
+    """The reference's choice at a divergence, asked of the server alone: ``value`` = logprob(top 1) − logprob(top 2)
+    at the token that holds the first differing character (None, and ``why``, when it cannot be known), that
+    token (``token``), the runner-up (``second``) and where the token starts in the answer (``start``)."""
+
+    value: float | None
+    why: str = ""
+    token: str | None = None
+    second: str | None = None
+    start: int = 0
+
+    def cells(self, answer: str) -> dict[str, Any]:
+        """The diverged entry's fields: the margin, and whether ``answer`` took the reference's runner-up there (a
+        near-tie tipped over, not some other token)."""
+        if self.value is None:
+            return {"margin": None, "margin_unknown": self.why}
+        return {"margin": self.value, "token": self.token, "second": self.second,
+                "took_second": bool(self.second) and answer[self.start:].startswith(self.second)}  # fmt: skip
+
+
+async def margin(client: httpx.AsyncClient, backend: Backend, req: GenRequest, reference: str, at: int) -> Margin:
+    """The margin at ``reference``'s character ``at`` (the first that differs) of ``req``'s answer: one request
+    alone continues the prompt from the reference's last space before ``at`` (a token boundary for BPE
+    vocabularies) for as many tokens as reach ``at``, with the top two logprobs of each, and the margin is read at
+    the token that holds character ``at``, once the continuation has repeated the reference up to it."""
     if req.temperature:
-        return None, "a sampled answer: a seeded draw can flip at any token, not only at a near-tie of the top two"
+        return Margin(None, "a sampled answer: a seeded draw can flip at any token, not only at a near-tie of the top two")
     if not isinstance(req.prompt, str) or (backend.api or req.api) != "completions":
-        return None, "a chat request: no completion can continue a partial answer"
-    cut = prefix[: prefix.rfind(" ")] if " " in prefix else ""
-    body = {**backend.body_extras({}), "prompt": req.prompt + cut, "max_tokens": 1, "temperature": 0, "logprobs": 2,
-            "stream": False, **({"model": model} if (model := req.model or backend.model) else {})}  # fmt: skip
+        return Margin(None, "a chat request: no completion can continue a partial answer")
+    cut = max(reference.rfind(" ", 0, at), 0)
+    body = {**backend.body_extras({}), "prompt": req.prompt + reference[:cut], "temperature": 0, "logprobs": 2,
+            "max_tokens": min(at - cut + PROBE_SLACK_TOKENS, PROBE_MAX_TOKENS), "stream": False,
+            **({"model": model} if (model := req.model or backend.model) else {})}  # fmt: skip
     try:
         resp = await client.post(backend.base_url + PROBE_PATH, json=body)
-        two = top_two(resp.json()) if resp.status_code == 200 else None
+        tokens = token_tops(resp.json()) if resp.status_code == 200 else None
     except (httpx.HTTPError, ValueError) as exc:
-        return None, f"POST {PROBE_PATH}: {type(exc).__name__}: {exc}"[:200]
-    if two is None:
-        return None, f"POST {PROBE_PATH} with logprobs=2 gave no top-two logprobs (HTTP {resp.status_code})"
-    return two[0] - two[1], cut
+        return Margin(None, f"POST {PROBE_PATH}: {type(exc).__name__}: {exc}"[:200])
+    if not tokens:
+        return Margin(None, f"POST {PROBE_PATH} with logprobs=2 gave no logprobs per token (HTTP {resp.status_code})")
+    pos = cut
+    for i, (text, _) in enumerate(tokens):
+        if pos + len(text) > at:
+            tops = tokens[i][1]
+            break
+        if not reference.startswith(text, pos):
+            return Margin(None, f"alone, the server now answers otherwise before the divergence (at character {pos})")
+        pos += len(text)
+    else:
+        return Margin(None, f"the continuation asked alone ended before character {at}")
+    if len(tops) < 2 or not all(map(math.isfinite, (tops[0][1], tops[1][1]))):
+        return Margin(None, f"POST {PROBE_PATH} with logprobs=2 gave fewer than two logprobs at the divergence")
+    return Margin(tops[0][1] - tops[1][1], token=tops[0][0], second=tops[1][0], start=pos)
 
 
 def judge(compared: int, identical: float | None, margins: Sequence[float | None], tol: Tolerance) -> tuple[str, str]:
@@ -183,7 +222,7 @@ def judge(compared: int, identical: float | None, margins: Sequence[float | None
 
 async def quality(
     backend: Backend, reference: RecordingWorkload, point: RecordingWorkload, tol: Tolerance,
-    asked: dict[tuple[str, str], tuple[float | None, str]],
+    asked: dict[tuple[str, str], Margin],
 ) -> dict[str, Any]:  # fmt: skip
     """A load point's ``quality`` section: its answers against the reference's, margins asked for the
     diverged ones (``asked``: margins already asked, by request id and common text, shared by the points)."""
@@ -196,10 +235,9 @@ async def quality(
                 continue
             key = (rid, ref[:at])
             if key not in asked:
-                asked[key] = await margin(client, backend, reference.requests[rid], ref[:at])
-            m, why = asked[key]
-            diverged.append({"id": rid, "at": at, "margin": m, "reference": ref[at:at + 40], "answer": got[at:at + 40],
-                             **({"margin_unknown": why} if m is None else {})})  # fmt: skip
+                asked[key] = await margin(client, backend, reference.requests[rid], ref, at)
+            diverged.append({"id": rid, "at": at, "reference": ref[at:at + 40], "answer": got[at:at + 40],
+                             **asked[key].cells(got)})  # fmt: skip
     identical = (len(ids) - len(diverged)) / len(ids) if ids else None
     margins = [d["margin"] for d in diverged]
     verdict, reason = judge(len(ids), identical, margins, tol)
@@ -207,7 +245,7 @@ async def quality(
     return {
         "identical": identical, "compared": len(ids), "diverged": diverged, "at_unit": "char",
         "first_divergence": stats(d["at"] for d in diverged), "worst_margin": max(known, default=None),
-        "margins_unknown": len(margins) - len(known), "tolerance": asdict(tol), "verdict": verdict, "reason": reason,
+        "margins_unknown": len(margins) - len(known), "took_second": sum(bool(d.get("took_second")) for d in diverged), "tolerance": asdict(tol), "verdict": verdict, "reason": reason,
     }  # fmt: skip
 
 
@@ -235,7 +273,7 @@ async def run_verify(
                                 run_extra={**(run_extra or {}), "verify": {"tolerance": asdict(tol)}})  # fmt: skip
     ref = against or plans[0]
     assert isinstance(ref.workload, RecordingWorkload)
-    asked: dict[tuple[str, str], tuple[float | None, str]] = {}
+    asked: dict[tuple[str, str], Margin] = {}
     for plan, s in zip(plans, summaries, strict=False):  # an interrupted run has fewer summaries
         assert isinstance(plan.workload, RecordingWorkload)
         if plan is ref:

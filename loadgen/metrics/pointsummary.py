@@ -128,9 +128,11 @@ class Window(NamedTuple):
 
 
 # bench verify's quality table (the terminal's and the report's): a row per point compared with a reference
-QUALITY_HEADER = ("point", "against", "identical", "compared", "diverged", "first div p50", "worst margin", "verdict")
-QUALITY_NOTE = ("first divergence: a character index; worst margin: the top-two logprob gap there, asked of the "
-                "point's server alone (- unknown)")  # fmt: skip
+QUALITY_HEADER = ("point", "against", "identical", "compared", "diverged", "first div p50", "worst margin", "runner-up",
+                  "verdict")  # fmt: skip
+QUALITY_NOTE = ("first divergence: a character index; worst margin: the reference's top-two logprob gap at the "
+                "divergent token, asked of the point's server alone (- unknown); runner-up: divergences where the "
+                "answer took the reference's second choice")  # fmt: skip
 
 
 def quality_cells(point_id: str, q: dict[str, Any]) -> list[str]:
@@ -139,7 +141,9 @@ def quality_cells(point_id: str, q: dict[str, Any]) -> list[str]:
     unknown = f" ({q['margins_unknown']} unknown)" if q["margins_unknown"] else ""
     return [point_id, q.get("against", "reference"), "-" if q["identical"] is None else f"{q['identical']:.1%}",
             str(q["compared"]), str(len(q["diverged"])), "-" if p50 is None else f"{p50:.0f}",
-            ("-" if worst is None else f"{worst:.3f}") + unknown, q["verdict"]]  # fmt: skip
+            ("-" if worst is None else f"{worst:.3f}") + unknown,
+            f"{q['took_second']}/{len(q['diverged']) - q['margins_unknown']}" if q["diverged"] and "took_second" in q
+            else "-", q["verdict"]]  # fmt: skip
 
 
 def steady_window(records: Sequence[Record]) -> Window:
