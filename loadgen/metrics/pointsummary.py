@@ -128,9 +128,11 @@ class Window(NamedTuple):
 
 
 # bench verify's quality table (the terminal's and the report's): a row per point compared with a reference
-QUALITY_HEADER = ("point", "against", "identical", "compared", "diverged", "first div p50", "worst margin", "verdict")
+QUALITY_HEADER = ("point", "against", "identical", "compared", "diverged", "first div p50", "worst margin",
+                  "first-token distribution", "verdict")  # fmt: skip
 QUALITY_NOTE = ("first divergence: a character index; worst margin: the top-two logprob gap there, asked of the "
-                "point's server alone (- unknown)")  # fmt: skip
+                "point's server alone (- unknown); first-token distribution (sampled, several draws per prompt): the "
+                "mean total variation distance from the reference's and its permutation test's p")  # fmt: skip
 
 
 def quality_cells(point_id: str, q: dict[str, Any]) -> list[str]:
@@ -139,7 +141,18 @@ def quality_cells(point_id: str, q: dict[str, Any]) -> list[str]:
     unknown = f" ({q['margins_unknown']} unknown)" if q["margins_unknown"] else ""
     return [point_id, q.get("against", "reference"), "-" if q["identical"] is None else f"{q['identical']:.1%}",
             str(q["compared"]), str(len(q["diverged"])), "-" if p50 is None else f"{p50:.0f}",
-            ("-" if worst is None else f"{worst:.3f}") + unknown, q["verdict"]]  # fmt: skip
+            ("-" if worst is None else f"{worst:.3f}") + unknown, distribution_cell(q.get("distribution")),
+            q["verdict"]]  # fmt: skip
+
+
+def distribution_cell(d: dict[str, Any] | None) -> str:
+    """A sampled point's first-token distribution against the reference's: "TVD 0.04, p 0.61" ("-": not sampled
+    with several draws)."""
+    if not d:
+        return "-"
+    if d.get("p") is None:
+        return "nothing compared"
+    return f"TVD {d['tvd']:.2f}, p {d['p']:.2g} ({d['draws']} draws, res. {d['resolution']:.2f})"
 
 
 def steady_window(records: Sequence[Record]) -> Window:
