@@ -217,6 +217,11 @@ def test_verify_draws_catch_a_shifted_first_token_distribution(tmp_path):
     assert "fail c008" in out and "fail c001" not in out and "first-token distributions" in out
     assert "verdict rests on the identical share alone" not in out
     assert "TVD 0.00, p 1 (12 draws" in out  # the quality table
+    html = (tmp_path / "shift" / "report.html").read_text()  # the report written at the end
+    table = html[html.index('<div class="quality">'):]
+    table = table[:table.index("</table>")]
+    assert "<th>first-token distribution</th>" in table and "<td>TVD 0.00, p 1 (12 draws" in table
+    assert f"<td>TVD {d['tvd']:.2f}, p {d['p']:.2g} (12 draws" in table
 
 
 # the same distribution, other draws in the second configuration (the seeded draw salted): speculative sampling's case

@@ -20,7 +20,9 @@ logprob(top 1) − logprob(top 2) there. The verdict (:class:`Tolerance`): ``pas
 Across server configurations (``--server``/``--grid``), every point is compared with the first
 configuration's reference (``against`` in :func:`run_verify`). Sampled (``temperature`` > 0), every pass
 asks for the same seeded draws (:class:`RecordingWorkload`): the comparison holds where the server's
-sampling honours the seed.
+sampling honours the seed. With ``draws`` K > 1 every prompt is sent K times (each draw its own seed) and the
+answers' first-token distributions are compared as well (:func:`distribution`: mean TVD, stratified permutation
+test), which holds whether or not the server's draws repeat; its verdict is the point's.
 """
 
 from __future__ import annotations
