@@ -48,6 +48,33 @@ def test_sampled_passes_ask_for_the_same_draws():
     assert {(r.temperature, r.seed) for r in firsts(RecordingWorkload(wl))} == {(0.0, None)}
 
 
+def test_draws_send_every_session_k_times_with_the_same_seeds_in_every_pass():
+    """--draws 3: each session three times in a row, each draw its own copy (a multi-turn session's next turn
+    follows its own answer), ids ``~k``, one seed per draw, the same in every pass; the prompt of each id kept."""
+    wl = load_workload("multiturn-chat")
+
+    def firsts(rec: RecordingWorkload) -> list:
+        return [(s, s.first()) for s in islice(rec.sessions(7), 6)]
+
+    rec = RecordingWorkload(wl, 8, 0.8, draws=3)
+    a, b = firsts(rec), firsts(RecordingWorkload(wl, 8, 0.8, draws=3))
+    ids = [r.request_id for _, r in a]
+    base = ids[0].rsplit("~", 1)[0]
+    assert ids[:3] == [f"{base}~0", f"{base}~1", f"{base}~2"] and ids == [r.request_id for _, r in b]
+    assert [r.seed for _, r in a] == [r.seed for _, r in b] and len({r.seed for _, r in a}) == 6
+    assert len({str(r.prompt) for _, r in a[:3]}) == 1 and a[0][1].prompt != a[3][1].prompt  # draws of one prompt
+    assert {rec.prompt_of[i] for i in ids[:3]} == {base}
+    assert len({id(s.inner) for s, _ in a}) == 6  # every draw its own session
+    nxt = [s.next(answer) for (s, _), answer in zip(a[:2], (" yes", " no"), strict=True)]
+    if all(nxt):  # a second turn: each draw's prompt carries its own answer
+        (_, r0), (_, r1) = nxt
+        assert r0.request_id.endswith("~0") and r1.request_id.endswith("~1") and " yes" in str(r0.prompt) \
+            and " no" in str(r1.prompt) and rec.answers[ids[0]] == " yes"  # fmt: skip
+    assert RecordingWorkload(wl).describe().get("draws") is None and rec.describe()["draws"] == 3
+    with pytest.raises(ValueError):
+        RecordingWorkload(wl, draws=2)  # greedy: one outcome
+
+
 def test_token_tops_reads_llama_server_and_vllm_logprobs():
     assert token_tops(LLAMA_ANSWER) == [(" Paris", [(" Paris", pytest.approx(-0.2484241)), (" the", pytest.approx(-2.7847447))])]
     assert token_tops(VLLM_ANSWER) == [(" Paris", [(" Paris", -0.25), (" the", -2.75)])]
@@ -154,9 +181,66 @@ def test_verify_grid_compares_every_configuration_with_the_first(tmp_path):
 
 @pytest.mark.parametrize("extra", [("--min-identical", "1.5"), ("--api", "embeddings"), ("--workload", "embeddings"),
                                    ("--concurrency", "0"),
-                                   ("--max-tokens", "0"), ("--temperature", "-1"),
+                                   ("--max-tokens", "0"), ("--temperature", "-1"), ("--draws", "4"),
+                                   ("--temperature", "0.8", "--draws", "0"), ("--confidence", "1"),
                                    ("--grid", "d=1,2"), ("--server", "srv {d} --port {port}")])  # fmt: skip
 def test_verify_refuses_bad_input_with_exit_2(tmp_path, extra):
     res = CliRunner().invoke(app, ["verify", "--url", "http://127.0.0.1:9", "--output-dir", str(tmp_path), *extra])
     assert res.exit_code == 2, res.output
     assert "error" in res.output
+
+
+# the null server sampling each answer's first token: seeded by the request's seed (and a salt), shifted past 4 in flight
+SAMPLE = {" yes": 0.5, " no": 0.3, " the": 0.2}
+SHIFTED = {" yes": 0.1, " no": 0.2, " the": 0.7}
+DRAWS = ("--temperature", "0.8", "--draws", "12", "--num-requests", "8", "--max-tokens", "4")
+
+
+def test_verify_draws_catch_a_shifted_first_token_distribution(tmp_path):
+    """--draws 12: past 4 in flight the server draws its first token from another distribution. Alone (c001)
+    the seeded draws repeat (identical 100 %, TVD 0, p 1: pass); at concurrency 8 the distribution shifts and
+    the permutation test rejects it (fail, exit 1). Each point sends 8 prompts x 12 draws."""
+    with NullServerProcess(itl=0.002, sample=SAMPLE, shift_above=4, shifted=SHIFTED) as url:
+        code, out, points = _verify(url, tmp_path, "shift", "--concurrency", "1,8", *DRAWS)
+    assert code == 1, out
+    assert all(p["counts"]["errors"] == 0 and p["counts"]["ok"] == 96 for p in points.values()), out
+    q = points["c001"]["quality"]
+    d = q["distribution"]
+    assert (q["verdict"], q["identical"], q["compared"], d["tvd"], d["p"], d["prompts"], d["draws"]) == \
+        ("pass", 1.0, 96, 0.0, 1.0, 8, 12), out  # fmt: skip
+    assert d["tokenizer"] == "bundled" and d["outcome"] == "first 4 tokens" and d["alpha"] == 0.05
+    firsts = [pp["positions"][0] for pp in d["per_prompt"]]
+    assert {k for f in firsts for k in f["reference"]} == set(SAMPLE)  # the tokenizer's first tokens
+    assert all(sum(f["reference"].values()) == sum(f["answer"].values()) == 12 for f in firsts)
+    assert all(len(pp["positions"]) == 4 for pp in d["per_prompt"])
+    q = points["c008"]["quality"]
+    d = q["distribution"]
+    assert q["verdict"] == "fail" and d["p"] < 0.01 and d["tvd"] > d["resolution"], out
+    assert "fail c008" in out and "fail c001" not in out and "first tokens' distributions" in out
+    assert "verdict rests on the identical share alone" not in out
+    assert "TVD 0.00, p 1 (12 draws" in out  # the quality table
+    html = (tmp_path / "shift" / "report.html").read_text()  # the report written at the end
+    table = html[html.index('<div class="quality">'):]
+    table = table[:table.index("</table>")]
+    assert "<th>first-tokens distribution</th>" in table and "<td>TVD 0.00, p 1 (12 draws" in table
+    assert f"<td>TVD {d['tvd']:.2f}, p {d['p']:.2g} (12 draws" in table
+
+
+# the same distribution, other draws in the second configuration (the seeded draw salted): speculative sampling's case
+SALTED = ("python -m loadgen.testservers.null --port {port} --behaviour '{{\"itl\": 0.002, \"sample\": "
+          + json.dumps(SAMPLE).replace("{", "{{").replace("}", "}}") + ', \"sample_salt\": {s}}}\'')
+
+
+def test_verify_draws_pass_other_draws_from_the_same_distribution(tmp_path):
+    """--grid s=0,1: the second configuration draws other first tokens from the same distribution (as speculative
+    sampling does): its draws are mostly not identical to the first's (measured: 38.5 %), and the distribution test
+    passes them (measured: mean TVD 0.22 under the resolution 0.29, p 0.6), as it does its own load point."""
+    code, out, points = _verify("", tmp_path, "salt", "--server", SALTED, "--grid", "s=0,1", "--concurrency", "4", *DRAWS)
+    assert code == 0, out
+    assert list(points) == ["s0/reference", "s0/c004", "s1/reference", "s1/c004"]
+    for pid in ("s1/reference", "s1/c004"):
+        q = points[pid]["quality"]
+        d = q["distribution"]
+        assert q["against"] == "s0/reference" and q["verdict"] == "pass" and q["identical"] < 0.7, (pid, q["reason"])
+        assert d["p"] >= 0.05 and 0 < d["tvd"] < d["resolution"], (pid, d["p"], d["tvd"], d["resolution"])
+    assert points["s0/c004"]["quality"]["identical"] == 1.0

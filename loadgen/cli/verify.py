@@ -39,7 +39,7 @@ from loadgen.dispatch.loadspec import LoadSpec
 from loadgen.dispatch.signals import run_async
 from loadgen.dispatch.sweep import PointPlan, loads_from, run_seed
 from loadgen.exitcodes import ExitCode, UsageError, worst
-from loadgen.experiments.verify import Tolerance, plan_verify, run_verify
+from loadgen.experiments.verify import FirstTokens, Tolerance, plan_verify, run_verify
 from loadgen.metrics import pointsummary
 from loadgen.records.results import ResultsDir, new_run_id
 from loadgen.report.cli import auto_report
@@ -55,31 +55,35 @@ DEFAULT_NUM_REQUESTS = 32
 
 
 def _verify(workload: str, concurrency: str | None, rate: str | None, min_identical: float, near_tie: float,
-            max_tokens: int | None, temperature: float, grid: list[str] | None, **options: Any) -> None:  # fmt: skip
+            max_tokens: int | None, temperature: float, draws: int, confidence: float, grid: list[str] | None,
+            **options: Any) -> None:  # fmt: skip
     """Send the same prompts alone (greedy, concurrency 1) and under load; compare the answers prompt by prompt
     (with --server/--grid: every configuration's with the first configuration's reference)."""
 
     def body() -> ExitCode:
         try:
-            tol = Tolerance(min_identical, near_tie)
+            tol = Tolerance(min_identical, near_tie, confidence)
         except ValueError as exc:
-            raise UsageError(f"--min-identical/--near-tie: {exc}") from None
+            raise UsageError(f"--min-identical/--near-tie/--confidence: {exc}") from None
         if max_tokens is not None and max_tokens < 1:
             raise UsageError(f"--max-tokens must be >= 1, got {max_tokens}")
         if temperature < 0:
             raise UsageError(f"--temperature must be >= 0, got {temperature}")
+        if draws < 1 or (draws > 1 and not temperature):
+            raise UsageError(f"--draws must be >= 1, and more than 1 only with --temperature > 0 (greedy answers "
+                             f"have one outcome), got --draws {draws} at --temperature {temperature:g}")
         conc = parse_list(concurrency, int, "--concurrency") if concurrency else []
         rates = parse_list(rate, float, "--rate") if rate else []
         opts = RunOptions(command="verify", workloads=[workload], concurrency=conc or ([] if rates else
                           parse_list(DEFAULT_CONCURRENCY, int, "--concurrency")), rate=rates, poll_hz=0,
                           telemetry_hz=0, default_num_requests=DEFAULT_NUM_REQUESTS,
                           grid=[axis for g in grid or [] for axis in g.split()], **options)  # fmt: skip
-        return execute(opts, tol, max_tokens, temperature)
+        return execute(opts, tol, max_tokens, temperature, draws)
 
     guard(body)
 
 
-verify = command(_verify, (*NAMES, "min_identical", "near_tie", "max_tokens", "temperature"), own={
+verify = command(_verify, (*NAMES, "min_identical", "near_tie", "max_tokens", "temperature", "draws", "confidence"), own={
     "workload": param("workload", Annotated[str, typer.Option(help="Workload name or TOML path; its first "
                       "--num-requests prompts are sent at every point.")], "shared-system-prompt"),
     "concurrency": param("concurrency", Annotated[str | None, typer.Option(
@@ -96,10 +100,17 @@ verify = command(_verify, (*NAMES, "min_identical", "near_tie", "max_tokens", "t
         help="Sample at this temperature, one seed per prompt (the workload's, else one made from the request id): "
              "the answers compare only where the server honours the seed (the reference server, vLLM, "
              "llama-server). 0: greedy.")], 0.0),
+    "draws": param("draws", Annotated[int, typer.Option(
+        help="With --temperature: send every prompt this many times (each draw its own seed, the same in every pass) "
+             "and compare the answers' first tokens' distributions with the reference's (mean TVD, stratified "
+             "permutation test); the point's verdict. 1: the seeded draws compared exactly.")], 1),
+    "confidence": param("confidence", Annotated[float, typer.Option(
+        help="With --draws > 1: a point fails when its first tokens' distributions differ from the reference's at "
+             "this confidence (the permutation test's p < 1 - confidence).")], 0.95),
 })  # fmt: skip
 
 
-def execute(opts: RunOptions, tol: Tolerance, max_tokens: int | None, temperature: float) -> ExitCode:
+def execute(opts: RunOptions, tol: Tolerance, max_tokens: int | None, temperature: float, draws: int = 1) -> ExitCode:
     """Check, plan, run the reference and the load points (on each server configuration), compare, print;
     returns the exit code."""
     grid_points = check(opts)
@@ -119,7 +130,7 @@ def execute(opts: RunOptions, tol: Tolerance, max_tokens: int | None, temperatur
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     results = ResultsDir(opts.output_dir / run_id)
-    config = {**opts.config(), "verify": {"max_tokens": max_tokens, "temperature": temperature}}
+    config = {**opts.config(), "verify": {"max_tokens": max_tokens, "temperature": temperature, "draws": draws}}
     clock = RunClock()
     display = LiveDisplay(console, clock)
     first: list[PointPlan] = []  # the reference point of the first configuration that ran
@@ -129,7 +140,7 @@ def execute(opts: RunOptions, tol: Tolerance, max_tokens: int | None, temperatur
         name = det.backend if opts.backend == "auto" else opts.backend
         console.print(f"[dim]backend: {name} ({det.evidence})[/]")
         be = make_backend(name, target, opts.model, opts.api, api_key, opts.continuous_usage, opts.extra_body)
-        plans = plan_verify(wl, base, loads, opts.repeat, max_tokens, temperature)  # fresh answers per configuration
+        plans = plan_verify(wl, base, loads, opts.repeat, max_tokens, temperature, draws)  # fresh answers per configuration
         plans = plans if gp is None else on_server(plans, gp)
         against = first[0] if first else None
         if not first:
@@ -138,7 +149,12 @@ def execute(opts: RunOptions, tol: Tolerance, max_tokens: int | None, temperatur
                                     live=display.points(plans, grid_position(grid_points, gp)),
                                     options=PointOptions(client_kind=opts.client)))  # fmt: skip
 
-    if temperature:
+    if draws > 1:
+        console.print(f"[yellow]note[/]: sampled at temperature {temperature:g}, {draws} draws per prompt (one seed "
+                      "each, the same in every pass): the verdict compares the answers' first tokens' distributions "
+                      f"with the reference's (tokenizer: {FirstTokens.of(wl).name}); the draws compare exactly only "
+                      "where the server's sampling honours the seed")  # fmt: skip
+    elif temperature:
         console.print(f"[yellow]note[/]: sampled at temperature {temperature:g}, one seed per prompt: the answers "
                       "compare only where the server's sampling honours the seed")  # fmt: skip
     if opts.server:
@@ -152,7 +168,7 @@ def execute(opts: RunOptions, tol: Tolerance, max_tokens: int | None, temperatur
     summaries = [s for s in summaries if "counts" in s]
     out = Console(width=None if sys.stdout.isatty() else 200)
     out.print(summary_table(summaries))
-    out.print(quality_table(summaries, temperature))
+    out.print(quality_table(summaries, temperature, draws))
     Console().print(auto_report(results.path))
     codes = server_failures(failed)
     for s in summaries:
@@ -160,7 +176,7 @@ def execute(opts: RunOptions, tol: Tolerance, max_tokens: int | None, temperatur
         if message:
             console.print(message)
         q = s.get("quality")
-        if q is not None and q["margins_unknown"]:
+        if q is not None and q["margins_unknown"] and "distribution" not in q:
             why = next(d["margin_unknown"] for d in q["diverged"] if d["margin"] is None)
             console.print(f"[yellow]note[/] {s['point_id']}: {q['margins_unknown']} margin(s) unknown ({why}): the "
                           "verdict rests on the identical share alone")  # fmt: skip
@@ -172,9 +188,10 @@ def execute(opts: RunOptions, tol: Tolerance, max_tokens: int | None, temperatur
     return worst(codes)
 
 
-def quality_table(summaries: list[dict[str, Any]], temperature: float = 0.0) -> Table:
+def quality_table(summaries: list[dict[str, Any]], temperature: float = 0.0, draws: int = 1) -> Table:
     """One row per point compared: its answers against the reference's (:func:`pointsummary.quality_cells`)."""
     how = f"sampled at temperature {temperature:g} with one seed per prompt" if temperature else "greedy"
+    how = f"sampled at temperature {temperature:g}, {draws} seeded draws per prompt" if draws > 1 else how
     t = Table(title=f"answers against the reference (the same prompts alone, {how}); {pointsummary.QUALITY_NOTE}")
     for col in pointsummary.QUALITY_HEADER:
         t.add_column(col, justify="left" if col in ("point", "against", "verdict") else "right")

@@ -129,10 +129,11 @@ class Window(NamedTuple):
 
 # bench verify's quality table (the terminal's and the report's): a row per point compared with a reference
 QUALITY_HEADER = ("point", "against", "identical", "compared", "diverged", "first div p50", "worst margin", "runner-up",
-                  "verdict")  # fmt: skip
+                  "first-tokens distribution", "verdict")  # fmt: skip
 QUALITY_NOTE = ("first divergence: a character index; worst margin: the reference's top-two logprob gap at the "
                 "divergent token, asked of the point's server alone (- unknown); runner-up: divergences where the "
-                "answer took the reference's second choice")  # fmt: skip
+                "answer took the reference's second choice; first-tokens distribution (sampled, several draws per "
+                "prompt): the mean total variation distance from the reference's and its permutation test's p")  # fmt: skip
 
 
 def quality_cells(point_id: str, q: dict[str, Any]) -> list[str]:
@@ -142,8 +143,18 @@ def quality_cells(point_id: str, q: dict[str, Any]) -> list[str]:
     return [point_id, q.get("against", "reference"), "-" if q["identical"] is None else f"{q['identical']:.1%}",
             str(q["compared"]), str(len(q["diverged"])), "-" if p50 is None else f"{p50:.0f}",
             ("-" if worst is None else f"{worst:.3f}") + unknown,
-            f"{q['took_second']}/{len(q['diverged']) - q['margins_unknown']}" if q["diverged"] and "took_second" in q
-            else "-", q["verdict"]]  # fmt: skip
+            f"{q['took_second']}/{known}" if (known := len(q["diverged"]) - q["margins_unknown"]) and "took_second" in q
+            else "-", distribution_cell(q.get("distribution")), q["verdict"]]  # fmt: skip
+
+
+def distribution_cell(d: dict[str, Any] | None) -> str:
+    """A sampled point's first tokens' distributions against the reference's: "TVD 0.04, p 0.61" ("-": not sampled
+    with several draws)."""
+    if not d:
+        return "-"
+    if d.get("p") is None:
+        return "nothing compared"
+    return f"TVD {d['tvd']:.2f}, p {d['p']:.2g} ({d['draws']} draws, res. {d['resolution']:.2f})"
 
 
 def steady_window(records: Sequence[Record]) -> Window:

@@ -24,7 +24,9 @@ after ``fault_after`` events), ``no_done`` (ends without ``[DONE]``), ``cut`` (e
 ``linger`` (holds the finished stream open after ``[DONE]``, as a buffering proxy may, for up to an hour).
 Wrong answers: ``diverge_above`` N changes one token of the answer of a request that arrives while more
 than N generation requests (itself included) are in flight (the load-dependent bug ``bench verify`` finds;
-its requests need ``ttft``/``itl`` pacing to overlap).
+its requests need ``ttft``/``itl`` pacing to overlap). Sampled answers: ``sample`` ``{text: weight}`` draws the
+first event's text (seeded by the request's ``seed`` and ``sample_salt``), ``shift_above`` N with ``shifted``
+draws from another distribution past N in flight (:class:`~loadgen.testservers.stream.Behaviour`).
 
 Connection faults (server-wide, from the command-line behaviour): ``keepalive`` is ``on`` (default),
 ``close`` (``Connection: close`` on every response, then the server closes), ``drop`` (closes right
@@ -62,7 +64,7 @@ import orjson
 import psutil
 
 from backends.launcher import ServerProcess, free_port
-from loadgen.testservers.stream import Behaviour, Stream, http_chunk
+from loadgen.testservers.stream import Behaviour, Stream, first_draw, http_chunk
 
 _STATS = {"requests": 0, "dropped_idle": 0, "dropped_requests": 0, "inflight": 0}
 
@@ -142,7 +144,9 @@ class Conn(asyncio.Protocol):
             if not isinstance(body, dict):
                 raise ValueError("the request body is not a JSON object")
             b = self.default.update(body.get("nullserver") or {})
-            stream = Stream(body, b, wrong=b.diverge_above is not None and _STATS["inflight"] + 1 > b.diverge_above)
+            inflight = _STATS["inflight"] + 1
+            stream = Stream(body, b, wrong=b.diverge_above is not None and inflight > b.diverge_above,
+                            first=first_draw(b, body, inflight))  # fmt: skip
         except (ValueError, TypeError) as exc:
             t.write(_json_response(400, {"error": {"message": str(exc), "type": "invalid_request_error"}}))
             return

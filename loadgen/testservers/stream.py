@@ -3,6 +3,8 @@ updated by the request body's ``"nullserver"`` object) and the SSE :class:`Strea
 
 from __future__ import annotations
 
+import json
+import random
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -29,6 +31,15 @@ class Behaviour:
     # wrong on purpose under load: a request that arrives while more than N generation requests (itself
     # included) are in flight gets its middle event's text changed (``bench verify`` must catch it)
     diverge_above: int | None = None
+    # sampled on purpose: the answer's first event is one text drawn from ``sample`` (text: weight), with a
+    # ``random.Random`` seeded by the request's ``seed`` and ``sample_salt`` when the body has a seed (another salt:
+    # other draws from the same distribution, as speculative sampling gives), else unseeded; a request that arrives
+    # while more than ``shift_above`` generation requests are in flight draws from ``shifted`` instead (a
+    # load-dependent sampling bug that only a distribution comparison sees)
+    sample: dict[str, float] | None = None
+    sample_salt: int = 0
+    shift_above: int | None = None
+    shifted: dict[str, float] | None = None
 
     def update(self, overrides: dict[str, Any]) -> Behaviour:
         names = {f.name for f in fields(self)}
@@ -38,9 +49,23 @@ class Behaviour:
         new = replace(self, **overrides)
         if new.fault is not None and new.fault not in FAULTS:
             raise ValueError(f"unknown fault {new.fault!r}; known: {', '.join(FAULTS)}")
+        for dist in (new.sample, new.shifted):
+            if dist is not None and (not dist or any(not isinstance(w, (int, float)) or w < 0 for w in dist.values())):
+                raise ValueError(f"a sample distribution maps texts to weights >= 0, got {dist!r}")
         if new.keepalive not in KEEPALIVE:
             raise ValueError(f"unknown keepalive {new.keepalive!r}; known: {', '.join(KEEPALIVE)}")
         return new
+
+
+def first_draw(b: Behaviour, body: dict[str, Any], inflight: int) -> str | None:
+    """The sampled first text of a response (:attr:`Behaviour.sample`), ``inflight`` counting the request itself;
+    None when the behaviour samples nothing."""
+    if b.sample is None:
+        return None
+    dist = b.shifted if b.shifted is not None and b.shift_above is not None and inflight > b.shift_above else b.sample
+    seed = body.get("seed")
+    rng = random.Random(f"{seed}:{b.sample_salt}") if seed is not None else random.Random()
+    return rng.choices(list(dist), weights=list(dist.values()))[0]
 
 
 def http_chunk(data: bytes) -> bytes:
@@ -56,9 +81,10 @@ def _words(text: str) -> int:
 
 class Stream:
     """The SSE events of one response; ``wrong``: its middle event says ``" tak"`` for ``" tok"``
-    (:attr:`Behaviour.diverge_above`)."""
+    (:attr:`Behaviour.diverge_above`); ``first``: its first event's text (:func:`first_draw`)."""
 
-    def __init__(self, body: dict[str, Any], b: Behaviour, wrong: bool = False) -> None:
+    def __init__(self, body: dict[str, Any], b: Behaviour, wrong: bool = False, first: str | None = None) -> None:
+        self.first = first
         self.chat = "messages" in body
         self.b = b
         max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
@@ -73,6 +99,8 @@ class Stream:
     def event(self, i: int) -> bytes:
         k = self.b.tokens_per_event
         text = (" tak" if i == self.wrong_at else " tok") * k
+        if i == 0 and self.first is not None:
+            text = json.dumps(self.first)[1:-1] + " tok" * (k - 1)
         finish = '"length"' if i == self.n - 1 else "null"
         if self.chat:
             field = "reasoning_content" if i < self.b.reasoning else "content"
@@ -95,7 +123,7 @@ class Stream:
         b = self.b
         spec = tuple(b.spec_decode) if b.spec_decode is not None else None  # a list where it came from JSON
         key = (self.chat, self.n, self.prompt_tokens, self.usage, self.continuous, b.tokens_per_event, b.reasoning,
-               b.usage_on_finish, spec, self.wrong_at)  # fmt: skip
+               b.usage_on_finish, spec, self.wrong_at, self.first)  # fmt: skip
         body = _WHOLE.get(key)
         if body is None:
             if len(_WHOLE) >= WHOLE_KEPT:
