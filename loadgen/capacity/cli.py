@@ -97,9 +97,9 @@ OWN = {  # bench capacity's own options (the RunOptions ones it shares are spell
                                                                          "the capacity.")], 0.05),
     "budget": param("budget", Annotated[float, typer.Option(help="Probe-seconds the whole search may take.")], 600.0),
     "confidence": param("confidence", Annotated[float, typer.Option(help="Confidence of each probe's verdict.")], 0.95),
-    "max_probe_s": param("max_probe_s", Annotated[float | None, typer.Option(help="Longest probe, seconds [default: 60, "
-                         "and at a rate too low to bring the requests the SLOs need in 60 s as long as they take, up to a "
-                         "quarter of the budget].")], None),
+    "max_probe_s": param("max_probe_s", Annotated[float | None, typer.Option(help="Longest probe, seconds [default: as long as the "
+                         "independent requests the SLOs need take at the server's measured pace, up to a quarter of the "
+                         "budget: docs/capacity.md].")], None),
     "max_samples": param("max_samples", Annotated[int, typer.Option(help="Most requests one probe measures.")], 2000),
     "max_concurrency": param("max_concurrency", Annotated[int, typer.Option(help="Highest concurrency searched.")], 256),
     "max_rate": param("max_rate", Annotated[float, typer.Option(help="Highest rate searched, req/s.")], 1000.0),

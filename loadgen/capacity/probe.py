@@ -35,6 +35,7 @@ class Probe:
     throughput: float | None = None  # successful req/s
     goodput: float | None = None  # req/s meeting every SLO
     mean_e2e: float | None = None
+    max_e2e: float | None = None  # the slowest finished request's (a closed loop's first wave ends with it)
     warnings: list[str] = field(default_factory=list)
     dir: str | None = None
     pooled: bool = False  # ran to its cap for the pooled fit (:class:`Sequential`)
@@ -66,6 +67,7 @@ def probe_result(
         index, phase, mode, load, decision.verdict, decision.confident, decision.reason, seconds, len(samples),
         int(failed.sum()), checks, throughput=(len(samples) - int(failed.sum())) / span if span else None,
         goodput=good / span if span else None, mean_e2e=float(e2e.mean()) if e2e.size else None,
+        max_e2e=float(e2e.max()) if e2e.size else None,
         pooled=seq is not None and seq.pooled, bursty=samples.bursty,
     )  # fmt: skip
 

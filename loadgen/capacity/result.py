@@ -84,7 +84,7 @@ def _probe_time_hint(searched: Sequence[Probe], slos: Sequence[SLO], z: float, c
 
 def make_result(
     status: str, cfg: SearchConfig, slos: Sequence[SLO], lo: float | None, hi: float | None, estimate: float,
-    spent: float, probes: list[Probe], fit: Fit | None = None, unspent: tuple[float, float] | None = None,
+    spent: float, probes: list[Probe], fit: Fit | None = None, unspent: tuple[float, float, float] | None = None,
 ) -> CapacityResult:  # fmt: skip
     unit = "concurrency" if cfg.mode == "concurrency" else "req/s"
     res_met = lo is not None and hi is not None and converged(cfg.mode, lo, hi, cfg.resolution)
@@ -115,9 +115,13 @@ def make_result(
     if status in ("budget", "unresolved") and fit is None and estimate is not None and estimate > (lo or 0.0):
         messages[status] += (f"; the probes' point estimates put it at {fmt_load(estimate)} {unit} (it passed there, "
                              f"not yet at {cfg.confidence:.0%} confidence)")  # fmt: skip
-    if status == "budget" and unspent is not None:
-        messages[status] += (f"; the last {cfg.budget_s - spent:.0f} s were not spent: a probe at {fmt_load(unspent[0])} "
-                             f"{unit} needs ~{unspent[1]:.0f} s to judge its first {cfg.first_look} requests")  # fmt: skip
+    if status == "budget" and unspent is not None:  # (load, seconds it needs to judge, its time cap)
+        load, need, cap = unspent
+        why = (f"the longest probe ({cap:.0f} s) is too short for it: --max-probe-s {math.ceil(need * PROBE_MARGIN)} and "
+               f"--budget {math.ceil(max(cfg.budget_s, spent + need * PROBE_MARGIN))} would run it" if cap < need else
+               f"--budget {math.ceil(spent + need * PROBE_MARGIN)} would run it")  # fmt: skip
+        messages[status] += (f"; the last {cfg.budget_s - spent:.0f} s were not spent: a probe at {fmt_load(load)} {unit} "
+                             f"needs ~{need:.0f} s to judge its first {cfg.first_look} requests; {why}")  # fmt: skip
     if status == "budget" and probes and probes[-1].requests == 0:
         messages[status] += (f"; the last probe finished no request in {probes[-1].seconds:.0f} s: raise --max-probe-s "
                              "(and --budget) for a server this slow")  # fmt: skip

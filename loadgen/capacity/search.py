@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from loadgen.capacity.config import SearchConfig
+from loadgen.capacity.config import PROBE_MARGIN, SearchConfig, nearest, wave_icc, wave_s
 from loadgen.capacity.fit import Fit, closed_fit, pooled_fit
 from loadgen.capacity.probe import Probe, Prober, SearchStopped, pilot_requests
 from loadgen.capacity.result import CapacityResult, converged, make_result
@@ -53,28 +53,38 @@ async def search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig) -> Capa
 
 async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes: list[Probe]) -> CapacityResult:
     spent = 0.0
-    unspent: tuple[float, float] | None = None  # (load, seconds it needs) of the probe the budget left out
+    # (load, seconds it needs, its time cap) of the probe left out: what is left of the budget, or its cap, would
+    # end it before it judged anything
+    unspent: tuple[float, float, float] | None = None
 
     async def run(mode: str, load: float, phase: str, pooled: bool = False) -> Probe | None:
-        """The probe, or None when what is left of the budget would end it before it judged anything."""
+        """The probe, or None when what is left of the budget or its time cap would end it before it judged
+        anything (:func:`judge_s`; a pilot: before its first wave ended)."""
         nonlocal spent, unspent
-        need = judge_s(cfg, probes, mode, load) if phase == "search" else 0.0
-        if cfg.budget_s - spent < need:
-            unspent = (load, need)
+        last = next((q for q in reversed(probes) if q.phase == "search"), None)
+        if phase == "search":
+            need, cap = judge_s(cfg, probes, mode, load), cfg.probe_cap(slos, load, pooled, last, probes)
+        else:
+            need, cap = wave_s(probes, load, first=True) or 0.0, cfg.pilot_cap(load, probes, pilot_requests(int(load)))
+        if cfg.max_probe_s is None and cap < need <= cfg.budget_s - spent:  # a slow server: sized to fit, not cut
+            cap = min(cfg.budget_s - spent, PROBE_MARGIN * need)
+        if min(cap, cfg.budget_s - spent) < need:
+            unspent = (load, need, cap)
             return None
         seq = Sequential(slos, cfg.confidence, cfg.first_look, cfg.max_samples, cfg.resolution, pooled) if phase == "search" else None
-        last = next((q for q in reversed(probes) if q.phase == "search"), None)
-        cap = cfg.probe_cap(slos, load, pooled, last) if phase == "search" else cfg.fixed_probe_s
         p = await prober.probe(mode, load, seq, min(cap, max(1.0, cfg.budget_s - spent)), len(probes), phase)
         probes.append(p)
         spent += p.seconds
+        unspent = None
         return p
 
     # 1. pilot: closed loop, doubling
     c, last_ok, first_bad = 1, None, None
     while spent < cfg.budget_s:
-        p = await run("concurrency", c, "pilot")
-        assert p is not None  # a pilot probe always runs
+        q = await run("concurrency", c, "pilot")
+        if q is None:  # the budget left or the longest probe cannot fit its first wave: the search goes on from here
+            break
+        p = q
         if p.verdict == "fail":
             first_bad = p
             break
@@ -198,19 +208,20 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
 
 def _reach(cfg: SearchConfig, slos: Sequence[SLO], probe: Probe | None) -> float:
     """Concurrency mode: the most sessions whose probe can count the independent requests a latency SLO needs
-    to hold (:func:`units_to_see`) within ``max_probe_s`` at ``probe``'s throughput, after the first wave (on
-    the idle server, not judged: :meth:`Samples.steady`). A wave of ``c`` sessions counts as ``c / (1 + (c -
-    1)·icc)`` independent requests, ``icc`` read off the correlation time ``probe``'s verdict counted
-    (:func:`design_effect`; 1, a wave counts once, from one session or a pilot's two waves); unbounded
-    without a throughput."""
+    to hold (:func:`units_to_see`) within the longest probe (``max_probe_s``, by default a quarter of the
+    budget: :attr:`SearchConfig.longest_probe_s`) at ``probe``'s throughput, after the first wave (on the idle
+    server, not judged: :meth:`Samples.steady`). A wave of ``c`` sessions counts as ``c / (1 + (c - 1)·icc)``
+    independent requests, ``icc`` read off the correlation time ``probe``'s verdict counted
+    (:func:`loadgen.capacity.config.wave_icc`; 1, a wave counts once, from one session or a pilot's two
+    waves); unbounded without a throughput."""
     if cfg.mode != "concurrency" or probe is None or not probe.throughput:
         return math.inf
-    budget, reach = probe.throughput * cfg.fixed_probe_s, math.inf
+    budget, reach = probe.throughput * cfg.longest_probe_s, math.inf
     for s in slos:
         c = next((c for c in probe.checks if c.key == s.key), None)
         if s.metric == ERROR_RATE or c is None:
             continue
-        icc = min(1.0, max(0.0, (c.tau - 1) / (probe.load - 1))) if probe.load > 1 else 1.0
+        icc = wave_icc(probe, s.key)
         need = units_to_see(s, cfg.confidence)  # (need·(1 + (x - 1)·icc) + x) requests <= budget, solved for x
         reach = min(reach, (budget - need * (1 - icc)) / (need * icc + 1))
     return reach if math.isinf(reach) else float(max(1, math.floor(reach)))
@@ -255,19 +266,19 @@ def point_crossing(probes: Sequence[Probe], slos: Sequence[SLO], lo: float | Non
 
 
 def judge_s(cfg: SearchConfig, probes: Sequence[Probe], mode: str, load: float) -> float:
-    """About how long a search probe at ``load`` runs before it can judge (its first look: ``first_look``
-    requests finished), from the probe nearest in load that finished any: a closed loop's waves of that probe's
-    mean E2E (longer in proportion above its load: a longer queue), an open loop's arrivals plus one E2E. A
-    probe given less would end with nothing judged, its seconds lost; 0 before any probe finished a request."""
-    done = [p for p in probes if p.mean_e2e] or [None]
-    same = [p for p in done if p is not None and p.mode == mode]
-    near = min(same, key=lambda p: abs(math.log(p.load / load))) if same else done[-1]
+    """About how long a search probe at ``load`` runs before it can judge ``first_look`` requests, from the
+    probe nearest in load that finished any: a closed loop's first wave (on the idle server, never judged:
+    :meth:`Samples.steady`) and the waves that bring ``first_look`` more, each that probe's mean E2E
+    (:func:`loadgen.capacity.config.wave_s`: longer in proportion above its load), an open loop's arrivals
+    plus one E2E. A probe given less would end with nothing judged, its seconds lost; 0 before any probe
+    finished a request. The first wave is sent at once and judged only when its slowest request ended."""
+    if mode == "concurrency" and (wave := wave_s(probes, load)) is not None:
+        return (wave_s(probes, load, first=True) or wave) + wave * math.ceil(cfg.first_look / max(load, 1.0))
+    done = [p for p in probes if p.mean_e2e]
+    near = nearest([p for p in done if p.mode == mode], load) or (done[-1] if done else None)
     if near is None or near.mean_e2e is None:
         return 0.0
-    e2e = near.mean_e2e * (max(1.0, load / near.load) if near.mode == mode else 1.0)
-    if mode == "concurrency":
-        return e2e * math.ceil(cfg.first_look / max(load, 1.0))
-    return cfg.first_look / load + e2e
+    return cfg.first_look / load + near.mean_e2e * (max(1.0, load / near.load) if near.mode == mode else 1.0)
 
 
 def _undecided(probes: Sequence[Probe], lo: float, hi: float) -> float | None:
@@ -288,8 +299,8 @@ async def linear_sweep(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, s
     x = step
     while True:
         seq = Sequential(slos, cfg.confidence, cfg.first_look, cfg.max_samples, cfg.resolution)
-        p = await prober.probe(cfg.mode, x, seq, cfg.probe_cap(slos, x, False, probes[-1] if probes else None), len(probes),
-                               "sweep")  # fmt: skip
+        p = await prober.probe(cfg.mode, x, seq, cfg.probe_cap(slos, x, False, probes[-1] if probes else None, probes),
+                               len(probes), "sweep")  # fmt: skip
         probes.append(p)
         if p.verdict == "fail" or x >= (cfg.max_concurrency if cfg.mode == "concurrency" else cfg.max_rate):
             return sum(q.seconds for q in probes), probes
