@@ -136,7 +136,7 @@ def test_openai_package_reads_them(server):
 def test_verify_margin_is_the_divergent_tokens(server):
     """``bench verify``'s probe at a divergence: the reference's top-two margin, in nats, at the token that holds
     the first differing character (here the middle of the answer's fourth token), and whether the answer under
-    load took the runner-up there."""
+    load and the reference went on with the top two there, one each."""
     whole = _complete(server, max_tokens=6, logprobs=2)["choices"][0]
     tokens, tops = whole["logprobs"]["tokens"], whole["logprobs"]["top_logprobs"]
     reference, start = whole["text"], sum(map(len, tokens[:3]))
@@ -147,12 +147,12 @@ def test_verify_margin_is_the_divergent_tokens(server):
 
     async def probe(answer: str) -> dict:
         async with httpx.AsyncClient(timeout=120) as client:
-            return (await margin(client, backend, req, reference, at)).cells(answer)
+            return (await margin(client, backend, req, reference, at)).cells(reference, answer)
 
     took = asyncio.run(probe(reference[:start] + second + "!"))
     assert took["margin"] == pytest.approx(max(tops[3].values()) - min(tops[3].values()))
-    assert (took["token"], took["second"], took["took_second"]) == (tokens[3], second, True)
-    assert asyncio.run(probe(reference[:at] + "\u2603"))["took_second"] is False
+    assert (took["token"], took["second"], took["top_two"]) == (tokens[3], second, True)
+    assert asyncio.run(probe(reference[:at] + "\u2603"))["top_two"] is False
 
 
 def test_speculative_logprobs_are_the_target_models():

@@ -15,7 +15,7 @@ alone, as the reference ran) continues the prompt from the reference's last spac
 (most BPE tokens start with one, so that is a token boundary) up to the divergent token, with the top two
 logprobs of each token (``POST /v1/completions``, ``logprobs: 2``: vLLM, SGLang, llama-server, the reference
 server); the **margin** is logprob(top 1) − logprob(top 2) at the token holding the first differing character,
-and the entry says whether the answer under load took the runner-up there. The verdict (:class:`Tolerance`): ``pass`` when the identical share is at least
+and the entry says whether the two answers went on with those top two, one each (a near-tie tipped over). The verdict (:class:`Tolerance`): ``pass`` when the identical share is at least
 ``min_identical``, or when every divergence has a known margin below ``near_tie``; else ``fail``.
 
 Across server configurations (``--server``/``--grid``), every point is compared with the first
@@ -192,13 +192,16 @@ class Margin:
     second: str | None = None
     start: int = 0
 
-    def cells(self, answer: str) -> dict[str, Any]:
-        """The diverged entry's fields: the margin, and whether ``answer`` took the reference's runner-up there (a
-        near-tie tipped over, not some other token)."""
+    def cells(self, reference: str, answer: str) -> dict[str, Any]:
+        """The diverged entry's fields: the margin, the server's top two there, and whether the two answers went on
+        with those two, one each (``top_two``, read by text: a near-tie tipped over, not some other token)."""
         if self.value is None:
             return {"margin": None, "margin_unknown": self.why}
-        return {"margin": self.value, "token": self.token, "second": self.second,
-                "took_second": bool(self.second) and answer[self.start:].startswith(self.second)}  # fmt: skip
+        assert self.token is not None and self.second is not None
+        ref, ans = reference[self.start:], answer[self.start:]
+        pair = (ref.startswith(self.token) and ans.startswith(self.second)) or \
+            (ref.startswith(self.second) and ans.startswith(self.token))  # fmt: skip
+        return {"margin": self.value, "token": self.token, "second": self.second, "top_two": bool(self.second) and pair}
 
 
 async def margin(client: httpx.AsyncClient, backend: Backend, req: GenRequest, reference: str, at: int) -> Margin:
@@ -336,7 +339,7 @@ async def quality(
             if key not in asked:
                 asked[key] = await margin(client, backend, reference.requests[rid], ref, at)
             diverged.append({"id": rid, "at": at, "reference": ref[at:at + 40], "answer": got[at:at + 40],
-                             **asked[key].cells(got)})  # fmt: skip
+                             **asked[key].cells(ref, got)})  # fmt: skip
     identical = (len(ids) - len(diverged)) / len(ids) if ids else None
     margins = [d["margin"] for d in diverged]
     verdict, reason = judge(len(ids), identical, margins, tol)
@@ -350,7 +353,7 @@ async def quality(
     return {
         "identical": identical, "compared": len(ids), "diverged": diverged, "at_unit": "char",
         "first_divergence": stats(d["at"] for d in diverged), "worst_margin": max(known, default=None),
-        "margins_unknown": len(margins) - len(known), "took_second": sum(bool(d.get("took_second")) for d in diverged),
+        "margins_unknown": len(margins) - len(known), "top_two": sum(bool(d.get("top_two")) for d in diverged),
         **({"distribution": dist} if dist else {}), "tolerance": asdict(tol), "verdict": verdict, "reason": reason,
     }  # fmt: skip
 

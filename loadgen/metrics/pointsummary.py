@@ -128,11 +128,11 @@ class Window(NamedTuple):
 
 
 # bench verify's quality table (the terminal's and the report's): a row per point compared with a reference
-QUALITY_HEADER = ("point", "against", "identical", "compared", "diverged", "first div p50", "worst margin", "runner-up",
+QUALITY_HEADER = ("point", "against", "identical", "compared", "diverged", "first div p50", "worst margin", "top two",
                   "first-tokens distribution", "verdict")  # fmt: skip
 QUALITY_NOTE = ("first divergence: a character index; worst margin: the reference's top-two logprob gap at the "
-                "divergent token, asked of the point's server alone (- unknown); runner-up: divergences where the "
-                "answer took the reference's second choice; first-tokens distribution (sampled, several draws per "
+                "divergent token, asked of the point's server alone (- unknown); top two: divergences where the two "
+                "answers went on with that server's top two tokens, one each; first-tokens distribution (sampled, several draws per "
                 "prompt): the mean total variation distance from the reference's and its permutation test's p")  # fmt: skip
 
 
@@ -143,7 +143,7 @@ def quality_cells(point_id: str, q: dict[str, Any]) -> list[str]:
     return [point_id, q.get("against", "reference"), "-" if q["identical"] is None else f"{q['identical']:.1%}",
             str(q["compared"]), str(len(q["diverged"])), "-" if p50 is None else f"{p50:.0f}",
             ("-" if worst is None else f"{worst:.3f}") + unknown,
-            f"{q['took_second']}/{known}" if (known := len(q["diverged"]) - q["margins_unknown"]) and "took_second" in q
+            f"{q['top_two']}/{known}" if (known := len(q["diverged"]) - q["margins_unknown"]) and "top_two" in q
             else "-", distribution_cell(q.get("distribution")), q["verdict"]]  # fmt: skip
 
 
