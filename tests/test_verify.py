@@ -200,7 +200,9 @@ def test_verify_draws_catch_a_shifted_first_token_distribution(tmp_path):
     """--draws 12: past 4 in flight the server draws its first token from another distribution. Alone (c001)
     the seeded draws repeat (identical 100 %, TVD 0, p 1: pass); at concurrency 8 the distribution shifts and
     the permutation test rejects it (fail, exit 1). Each point sends 8 prompts x 12 draws."""
-    with NullServerProcess(itl=0.002, sample=SAMPLE, shift_above=4, shifted=SHIFTED) as url:
+    # 4 tokens 20 ms apart: a request lasts ~80 ms, so at concurrency 8 the client's few ms between a session's
+    # requests leave ~7 in flight at each arrival, even on a busy machine (at 2 ms, too few were shifted to rely on)
+    with NullServerProcess(itl=0.02, sample=SAMPLE, shift_above=4, shifted=SHIFTED) as url:
         code, out, points = _verify(url, tmp_path, "shift", "--concurrency", "1,8", *DRAWS)
     assert code == 1, out
     assert all(p["counts"]["errors"] == 0 and p["counts"]["ok"] == 96 for p in points.values()), out
