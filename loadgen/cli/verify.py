@@ -39,7 +39,7 @@ from loadgen.dispatch.loadspec import LoadSpec
 from loadgen.dispatch.signals import run_async
 from loadgen.dispatch.sweep import PointPlan, loads_from, run_seed
 from loadgen.exitcodes import ExitCode, UsageError, worst
-from loadgen.experiments.verify import FirstTokens, Tolerance, plan_verify, run_verify
+from loadgen.experiments.verify import NEAR_TIE, FirstTokens, Tolerance, plan_verify, run_verify
 from loadgen.metrics import pointsummary
 from loadgen.records.results import ResultsDir, new_run_id
 from loadgen.report.cli import auto_report
@@ -92,8 +92,8 @@ verify = command(_verify, (*NAMES, "min_identical", "near_tie", "max_tokens", "t
     "min_identical": param("min_identical", Annotated[float, typer.Option(
         help="A point passes with at least this share of answers identical to the reference's (0..1).")], 1.0),
     "near_tie": param("near_tie", Annotated[float, typer.Option(
-        help="... or when every divergence is a near-tie: the reference's top-two logprob margin there below this.")],
-        0.1),
+        help="... or when every divergence is a near-tie: the top-two logprob margin (nats) at the divergent token below "
+             "this.")], NEAR_TIE),
     "max_tokens": param("max_tokens", Annotated[int | None, typer.Option(
         help="Cap every answer at this many tokens (default: the workload's lengths).")], None),
     "temperature": param("temperature", Annotated[float, typer.Option(
