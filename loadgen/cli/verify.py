@@ -101,9 +101,9 @@ verify = command(_verify, (*NAMES, "min_identical", "near_tie", "max_tokens", "t
              "the answers compare only where the server honours the seed (the reference server, vLLM, "
              "llama-server). 0: greedy.")], 0.0),
     "draws": param("draws", Annotated[int, typer.Option(
-        help="With --temperature: send every prompt this many times (each draw its own seed, the same in every pass) "
-             "and compare the answers' first tokens' distributions with the reference's (mean TVD, stratified "
-             "permutation test); the point's verdict. 1: the seeded draws compared exactly.")], 1),
+        help="With --temperature: send every prompt this many times (each draw its own seed, each pass its own "
+             "seeds: independent samples) and compare the answers' first tokens' distributions with the reference's "
+             "(mean TVD, stratified permutation test); the point's verdict. 1: the seeded draws compared exactly.")], 1),
     "confidence": param("confidence", Annotated[float, typer.Option(
         help="With --draws > 1: a point fails when its first tokens' distributions differ from the reference's at "
              "this confidence (the permutation test's p < 1 - confidence).")], 0.95),
@@ -151,9 +151,8 @@ def execute(opts: RunOptions, tol: Tolerance, max_tokens: int | None, temperatur
 
     if draws > 1:
         console.print(f"[yellow]note[/]: sampled at temperature {temperature:g}, {draws} draws per prompt (one seed "
-                      "each, the same in every pass): the verdict compares the answers' first tokens' distributions "
-                      f"with the reference's (tokenizer: {FirstTokens.of(wl).name}); the draws compare exactly only "
-                      "where the server's sampling honours the seed")  # fmt: skip
+                      "each, each pass its own seeds): the verdict compares the answers' first tokens' distributions "
+                      f"with the reference's (tokenizer: {FirstTokens.of(wl).name}), not the draws one by one")  # fmt: skip
     elif temperature:
         console.print(f"[yellow]note[/]: sampled at temperature {temperature:g}, one seed per prompt: the answers "
                       "compare only where the server's sampling honours the seed")  # fmt: skip
@@ -191,7 +190,7 @@ def execute(opts: RunOptions, tol: Tolerance, max_tokens: int | None, temperatur
 def quality_table(summaries: list[dict[str, Any]], temperature: float = 0.0, draws: int = 1) -> Table:
     """One row per point compared: its answers against the reference's (:func:`pointsummary.quality_cells`)."""
     how = f"sampled at temperature {temperature:g} with one seed per prompt" if temperature else "greedy"
-    how = f"sampled at temperature {temperature:g}, {draws} seeded draws per prompt" if draws > 1 else how
+    how = f"sampled at temperature {temperature:g}, {draws} independent draws per prompt" if draws > 1 else how
     t = Table(title=f"answers against the reference (the same prompts alone, {how}); {pointsummary.QUALITY_NOTE}")
     for col in pointsummary.QUALITY_HEADER:
         t.add_column(col, justify="left" if col in ("point", "against", "verdict") else "right")

@@ -22,7 +22,8 @@ every divergence has a known margin below ``near_tie``; else ``fail``.
 Across server configurations (``--server``/``--grid``), every point is compared with the first
 configuration's reference (``against`` in :func:`run_verify`). Sampled (``temperature`` > 0), every pass
 asks for the same seeded draws (:class:`RecordingWorkload`): the comparison holds where the server's
-sampling honours the seed. With ``draws`` K > 1 every prompt is sent K times (each draw its own seed) and the
+sampling honours the seed. With ``draws`` K > 1 every prompt is sent K times (each draw its own seed, each pass
+its own seeds) and the
 answers' first tokens' distributions are compared as well (:func:`distribution`: mean TVD, stratified permutation
 test), which holds whether or not the server's draws repeat; its verdict is the point's.
 """
@@ -95,8 +96,10 @@ class RecordingWorkload(Workload):
 
     ``draws`` K > 1 (sampled only): each session is sent K times, draw k its own copy of the session (``inner``
     yields the same sessions for the same seed) with ``~k`` after every request id and its own seed (made from
-    the workload's seed, else the request id, and k: the same K seeds in every pass), so a multi-turn session's
-    later turns follow each draw's own answers; ``prompt_of`` maps each request id to the one of its prompt (the
+    the workload's seed, else the request id, k and ``salt``: :func:`run_verify` salts each pass with its point
+    id, so the passes are independent samples, as the permutation test assumes; draws that share a seed across
+    passes would be alike on a server that honours seeds, however their distributions differ), so a multi-turn
+    session's later turns follow each draw's own answers; ``prompt_of`` maps each request id to the one of its prompt (the
     inner request id), whose K draws the distribution comparison pools."""
 
     def __init__(self, inner: Workload, max_tokens: int | None = None, temperature: float = 0.0, draws: int = 1) -> None:
@@ -107,6 +110,7 @@ class RecordingWorkload(Workload):
         self.answers: dict[str, str] = {}
         self.requests: dict[str, GenRequest] = {}
         self.prompt_of: dict[str, str] = {}
+        self.salt = ""
 
     def sessions(self, seed: int) -> Iterator[Session]:
         copies = (self.inner.sessions(seed) for _ in range(self.draws))  # the same sessions, K times
@@ -130,7 +134,7 @@ class RecordingWorkload(Workload):
         elif draw is None:
             seed = req.seed if req.seed is not None else zlib.crc32(rid.encode())
         else:
-            seed = zlib.crc32(f"{req.request_id if req.seed is None else req.seed}{DRAW_SEP}{draw}".encode())
+            seed = zlib.crc32(f"{req.request_id if req.seed is None else req.seed}{DRAW_SEP}{draw}{DRAW_SEP}{self.salt}".encode())
         fixed = replace(req, request_id=rid, temperature=self.temperature, seed=seed, max_tokens=cap)
         self.requests[rid], self.prompt_of[rid] = fixed, req.request_id
         return fixed
@@ -331,9 +335,14 @@ async def quality(
 ) -> dict[str, Any]:  # fmt: skip
     """A load point's ``quality`` section: its answers against the reference's, margins asked for the
     diverged ones (``asked``: margins already asked, by request id and common text, shared by the points); sampled
-    with K > 1 draws, its ``distribution`` block (:func:`distribution`, ``outcome`` each draw's), whose verdict is
-    the point's (the exact comparison of seeded draws is still reported)."""
+    with K > 1 draws, independent of the reference's, its ``distribution`` block instead (:func:`distribution`,
+    ``outcome`` each draw's), whose verdict is the point's: draws of other seeds are not compared one by one."""
     ids = sorted(reference.answers.keys() & point.answers.keys())
+    if point.draws > 1:
+        dist = distribution(reference, point, outcome or FirstTokens.of(point.inner), tol)
+        return {"identical": None, "compared": len(ids), "diverged": [], "at_unit": "char", "first_divergence": stats([]),
+                "worst_margin": None, "margins_unknown": 0, "top_two": 0, "distribution": dist,
+                "tolerance": asdict(tol), "verdict": dist["verdict"], "reason": dist["reason"]}  # fmt: skip
     diverged: list[dict[str, Any]] = []
     async with httpx.AsyncClient(timeout=PROBE_TIMEOUT_S, trust_env=False, headers=backend.auth_headers()) as client:
         for rid in ids:
@@ -348,18 +357,12 @@ async def quality(
     identical = (len(ids) - len(diverged)) / len(ids) if ids else None
     margins = [d["margin"] for d in diverged]
     verdict, reason = judge(len(ids), identical, margins, tol)
-    dist: dict[str, Any] = {}
-    if point.draws > 1:
-        dist = distribution(reference, point, outcome or FirstTokens.of(point.inner), tol)
-        exact = "-" if identical is None else f"{identical:.1%}"
-        verdict, reason = dist["verdict"], f"{dist['reason']}; identical draws {exact} (seeded draws repeat only " \
-            "where the server honours the seed and samples the same way)"
     known = [m for m in margins if m is not None]
     return {
         "identical": identical, "compared": len(ids), "diverged": diverged, "at_unit": "char",
         "first_divergence": stats(d["at"] for d in diverged), "worst_margin": max(known, default=None),
         "margins_unknown": len(margins) - len(known), "top_two": sum(bool(d.get("top_two")) for d in diverged),
-        **({"distribution": dist} if dist else {}), "tolerance": asdict(tol), "verdict": verdict, "reason": reason,
+        "tolerance": asdict(tol), "verdict": verdict, "reason": reason,
     }  # fmt: skip
 
 
@@ -386,6 +389,9 @@ async def run_verify(
     point of a server grid's first configuration, else this server's own (``plans[0]``); its ``against``
     names it. Margins are asked of this server (``backend``). ``previous``: as for
     :func:`loadgen.dispatch.sweep.run_sweep`. Returns this server's PointSummaries, its reference's first."""
+    for plan in plans:  # sampled draws: each pass its own seeds (RecordingWorkload), named by its final point id
+        assert isinstance(plan.workload, RecordingWorkload)
+        plan.workload.salt = plan.point_id
     summaries = await run_sweep(backend, plans, results, clock, config, options=options, live=live, previous=previous,
                                 run_extra={**(run_extra or {}), "verify": {"tolerance": asdict(tol)}})  # fmt: skip
     ref = against or plans[0]
