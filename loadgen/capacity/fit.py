@@ -134,9 +134,18 @@ def pooled_fit(slos: Sequence[SLO], probes: Sequence[Probe], confidence: float, 
     return fit
 
 
+def closed_probes(probes: Sequence[Probe], least: int = 3) -> list[Probe]:
+    """The closed-loop probes whose percentiles place the capacity: the search's once they cover ``least`` loads,
+    else the pilot's as well. A pilot probe is two waves of a few requests, one of them the burst of a start on
+    the idle server; a search probe runs for minutes in the steady state."""
+    closed = [p for p in probes if p.mode == "concurrency" and p.requests]
+    search = [p for p in closed if p.phase == "search"]
+    return search if len({p.load for p in search}) >= least else closed
+
+
 def closed_fit(slos: Sequence[SLO], probes: Sequence[Probe], confidence: float, width: float = 0.5,
                least: int = 3) -> Fit | None:
-    """The capacity's interval (whole sessions) from every closed-loop probe, pilot included, at once.
+    """The capacity's interval (whole sessions) from the closed-loop probes (:func:`closed_probes`) at once.
 
     A closed loop's sessions share batches, so one probe near the capacity holds few independent requests (a
     wave counts as about one): confirming a pass there takes longer than a probe, while the percentiles of
@@ -157,7 +166,7 @@ def closed_fit(slos: Sequence[SLO], probes: Sequence[Probe], confidence: float, 
     q_two = 1 - (1 - confidence) / (2 * len(latency))
     ends: list[tuple[float, float | None, float | None, int]] = []  # (estimate, lo, hi, probes), log load
     for slo in latency:
-        checks = ((p, next((c for c in p.checks if c.key == slo.key), None)) for p in probes if p.mode == "concurrency")
+        checks = ((p, next((c for c in p.checks if c.key == slo.key), None)) for p in closed_probes(probes, least))
         pts = [(math.log(p.load), math.log(c.value), c.n / max(c.tau, 1.0)) for p, c in checks
                if c is not None and p.requests and c.value is not None and 0 < c.value < math.inf]  # fmt: skip
         if not pts:

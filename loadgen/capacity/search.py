@@ -31,7 +31,7 @@ import math
 from collections.abc import Sequence
 
 from loadgen.capacity.config import PROBE_MARGIN, SearchConfig, nearest, wave_icc, wave_s
-from loadgen.capacity.fit import Fit, closed_fit, pooled_fit
+from loadgen.capacity.fit import Fit, closed_fit, closed_probes, pooled_fit
 from loadgen.capacity.probe import Probe, Prober, SearchStopped, pilot_requests
 from loadgen.capacity.result import CapacityResult, converged, make_result
 from loadgen.capacity.sequential import Sequential
@@ -201,7 +201,8 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
         lo, hi = fit.lo, fit.hi  # the pooled evidence, not the last probes' verdicts
     if fit is not None:
         estimate = fit.estimate
-    elif (crossing := point_crossing([p for p in probes if p.mode == cfg.mode], slos, lo, hi)) is not None:
+    elif (crossing := point_crossing(closed_probes(probes) if cfg.mode == "concurrency" else
+                                     [p for p in probes if p.mode == cfg.mode], slos, lo, hi)) is not None:  # fmt: skip
         estimate = crossing
     return make_result(status, cfg, slos, lo, hi, estimate, spent, probes, fit, unspent)
 
