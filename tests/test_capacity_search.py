@@ -14,8 +14,9 @@ import pytest
 from support.service_models import CHAT_SHORT, LIVE, REFERENCE_LIKE, SIM, SIM_JOB, SIM_MIX
 
 from loadgen.capacity.config import SearchConfig
+from loadgen.capacity.fit import Fit
 from loadgen.capacity.probe import Probe
-from loadgen.capacity.result import _probe_time_hint
+from loadgen.capacity.result import _probe_time_hint, make_result
 from loadgen.capacity.search import _reach, judge_s, linear_sweep, point_crossing, search
 from loadgen.capacity.sequential import Sequential
 from loadgen.capacity.stats import SloCheck
@@ -405,3 +406,16 @@ def test_a_probe_its_time_cannot_judge_is_not_run_and_the_message_says_what_woul
     hint = re.search(r"needs ~(\d+) s to judge its first 30 requests; the longest probe \(15 s\) is too short for it: "
                      r"--max-probe-s (\d+) and --budget (\d+) would run it", res.message)  # fmt: skip
     assert hint is not None and int(hint[2]) > 15, res.message
+
+
+def test_a_fit_open_at_an_end_still_headlines_its_estimate():
+    """The live run of issue 40's command (fix2, 2026-11-28): probes at 35 (a confirmed fail), 30 and 31 (passes
+    on their point estimates) fitted to 33, whose interval three loads could not bound below; the message said
+    only "the bracket held is [?, 35]". It headlines the estimate, says which end is open, and gives the bracket."""
+    (slo,) = parse_slos("tpot_p90=150ms", percentiles=True)
+    probes = [Probe(0, "search", "concurrency", 35, "fail", True, "", 82.0, 155, 0, [])]
+    res = make_result("budget", SearchConfig("concurrency", budget_s=480), [slo], None, 35.0, 33.0, 486.0, probes,
+                      Fit(None, None, 33.0, 3, "the percentiles"))  # fmt: skip
+    assert res.message.startswith("time budget of 480 probe-seconds ran out: capacity about 33 concurrency (the "
+                                  "percentiles of the 3 probes near the crossing"), res.message  # fmt: skip
+    assert "not bounded below or above yet); the confirmed bracket is [?, 35] concurrency" in res.message

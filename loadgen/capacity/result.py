@@ -110,6 +110,11 @@ def make_result(
         messages[status] = (f"time budget of {cfg.budget_s:g} probe-seconds ran out: capacity about "
                             f"{fmt_load(estimate)} {unit}, interval [{fmt_load(lo)}, {fmt_load(hi)}] {unit} at "
                             f"{cfg.confidence:.0%} ({pooled})") if status == "budget" else f"{messages[status]} ({pooled})"  # fmt: skip
+    elif status == "budget" and fit is not None:  # the fit places it, but its interval is open at an end yet
+        open_ends = " or ".join(side for side, end in (("below", fit.lo), ("above", fit.hi)) if end is None)
+        messages[status] = (f"time budget of {cfg.budget_s:g} probe-seconds ran out: capacity about {fmt_load(estimate)} "
+                            f"{unit} ({pooled}; their interval at {cfg.confidence:.0%} is not bounded {open_ends} "
+                            f"yet); the confirmed bracket is [{fmt_load(lo)}, {fmt_load(hi)}] {unit}")  # fmt: skip
     if fit is not None and (lo, hi) == (fit.lo, fit.hi):
         messages[status] += _confirmed(probes, unit)
     if status in ("budget", "unresolved") and fit is None and estimate is not None and estimate > (lo or 0.0):
