@@ -23,9 +23,8 @@ Across server configurations (``--server``/``--grid``), every point is compared 
 configuration's reference (``against`` in :func:`run_verify`). Sampled (``temperature`` > 0), every pass
 asks for the same seeded draws (:class:`RecordingWorkload`): the comparison holds where the server's
 sampling honours the seed. With ``draws`` K > 1 every prompt is sent K times (each draw its own seed, each pass
-its own seeds) and the
-answers' first tokens' distributions are compared as well (:func:`distribution`: mean TVD, stratified permutation
-test), which holds whether or not the server's draws repeat; its verdict is the point's.
+its own seeds: independent samples) and the answers' first tokens' distributions are compared instead of the
+draws (:func:`distribution`: mean TVD, stratified permutation test), whether or not the server honours seeds.
 """
 
 from __future__ import annotations
@@ -99,8 +98,8 @@ class RecordingWorkload(Workload):
     the workload's seed, else the request id, k and ``salt``: :func:`run_verify` salts each pass with its point
     id, so the passes are independent samples, as the permutation test assumes; draws that share a seed across
     passes would be alike on a server that honours seeds, however their distributions differ), so a multi-turn
-    session's later turns follow each draw's own answers; ``prompt_of`` maps each request id to the one of its prompt (the
-    inner request id), whose K draws the distribution comparison pools."""
+    session's later turns follow each draw's own answers; ``prompt_of`` maps each request id to the one of its
+    prompt (the inner request id), whose K draws the distribution comparison pools."""
 
     def __init__(self, inner: Workload, max_tokens: int | None = None, temperature: float = 0.0, draws: int = 1) -> None:
         if draws < 1 or (draws > 1 and not temperature):
