@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from backends.openai import OpenAIBackend
-from loadgen.experiments.verify import margin
+from loadgen.experiments.margin import margin
 from reference_server.config import EngineConfig
 from reference_server.engine.engine import Engine
 from reference_server.engine.sequence import SamplingParams

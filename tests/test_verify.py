@@ -12,7 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from loadgen.cli.app import app
-from loadgen.experiments.verify import RecordingWorkload, Tolerance, divergence, judge, token_tops
+from loadgen.experiments.margin import token_tops
+from loadgen.experiments.verify import RecordingWorkload, Tolerance, divergence, judge
 from loadgen.testservers.null import NullServerProcess
 from workloads.loader import load_workload
 

@@ -30,7 +30,6 @@ draws (:func:`distribution`: mean TVD, stratified permutation test), whether or 
 from __future__ import annotations
 
 import json
-import math
 import re
 import zlib
 from collections import Counter
@@ -48,6 +47,7 @@ from loadgen.dispatch.engine import DEFAULT_OPTIONS, PointOptions
 from loadgen.dispatch.loadspec import LoadSpec
 from loadgen.dispatch.progress import Progress
 from loadgen.dispatch.sweep import PointPlan, plan_points, run_sweep
+from loadgen.experiments.margin import PROBE_TIMEOUT_S, Margin, margin
 from loadgen.metrics.distcompare import permutation_test, tvd
 from loadgen.metrics.percentiles import stats
 from loadgen.records.results import ResultsDir
@@ -57,10 +57,6 @@ from workloads.base import Session, Workload
 from workloads.contracts import GenRequest
 
 REFERENCE = "reference"  # the point id of the pass that every load point is compared with
-PROBE_PATH = "/v1/completions"
-PROBE_TIMEOUT_S = 60.0
-PROBE_SLACK_TOKENS = 4  # a continuation of n characters has at most n tokens, a few more where bytes split a character
-PROBE_MAX_TOKENS = 256
 # A near-tie: a top-two margin below this many nats. bf16 logits of magnitude 16-32 step by 0.125, and summing in
 # another order (another batch shape, a cached prefix, a draft verified as several rows) moves one by a few steps:
 # measured on the reference server, every such divergence but one at a margin of 0-0.375 (docs/experiments.md).
@@ -169,82 +165,6 @@ class RecordingSession(Session):
 def divergence(reference: str, answer: str) -> int | None:
     """The character index where ``answer`` first differs from ``reference``; None when they are equal."""
     return None if reference == answer else len(commonprefix([reference, answer]))
-
-
-def token_tops(answer: dict[str, Any]) -> list[tuple[str, list[tuple[str, float]]]] | None:
-    """Each generated token of a completions answer with its top logprobs, highest first: llama-server's and
-    OpenAI chat's ``logprobs.content`` list, or the legacy ``logprobs.tokens``/``top_logprobs`` (vLLM, the
-    reference server); None when the answer has none."""
-    try:
-        lp = answer["choices"][0]["logprobs"]
-        if not lp:
-            return None
-        if "content" in lp:
-            pairs = [(c["token"], [(t["token"], float(t["logprob"])) for t in c["top_logprobs"]]) for c in lp["content"]]
-        else:
-            pairs = [(tok, [(k, float(v)) for k, v in tops.items()]) for tok, tops in zip(lp["tokens"], lp["top_logprobs"], strict=True)]
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError):
-        return None
-    return [(str(tok), sorted(tops, key=lambda t: -t[1])) for tok, tops in pairs]
-
-
-@dataclass(frozen=True)
-class Margin:
-    """The reference's choice at a divergence, asked of the server alone: ``value`` = logprob(top 1) − logprob(top 2)
-    at the token that holds the first differing character (None, and ``why``, when it cannot be known), that
-    token (``token``), the runner-up (``second``) and where the token starts in the answer (``start``)."""
-
-    value: float | None
-    why: str = ""
-    token: str | None = None
-    second: str | None = None
-    start: int = 0
-
-    def cells(self, reference: str, answer: str) -> dict[str, Any]:
-        """The diverged entry's fields: the margin, the server's top two there, and whether the two answers went on
-        with those two, one each (``top_two``, read by text: a near-tie tipped over, not some other token)."""
-        if self.value is None:
-            return {"margin": None, "margin_unknown": self.why}
-        assert self.token is not None and self.second is not None
-        ref, ans = reference[self.start:], answer[self.start:]
-        pair = (ref.startswith(self.token) and ans.startswith(self.second)) or \
-            (ref.startswith(self.second) and ans.startswith(self.token))  # fmt: skip
-        return {"margin": self.value, "token": self.token, "second": self.second, "top_two": bool(self.second) and pair}
-
-
-async def margin(client: httpx.AsyncClient, backend: Backend, req: GenRequest, reference: str, at: int) -> Margin:
-    """The margin at ``reference``'s character ``at`` (the first that differs) of ``req``'s answer: one request
-    alone continues the prompt from the reference's last space before ``at`` (a token boundary for BPE
-    vocabularies) for as many tokens as reach ``at``, with the top two logprobs of each, and the margin is read at
-    the token that holds character ``at``, once the continuation has repeated the reference up to it."""
-    if req.temperature:
-        return Margin(None, "a sampled answer: a seeded draw can flip at any token, not only at a near-tie of the top two")
-    if not isinstance(req.prompt, str) or (backend.api or req.api) != "completions":
-        return Margin(None, "a chat request: no completion can continue a partial answer")
-    cut = max(reference.rfind(" ", 0, at), 0)
-    body = {**backend.body_extras({}), "prompt": req.prompt + reference[:cut], "temperature": 0, "logprobs": 2,
-            "max_tokens": min(at - cut + PROBE_SLACK_TOKENS, PROBE_MAX_TOKENS), "stream": False,
-            **({"model": model} if (model := req.model or backend.model) else {})}  # fmt: skip
-    try:
-        resp = await client.post(backend.base_url + PROBE_PATH, json=body)
-        tokens = token_tops(resp.json()) if resp.status_code == 200 else None
-    except (httpx.HTTPError, ValueError) as exc:
-        return Margin(None, f"POST {PROBE_PATH}: {type(exc).__name__}: {exc}"[:200])
-    if not tokens:
-        return Margin(None, f"POST {PROBE_PATH} with logprobs=2 gave no logprobs per token (HTTP {resp.status_code})")
-    pos = cut
-    for i, (text, _) in enumerate(tokens):
-        if pos + len(text) > at:
-            tops = tokens[i][1]
-            break
-        if not reference.startswith(text, pos):
-            return Margin(None, f"alone, the server now answers otherwise before the divergence (at character {pos})")
-        pos += len(text)
-    else:
-        return Margin(None, f"the continuation asked alone ended before character {at}")
-    if len(tops) < 2 or not all(map(math.isfinite, (tops[0][1], tops[1][1]))):
-        return Margin(None, f"POST {PROBE_PATH} with logprobs=2 gave fewer than two logprobs at the divergence")
-    return Margin(tops[0][1] - tops[1][1], token=tops[0][0], second=tops[1][0], start=pos)
 
 
 def judge(compared: int, identical: float | None, margins: Sequence[float | None], tol: Tolerance) -> tuple[str, str]:
