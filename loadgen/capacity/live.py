@@ -50,8 +50,11 @@ class LiveProber:
                     phase: str) -> Probe:  # fmt: skip
         cap = seq.max_samples if seq is not None else pilot_requests(int(load))
         if mode == "concurrency" or phase == "pilot":
+            # no warm-up phase: it would run a wave to its end, the probe's time not counting it, and then send the
+            # measured sessions at once into the idle server again; the judge leaves that first wave out instead
+            # (:meth:`Samples.steady`)
             c = int(load)
-            spec = LoadSpec("closed", concurrency=c, num_requests=cap, warmup=c, seed=self.seed + index,
+            spec = LoadSpec("closed", concurrency=c, num_requests=cap, warmup=0, seed=self.seed + index,
                             duration=max_seconds, drain=0.0, timeout=self.timeout)  # fmt: skip
         else:
             spec = LoadSpec(self.process, concurrency=None, rate=load, num_requests=cap, seed=self.seed + index,
