@@ -23,7 +23,7 @@ from loadgen.testservers.servicemodel import ServiceModel, SimProber
 def test_the_estimate_is_where_the_probes_point_estimates_cross():
     """Issue 40's run: c = 8 confirmed, 32, 53 and 64 passed on their point estimates, 96 failed; the answer
     was "capacity 8" with the pilot's 32 as its estimate. The estimate is now the point-estimate crossing
-    within the confirmed bracket (64), and a budget-bound search says so."""
+    within the confirmed bracket (64), and the search's answer says so."""
     (slo,) = parse_slos("tpot_p90=150ms", percentiles=True)
 
     def probe(load, misses, confident=False):
@@ -36,7 +36,7 @@ def test_the_estimate_is_where_the_probes_point_estimates_cross():
     assert point_crossing(probes[:1], [slo], 8, 96) == 8 and point_crossing([probe(96, 40)], [slo], None, None) is None
     slos = parse_slos("tpot_p90=9.5ms", percentiles=True)  # the simulator's capacity is 5 sessions
     res = run_async(search(SimProber(SIM, SIM_JOB, slos, seed=1), slos, SearchConfig("concurrency", budget_s=6)))
-    assert res.status == "budget" and res.estimate == 5 and "capacity about 5 concurrency" in res.message, res.message
+    assert res.estimate == 5 and re.search(r"capacity (about )?5 concurrency", res.message), res.message
     lo, hi = res.interval
     assert lo is not None and hi is not None and lo <= 5 < hi, res.message  # the probes' fit, pilot included
 

@@ -15,6 +15,11 @@ DEFAULT_PROBE_S = 60.0
 MIN_PROBE_S = 10.0  # the shortest default closed-loop search probe (one sized to a fast server's pace)
 PROBE_MARGIN = 1.25  # a probe sized to bring what its SLOs need runs this much longer (the estimate is rough)
 PROBES_IN_BUDGET = 4  # a probe sized that way runs at most this share of the budget: the search needs several
+# a closed-loop fit's interval needs loads: the t quantile of its crossing (98.75 %, two SLOs) is 25 at 3 loads (one
+# degree of freedom), 4.2 at 5, 3.5 at 6; a probe for the fit runs at least its first wave and FIT_WAVES more
+FIT_LOADS = 6
+FIT_WAVES = 4
+FIT_SPREAD = 0.15  # the fit's probes go this share either side of its estimate
 
 
 @dataclass
@@ -78,6 +83,21 @@ class SearchConfig:
             icc = wave_icc(near, s.key)
             waves = max(waves, 1 + units_to_see(s, self.confidence) * (1 + (load - 1) * icc) / load)
         return min(self.longest_probe_s, max(MIN_PROBE_S, PROBE_MARGIN * math.ceil(waves) * wave))
+
+    def fit_cap(self, slos: Sequence[SLO], load: float, probes: Sequence[Probe], left: float, loads: int) -> float:
+        """A closed-loop probe that the fit placed near the crossing, or one below a failing load, where a closed loop
+        seldom confirms a verdict within :meth:`closed_cap`: it serves the fit of ``loads`` loads so far, so the
+        ``left`` seconds of the budget are shared among the ``FIT_LOADS`` the fit wants (each at least its first
+        wave and ``FIT_WAVES`` more, x ``PROBE_MARGIN``), never longer than :meth:`closed_cap`. ``max_probe_s``
+        wins."""
+        if self.max_probe_s is not None:
+            return self.max_probe_s
+        full = self.closed_cap(slos, load, probes)
+        wave, first = wave_s(probes, load), wave_s(probes, load, first=True)
+        if wave is None or first is None:
+            return full
+        least = PROBE_MARGIN * (first + FIT_WAVES * wave)
+        return min(full, max(least, MIN_PROBE_S, left / max(1, FIT_LOADS - loads)))
 
     def pilot_cap(self, load: float, probes: Sequence[Probe], requests: int) -> float:
         """A pilot probe's time cap: ``max_probe_s`` when given, else long enough for its ``requests`` in waves of

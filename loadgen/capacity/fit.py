@@ -151,9 +151,9 @@ def closed_fit(slos: Sequence[SLO], probes: Sequence[Probe], confidence: float, 
     wave counts as about one): confirming a pass there takes longer than a probe, while the percentiles of
     all the probes together trace the latency's rise with load. Per latency SLO, the log of each probe's
     percentile is fitted against log load within ``±width`` of the crossing (a straight line: the least
-    squares, each probe weighted by its independent requests ``n / tau``, the scale from the probes' scatter
-    about the line), and the crossing's interval is Fieller's for the ratio that places it, at ``confidence``
-    two-sided split over the SLOs, with the t quantile of the fit's degrees of freedom. An SLO whose every
+    squares, each probe weighted by its percentile's own variance, :attr:`SloCheck.se`, the probes' scatter about
+    the line beyond it widening the interval), and the crossing's interval is Fieller's for the ratio that places
+    it, at ``confidence`` two-sided split over the SLOs (:func:`_crossing`). An SLO whose every
     percentile is under its limit does not bind. The capacity is the lowest SLO's crossing, rounded down to
     whole sessions; its interval, as the confirmed bracket's, runs from the most sessions that hold to the
     fewest that fail. None: no SLO crosses between the probed loads, fewer than ``least`` loads near it, or a
@@ -167,11 +167,11 @@ def closed_fit(slos: Sequence[SLO], probes: Sequence[Probe], confidence: float, 
     ends: list[tuple[float, float | None, float | None, int]] = []  # (estimate, lo, hi, probes), log load
     for slo in latency:
         checks = ((p, next((c for c in p.checks if c.key == slo.key), None)) for p in closed_probes(probes, least))
-        pts = [(math.log(p.load), math.log(c.value), c.n / max(c.tau, 1.0)) for p, c in checks
-               if c is not None and p.requests and c.value is not None and 0 < c.value < math.inf]  # fmt: skip
+        pts = [(math.log(p.load), math.log(c.value), c.se ** -2, c.n / max(c.tau, 1.0)) for p, c in checks
+               if c is not None and p.requests and c.value is not None and 0 < c.value < math.inf and c.se]  # fmt: skip
         if not pts:
             return None
-        x, y, w = (np.asarray(v, dtype=float) for v in zip(*pts, strict=True))
+        x, y, w, units = (np.asarray(v, dtype=float) for v in zip(*pts, strict=True))
         target = math.log(slo.limit)
         if y.max() <= target:  # under the limit at every load probed: it does not bind there
             continue
@@ -179,7 +179,8 @@ def closed_fit(slos: Sequence[SLO], probes: Sequence[Probe], confidence: float, 
             return None  # over it at every load: no crossing to fit (the confirmed verdicts decide)
         over = x[y > target].min()  # the crossing lies between the lowest load over the limit and the highest under it
         under = x[(y <= target) & (x < over)]
-        got = _crossing(x, y, w, target, float((over + under.max()) / 2 if under.size else over), width, least, q_two)
+        got = _crossing(x, y, (w, units), target, float((over + under.max()) / 2 if under.size else over), width, least,
+                        q_two)  # fmt: skip
         if got is None:
             return None
         ends.append((min(max(got[0], float(under.max()) if under.size else -math.inf), float(over)), *got[1:]))
@@ -197,12 +198,17 @@ def closed_fit(slos: Sequence[SLO], probes: Sequence[Probe], confidence: float, 
                max(e[3] for e in ends), "the percentiles")  # fmt: skip
 
 
-def _crossing(x: np.ndarray, y: np.ndarray, w: np.ndarray, target: float, centre: float, width: float, least: int,
-              q_two: float) -> tuple[float, float | None, float | None, int] | None:  # fmt: skip
-    """Where the weighted line of ``y`` on ``x`` near ``centre`` (the window following the estimate) reaches
-    ``target``, with Fieller's interval (None ends: the data do not bound it). The window: ``±log1p(width)``, or
-    as far as the ``least`` nearest distinct ``x`` (a pilot doubles its load: its nearest neighbours are a factor 2
-    away). None when fewer than ``least`` distinct ``x`` or the line does not rise."""
+def _crossing(x: np.ndarray, y: np.ndarray, weights: tuple[np.ndarray, np.ndarray], target: float, centre: float,
+              width: float, least: int, q_two: float) -> tuple[float, float | None, float | None, int] | None:  # fmt: skip
+    """Where the line of ``y`` on ``x`` near ``centre`` (the window following the estimate) reaches ``target``,
+    with Fieller's interval (None ends: the data do not bound it). ``weights``: each point's inverse variance and
+    independent requests. The line's scale pools the points' own variances with their scatter about it (as a
+    moderated variance does: a closed loop near its capacity fits only a few probes into the budget, and the
+    scatter's own few degrees of freedom, t 25 at one at 98.75 %, left the interval open; many probes' scatter
+    outweighs a variance model that does not fit them). The window: ``±log1p(width)``, or as far as the
+    ``least`` nearest distinct ``x`` (a pilot doubles its load: its nearest neighbours are a factor 2 away).
+    None when fewer than ``least`` distinct ``x`` or the line does not rise."""
+    w, units = weights
     got = None
     loads = np.unique(x)
     if loads.size < least:
@@ -221,8 +227,12 @@ def _crossing(x: np.ndarray, y: np.ndarray, w: np.ndarray, target: float, centre
             return got
         dof = int(near.sum()) - 2
         resid = ys - (a + b * xs)
-        cov = cov * max(float((ws * resid * resid).sum()) / dof, 1e-12) if dof > 0 else cov
-        q = t_quantile(q_two, dof) if dof > 0 else math.inf
+        # the scale: the points' own variances (as many degrees of freedom as a probe's independent requests give
+        # one of them: their model is common to all, its error does not average out) pooled with the scatter
+        # about the line (the points less two)
+        prior = max(1, math.floor(float(units[near].mean())) - 1)
+        cov = cov * (prior + float((ws * resid * resid).sum())) / (prior + max(dof, 0))
+        q = t_quantile(q_two, prior + max(dof, 0))
         est = centre + (target - a) / b
         # Fieller: the u where (a + b·u - target)² <= q²·(v00 + 2·u·v01 + u²·v11), a bounded interval only when
         # the slope is known well enough (b² > q²·v11)
@@ -232,6 +242,9 @@ def _crossing(x: np.ndarray, y: np.ndarray, w: np.ndarray, target: float, centre
         if quad > 0 and half >= 0:
             mid = -(b * (a - target) - q * q * cov[0, 1]) / quad
             lo, hi = centre + mid - math.sqrt(half) / quad, centre + mid + math.sqrt(half) / quad
+            # the line holds within its window: an end beyond it is the line's extrapolation, not the data's
+            lo = lo if lo >= centre - 2 * reach else None
+            hi = hi if hi <= centre + 2 * reach else None
         got = (est, lo, hi, int(near.sum()))
         if abs(est - centre) < 1e-3 or abs(est - centre) > 2 * reach:
             return got

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from loadgen.capacity.config import PROBE_MARGIN, SearchConfig, nearest, wave_icc, wave_s
+from loadgen.capacity.config import FIT_SPREAD, PROBE_MARGIN, SearchConfig, nearest, wave_icc, wave_s
 from loadgen.capacity.fit import Fit, closed_fit, closed_probes, pooled_fit
 from loadgen.capacity.probe import Probe, Prober, SearchStopped, pilot_requests
 from loadgen.capacity.result import CapacityResult, converged, make_result
@@ -57,12 +57,16 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
     # end it before it judged anything
     unspent: tuple[float, float, float] | None = None
 
-    async def run(mode: str, load: float, phase: str, pooled: bool = False) -> Probe | None:
+    async def run(mode: str, load: float, phase: str, pooled: bool = False, fitting: bool = False) -> Probe | None:
         """The probe, or None when what is left of the budget or its time cap would end it before it judged
-        anything (:func:`judge_s`; a pilot: before its first wave ended)."""
+        anything (:func:`judge_s`; a pilot: before its first wave ended). ``fitting``: a closed-loop probe the
+        fit placed (:meth:`SearchConfig.fit_cap`)."""
         nonlocal spent, unspent
         last = next((q for q in reversed(probes) if q.phase == "search"), None)
-        if phase == "search":
+        if phase == "search" and fitting:
+            loads = len({q.load for q in probes if q.phase == "search" and q.requests})
+            need, cap = judge_s(cfg, probes, mode, load), cfg.fit_cap(slos, load, probes, cfg.budget_s - spent, loads)
+        elif phase == "search":
             need, cap = judge_s(cfg, probes, mode, load), cfg.probe_cap(slos, load, pooled, last, probes)
         else:
             need, cap = wave_s(probes, load, first=True) or 0.0, cfg.pilot_cap(load, probes, pilot_requests(int(load)))
@@ -130,13 +134,14 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
     # 2. bracket, then bisect; only confident verdicts move the bracket, an undecided probe (the SLO
     # boundary is within its noise) is flanked by probes one resolution step either side
     lo: float | None = None
-    pooled = False
+    pooled = fitting = False
     status = "unreachable" if hi is not None and hi <= lo_bound else "budget"
     while spent < cfg.budget_s and status == "budget":
-        q = await run(cfg.mode, x, "search", pooled)
+        # below a failing end a closed-loop probe seldom confirms a pass within its time: it serves the fit
+        q = await run(cfg.mode, x, "search", pooled, fitting or (cfg.mode == "concurrency" and hi is not None))
         if q is None:
             break
-        p, pooled = q, False
+        p, pooled, fitting = q, False, False
         if p.confident and p.verdict == "pass":
             lo = x if lo is None else max(lo, x)
         elif p.confident:
@@ -152,8 +157,9 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
         if cfg.mode == "concurrency" and fit is not None:
             # a closed loop near its capacity counts about a wave as one request: a probe there seldom confirms
             # a pass within its time, the percentiles of all the probes together place the crossing: probe
-            # beside it (a probe that decides early still moves the confirmed bracket)
-            x = _beside(fit.estimate, [q.load for q in probes if q.phase == "search"], cfg.resolution)
+            # either side of it, FIT_SPREAD away (the line's slope, which bounds its interval, needs loads apart;
+            # a probe that decides early still moves the confirmed bracket)
+            x, fitting = _beside(fit.estimate, [q.load for q in probes if q.phase == "search"], FIT_SPREAD), True
             x = min(max(x, lo_bound if lo is None else lo + 1), hi_bound if hi is None else hi - 1)  # inside the bracket
         elif p.bursty and lo is not None and hi is not None:
             # random arrivals: a probe alone cannot place the crossing within the resolution (the miss share
@@ -288,8 +294,8 @@ def _undecided(probes: Sequence[Probe], lo: float, hi: float) -> float | None:
 
 
 def _beside(estimate: float, near: Sequence[float], step: float) -> float:
-    """The next probe near the crossing: one resolution step below or above its estimate, on the side with fewer
-    of the loads ``near`` (the fit's probes so far; its interval narrows with evidence on both sides)."""
+    """The next probe near the crossing: ``step`` (a share) below or above its estimate, on the side with fewer of
+    the loads ``near`` (the fit's probes so far; its interval narrows with evidence on both sides)."""
     return estimate / (1 + step) if 2 * sum(x < estimate for x in near) <= len(near) else estimate * (1 + step)
 
 

@@ -167,6 +167,7 @@ class SloCheck:
     value_hi: float | None  # its upper bound (lognormal tolerance limit), None: none yet
     state: str  # "holds" | "violated" | "open"
     tau: float = 1.0  # the correlation time the verdict counted (requests per independent sample)
+    se: float | None = None  # the standard error of the percentile's log (:func:`log_quantile_se`), None: unknown
 
 
 def check(samples: Samples, slo: SLO, z: float, confidence: float = 0.95) -> SloCheck:
@@ -200,15 +201,35 @@ def check(samples: Samples, slo: SLO, z: float, confidence: float = 0.95) -> Slo
         wave = samples.overlap()
     tau = max(correlation_time(miss), correlation_time(finite) if finite.size == n else 1.0, wave)
     lo, hi = wilson_eff(k, n, z, tau)
+    se = None
     if slo.metric == ERROR_RATE:
         holds = hi <= slo.allowed
     else:
         value, vlo = _quantile_lower(vals, slo.q, z, tau)
+        se = log_quantile_se(vals, slo.q, tau)
         vhi = lognormal_upper(vals, slo.q, z, n / tau)
         margin = k == 0 and n / tau >= units_to_see(slo, confidence) and vhi is not None and vhi <= slo.limit
         holds = hi <= slo.allowed or margin
     state = "violated" if lo > slo.allowed and n / tau >= units_to_fail(slo, z) else "holds" if holds else "open"
-    return SloCheck(slo.key, slo.limit, n, k, lo, hi, value, vlo, vhi, state, tau)
+    return SloCheck(slo.key, slo.limit, n, k, lo, hi, value, vlo, vhi, state, tau, se)
+
+
+SE_FLOOR = 0.01  # a percentile is not known closer than 1 %: the clock's and the scheduler's jitter
+
+
+def log_quantile_se(vals: np.ndarray, q: float, tau: float) -> float | None:
+    """The standard error of the log of the q-quantile of ``vals``, distribution-free: the larger distance from the
+    point estimate to the order statistics one binomial standard deviation of rank away (``sqrt(n·q(1 - q)·tau)``,
+    ``tau`` requests per independent one; a rank beyond the sample counts as its end), at least ``SE_FLOOR``. A
+    job mix's latencies are multimodal: a lognormal's density at the quantile overstated the error five-fold
+    where the quantile sits in a dense mode. None when a request failed or there are fewer than 2 values."""
+    if vals.size < 2 or not np.isfinite(vals).all() or vals.min() <= 0:
+        return None
+    logs, n = np.sort(np.log(vals)), vals.size
+    point, spread = float(np.percentile(logs, q * 100)), math.sqrt(n * q * (1 - q) * max(tau, 1.0))
+    below = float(logs[min(n - 1, max(0, math.floor(n * q - spread)))])
+    above = float(logs[min(n - 1, max(0, math.ceil(n * q + spread) - 1))])
+    return max(SE_FLOOR, point - below, above - point)
 
 
 def units_to_see(slo: SLO, confidence: float) -> float:
