@@ -295,8 +295,9 @@ def _undecided(probes: Sequence[Probe], lo: float, hi: float) -> float | None:
 
 def _beside(estimate: float, near: Sequence[float], step: float) -> float:
     """The next probe near the crossing: ``step`` (a share) below or above its estimate, on the side with fewer of
-    the loads ``near`` (the fit's probes so far; its interval narrows with evidence on both sides)."""
-    return estimate / (1 + step) if 2 * sum(x < estimate for x in near) <= len(near) else estimate * (1 + step)
+    the loads ``near`` (the fit's probes so far; its interval narrows with evidence on both sides), above on a tie
+    (on the reference server a tie sent a third probe below, 40, 41, 40 sessions under an estimate of 47)."""
+    return estimate / (1 + step) if 2 * sum(x < estimate for x in near) < len(near) else estimate * (1 + step)
 
 
 async def linear_sweep(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, step: float) -> tuple[float, list[Probe]]:
