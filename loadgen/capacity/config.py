@@ -15,8 +15,9 @@ DEFAULT_PROBE_S = 60.0
 MIN_PROBE_S = 10.0  # the shortest default closed-loop search probe (one sized to a fast server's pace)
 PROBE_MARGIN = 1.25  # a probe sized to bring what its SLOs need runs this much longer (the estimate is rough)
 PROBES_IN_BUDGET = 4  # a probe sized that way runs at most this share of the budget: the search needs several
-# a closed-loop fit's interval needs loads: the t quantile of its crossing (98.75 %, two SLOs) is 25 at 3 loads (one
-# degree of freedom), 4.2 at 5, 3.5 at 6; a probe for the fit runs at least its first wave and FIT_WAVES more
+# a closed-loop fit's interval needs loads (with the scatter's degrees of freedom alone its t quantile at 98.75 % is 25
+# at 3 loads, 4.2 at 5, 3.5 at 6; :func:`loadgen.capacity.fit._crossing`); a probe for the fit runs at least its
+# first wave and FIT_WAVES more
 FIT_LOADS = 6
 FIT_WAVES = 4
 FIT_SPREAD = 0.15  # the fit's probes go this share either side of its estimate

@@ -60,7 +60,7 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
     async def run(mode: str, load: float, phase: str, pooled: bool = False, fitting: bool = False) -> Probe | None:
         """The probe, or None when what is left of the budget or its time cap would end it before it judged
         anything (:func:`judge_s`; a pilot: before its first wave ended). ``fitting``: a closed-loop probe the
-        fit placed (:meth:`SearchConfig.fit_cap`)."""
+        fit placed, or one below a failing end (:meth:`SearchConfig.fit_cap`)."""
         nonlocal spent, unspent
         last = next((q for q in reversed(probes) if q.phase == "search"), None)
         if phase == "search" and fitting:
