@@ -9,6 +9,7 @@ import numpy as np
 
 from loadgen.capacity.fit import closed_fit
 from loadgen.capacity.probe import Probe
+from loadgen.capacity.search import _beside
 from loadgen.capacity.stats import SE_FLOOR, SloCheck, log_quantile_se
 from loadgen.metrics.slo import parse_slos
 
@@ -59,3 +60,31 @@ def test_a_few_probes_with_their_own_errors_bound_the_crossing():
     wide = closed_fit(slos, scattered, 0.95)
     assert wide is not None and (wide.lo is None or wide.hi is None or wide.hi - wide.lo > fit.hi - fit.lo), (wide, fit)
     assert closed_fit(slos, probes[1:3], 0.95) is None
+
+
+def test_the_probes_of_a_live_run_bound_the_crossing_and_an_slo_that_holds_everywhere_does_not_widen_it():
+    """Issue 40, run 6 of stop 49 on the reference server (TPOT p90, its error and independent requests as
+    measured; the truth from 41 probes of ten runs: 51 sessions): five probes, each worth 3 to 9 independent
+    requests, bound the crossing within ±30 % once their own variances count as many degrees of freedom as their
+    requests give (one probe's worth left it open at both ends). A TTFT SLO that every probe meets with room to spare
+    takes no share of the confidence (it split 95 % over two SLOs before)."""
+    measured = [(60, 0.183, 0.076, 3), (46, 0.149, 0.097, 8), (44, 0.138, 0.059, 6), (54, 0.134, 0.107, 9),
+                (47, 0.120, 0.091, 3)]  # fmt: skip
+    probes = [_probe(x, v, se, u) for x, v, se, u in measured]
+    fit = closed_fit(parse_slos("tpot_p90=150ms", percentiles=True), probes, 0.95)
+    assert fit is not None and fit.lo is not None and fit.hi is not None, fit
+    assert 0.7 * 51 <= fit.lo <= 51 < fit.hi <= 1.3 * 51, fit
+    (ttft,) = parse_slos("ttft_p90=2s", percentiles=True)
+    for p in probes:
+        p.checks.append(SloCheck(ttft.key, ttft.limit, 300, 0, 0.0, 0.3, 0.45, None, None, "open", 20.0, 0.2))
+    both = closed_fit(parse_slos("ttft_p90=2s,tpot_p90=150ms", percentiles=True), probes, 0.95)
+    assert both is not None and (both.lo, both.hi, both.estimate) == (fit.lo, fit.hi, fit.estimate), (both, fit)
+
+
+def test_the_next_probe_for_the_fit_goes_to_the_side_with_fewer_independent_requests():
+    """Two short probes above the estimate (a confident failure stops after a few waves) weigh less than one long
+    probe below it: the next goes above (counted as probes, two above and one below sent it below again)."""
+    near = [_probe(60, 0.18, 0.08, 3.0), _probe(50, 0.155, 0.1, 3.0), _probe(40, 0.13, 0.04, 20.0)]
+    assert _beside(47.0, near, 0.2) == 47.0 * 1.2
+    assert _beside(47.0, [*near, _probe(55, 0.16, 0.05, 20.0)], 0.2) == 47.0 / 1.2
+    assert _beside(47.0, [], 0.2) == 47.0 * 1.2  # a tie goes above

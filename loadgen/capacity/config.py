@@ -20,7 +20,7 @@ PROBES_IN_BUDGET = 4  # a probe sized that way runs at most this share of the bu
 # first wave and FIT_WAVES more
 FIT_LOADS = 6
 FIT_WAVES = 4
-FIT_SPREAD = 0.15  # the fit's probes go this share either side of its estimate
+FIT_SPREAD = 0.2  # the fit's probes go this share either side of its estimate (the line's slope needs loads apart)
 
 
 @dataclass

@@ -153,28 +153,29 @@ def closed_fit(slos: Sequence[SLO], probes: Sequence[Probe], confidence: float, 
     percentile is fitted against log load within ``±width`` of the crossing (a straight line: the least
     squares, each probe weighted by its percentile's own variance, :attr:`SloCheck.se`, the probes' scatter about
     the line beyond it widening the interval), and the crossing's interval is Fieller's for the ratio that places
-    it, at ``confidence`` two-sided split over the SLOs (:func:`_crossing`). An SLO whose every
+    it, at ``confidence`` two-sided split over the SLOs that cross (:func:`_crossing`). An SLO whose every
     percentile is under its limit does not bind. The capacity is the lowest SLO's crossing, rounded down to
     whole sessions; its interval, as the confirmed bracket's, runs from the most sessions that hold to the
     fewest that fail. None: no SLO crosses between the probed loads, fewer than ``least`` loads near it, or a
     percentile that falls with load there (the data say nothing yet). The estimate stays between the highest
     load under the limit and the lowest over it on their point estimates (a line through a step, a queue that
     forms at the slot count, can cross far from it)."""
-    latency = [s for s in slos if s.metric != ERROR_RATE]
-    if not latency:
-        return None
-    q_two = 1 - (1 - confidence) / (2 * len(latency))
-    ends: list[tuple[float, float | None, float | None, int]] = []  # (estimate, lo, hi, probes), log load
-    for slo in latency:
-        checks = ((p, next((c for c in p.checks if c.key == slo.key), None)) for p in closed_probes(probes, least))
-        pts = [(math.log(p.load), math.log(c.value), c.se ** -2, c.n / max(c.tau, 1.0)) for p, c in checks
+    near = closed_probes(probes, least)
+    series = []  # per latency SLO: its log percentile, weight and independent requests at each probe's log load
+    for slo in (s for s in slos if s.metric != ERROR_RATE):
+        checks = ((p, next((c for c in p.checks if c.key == slo.key), None)) for p in near)
+        pts = [(math.log(p.load), math.log(c.value), c.se ** -2, c.units) for p, c in checks
                if c is not None and p.requests and c.value is not None and 0 < c.value < math.inf and c.se]  # fmt: skip
         if not pts:
             return None
+        series.append((slo, pts))
+    # an SLO under its limit at every load probed does not bind there: the confidence is split over those that cross
+    crossing = [(slo, pts) for slo, pts in series if max(v for _, v, _, _ in pts) > math.log(slo.limit)]
+    q_two = 1 - (1 - confidence) / (2 * max(1, len(crossing)))
+    ends: list[tuple[float, float | None, float | None, int]] = []  # (estimate, lo, hi, probes), log load
+    for slo, pts in crossing:
         x, y, w, units = (np.asarray(v, dtype=float) for v in zip(*pts, strict=True))
         target = math.log(slo.limit)
-        if y.max() <= target:  # under the limit at every load probed: it does not bind there
-            continue
         if y.min() > target:
             return None  # over it at every load: no crossing to fit (the confirmed verdicts decide)
         over = x[y > target].min()  # the crossing lies between the lowest load over the limit and the highest under it
@@ -227,10 +228,10 @@ def _crossing(x: np.ndarray, y: np.ndarray, weights: tuple[np.ndarray, np.ndarra
             return got
         dof = int(near.sum()) - 2
         resid = ys - (a + b * xs)
-        # the scale: the points' own variances (as many degrees of freedom as a probe's independent requests give
-        # one of them: their model is common to all, its error does not average out) pooled with the scatter
-        # about the line (the points less two)
-        prior = max(1, math.floor(float(units[near].mean())) - 1)
+        # the scale: the points' own variances (each as many degrees of freedom as its independent requests less
+        # one: on the reference server 41 probes of ten runs scattered about their common line as their own errors
+        # said, chi-squared 1.11 per degree of freedom) pooled with the scatter about the line (the points less two)
+        prior = max(1, int(np.maximum(units[near] - 1, 1).sum()))
         cov = cov * (prior + float((ws * resid * resid).sum())) / (prior + max(dof, 0))
         q = t_quantile(q_two, prior + max(dof, 0))
         est = centre + (target - a) / b

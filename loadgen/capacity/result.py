@@ -134,7 +134,7 @@ def make_result(
     searched = [p for p in probes if p.phase == "search"]
     short = []
     for s in slos:  # the independent requests each probe's verdict counted (check: n / tau)
-        have = max((math.floor(c.n / c.tau) for p in searched for c in p.checks if c.key == s.key), default=0)
+        have = max((math.floor(c.units) for p in searched for c in p.checks if c.key == s.key), default=0)
         if have < (need := samples_to_hold(s, z, cfg.confidence)):
             short.append(f"{s.key}: {need}, measured at most {have}")
     if status in ("budget", "unresolved") and any(p.requests for p in searched):

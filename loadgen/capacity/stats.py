@@ -169,6 +169,11 @@ class SloCheck:
     tau: float = 1.0  # the correlation time the verdict counted (requests per independent sample)
     se: float | None = None  # the standard error of the percentile's log (:func:`log_quantile_se`), None: unknown
 
+    @property
+    def units(self) -> float:
+        """The independent requests the verdict counted (``n / tau``)."""
+        return self.n / max(self.tau, 1.0)
+
 
 def check(samples: Samples, slo: SLO, z: float, confidence: float = 0.95) -> SloCheck:
     """One SLO's state at ``z`` (one-sided, per side). Violated: the Wilson interval of the share of misses
