@@ -88,3 +88,21 @@ def test_the_next_probe_for_the_fit_goes_to_the_side_with_fewer_independent_requ
     assert _beside(47.0, near, 0.2) == 47.0 * 1.2
     assert _beside(47.0, [*near, _probe(55, 0.16, 0.05, 20.0)], 0.2) == 47.0 / 1.2
     assert _beside(47.0, [], 0.2) == 47.0 * 1.2  # a tie goes above
+
+
+def test_past_the_load_where_another_slo_fails_the_line_is_not_fitted():
+    """A queue at the server's slot count (the reference server's 64): past it the TTFT soars and the batch, and with
+    it the TPOT, stops growing (stop 50's run 1: TPOT p90 155-170 ms at 78-79 sessions, 141-143 at 49-50). TPOT's
+    line runs up to the first load where TTFT is over its limit, that load included: the flat points beyond would
+    pull its crossing up and leave its interval open."""
+    slos = parse_slos("ttft_p90=2s,tpot_p90=150ms", percentiles=True)
+    ttft = slos[0]
+    probes = []
+    for x, ttft_s in [(46, 0.4), (56, 0.5), (72, 2.3), (78, 3.6)]:
+        tpot = 0.150 * (min(x, 64) / 52) ** 0.6  # 64 slots: 64 sessions share each step from there on
+        p = _probe(x, tpot, 0.05)
+        p.checks.append(SloCheck(ttft.key, ttft.limit, 300, 0, 0.0, 0.3, ttft_s, None, None, "open", 20.0, 0.1))
+        probes.append(p)
+    fit = closed_fit(slos, probes, 0.95)
+    assert fit is not None and fit.lo is not None and fit.hi is not None, fit
+    assert 0.7 * 52 <= fit.lo <= 52 < fit.hi <= 1.3 * 52 and abs(fit.estimate - 52) <= 3, fit

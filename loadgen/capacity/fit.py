@@ -153,8 +153,9 @@ def closed_fit(slos: Sequence[SLO], probes: Sequence[Probe], confidence: float, 
     percentile is fitted against log load within ``±width`` of the crossing (a straight line: the least
     squares, each probe weighted by its percentile's own variance, :attr:`SloCheck.se`, the probes' scatter about
     the line beyond it widening the interval), and the crossing's interval is Fieller's for the ratio that places
-    it, at ``confidence`` two-sided split over the SLOs that cross (:func:`_crossing`). An SLO whose every
-    percentile is under its limit does not bind. The capacity is the lowest SLO's crossing, rounded down to
+    it, at ``confidence`` two-sided split over the SLOs that cross (:func:`_crossing`). Each SLO's line runs up to
+    the lowest load where another SLO's percentile is over its limit; an SLO whose every percentile there is under
+    its limit does not bind. The capacity is the lowest SLO's crossing, rounded down to
     whole sessions; its interval, as the confirmed bracket's, runs from the most sessions that hold to the
     fewest that fail. None: no SLO crosses between the probed loads, fewer than ``least`` loads near it, or a
     percentile that falls with load there (the data say nothing yet). The estimate stays between the highest
@@ -169,8 +170,18 @@ def closed_fit(slos: Sequence[SLO], probes: Sequence[Probe], confidence: float, 
         if not pts:
             return None
         series.append((slo, pts))
-    # an SLO under its limit at every load probed does not bind there: the confidence is split over those that cross
-    crossing = [(slo, pts) for slo, pts in series if max(v for _, v, _, _ in pts) > math.log(slo.limit)]
+    # each SLO's line only up to the lowest load where another SLO's percentile is over its limit: the capacity lies
+    # below it, and past it the server is in another regime (a queue at its slot count: the TTFT grows, the batch
+    # and with it the TPOT stop growing; on the reference server TPOT p90 144-155 ms at 71-79 sessions, 164-183 at
+    # 56-60). An SLO under its limit at every load left does not bind there: the confidence is split over those
+    # that cross
+    over = {slo.key: min((x for x, v, _, _ in pts if v > math.log(slo.limit)), default=math.inf) for slo, pts in series}
+    crossing = []
+    for slo, pts in series:
+        cut = min((o for k, o in over.items() if k != slo.key), default=math.inf)
+        below = [pt for pt in pts if pt[0] <= cut]
+        if below and max(v for _, v, _, _ in below) > math.log(slo.limit):
+            crossing.append((slo, below))
     q_two = 1 - (1 - confidence) / (2 * max(1, len(crossing)))
     ends: list[tuple[float, float | None, float | None, int]] = []  # (estimate, lo, hi, probes), log load
     for slo, pts in crossing:
