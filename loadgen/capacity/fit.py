@@ -195,7 +195,11 @@ def closed_fit(slos: Sequence[SLO], probes: Sequence[Probe], confidence: float, 
                         q_two)  # fmt: skip
         if got is None:
             return None
-        ends.append((min(max(got[0], float(under.max()) if under.size else -math.inf), float(over)), *got[1:]))
+        est = min(max(got[0], float(under.max()) if under.size else -math.inf), float(over))
+        # the interval holds its estimate: a load that passed on its point estimate above the line's crossing (a probe
+        # of two waves at 52 sessions, 145 ms, over a line that crossed at 47) widens it to there
+        lo, hi = (None if got[1] is None else min(got[1], est)), (None if got[2] is None else max(got[2], est))
+        ends.append((est, lo, hi, got[3]))
     if not ends:
         return None
     est = min(e[0] for e in ends)  # the lowest crossing binds; its interval's ends are the lowest ends
