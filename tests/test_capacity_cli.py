@@ -19,6 +19,7 @@ from loadgen.capacity.config import SearchConfig
 from loadgen.capacity.live import LiveProber
 from loadgen.capacity.search import search
 from loadgen.dispatch.signals import run_async
+from loadgen.dispatch.sweep import run_seed
 from loadgen.exitcodes import ExitCode
 from loadgen.experiments.calibrate import FixedWorkload
 from loadgen.metrics.slo import parse_slos
@@ -72,10 +73,13 @@ def test_cli_exit_codes(tmp_path):
         assert never.returncode == ExitCode.SLO_UNREACHABLE, never.stdout + never.stderr
         assert "unreachable" in never.stdout and "no tokenize endpoint" in " ".join(never.stderr.split())
         easy = _bench("capacity", "--url", url, "--slo", "e2e_p90=60s", "--run-id", "easy", "--max-concurrency", "4",
-                      "--tokenizer", "bundled", *common)  # fmt: skip
+                      "--tokenizer", "bundled", "--seed", "7", *common)  # fmt: skip
         assert easy.returncode == ExitCode.NOT_SATURATED, easy.stdout + easy.stderr
         assert "still hold" in easy.stdout and "no tokenize endpoint" not in " ".join(easy.stderr.split())
     assert json.loads((tmp_path / "easy" / "capacity.json").read_text())["config"]["tokenizer"] == "bundled"
+    # each run its own prompts (a second run against one server read the first's from its cache), --seed repeats them
+    seeds = {run: json.loads((tmp_path / run / "capacity.json").read_text())["config"]["seed"] for run in ("never", "easy")}
+    assert seeds == {"never": run_seed("never"), "easy": 7}, seeds
     for run in ("never", "easy"):
         doc = json.loads((tmp_path / run / "capacity.json").read_text())["result"]
         assert doc["probes"] and all(p["errors"] == 0 for p in doc["probes"]), (run, doc["probes"])

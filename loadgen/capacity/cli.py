@@ -43,6 +43,7 @@ from loadgen.cli.targets import (
 from loadgen.defaults import CAPACITY_FILE
 from loadgen.dispatch.fleet import Fleet
 from loadgen.dispatch.signals import run_async
+from loadgen.dispatch.sweep import run_seed
 from loadgen.exitcodes import ExitCode, UsageError
 from loadgen.metrics import definitions as metrics
 from loadgen.metrics.slo import SloError, metric_of, parse_slos
@@ -144,21 +145,25 @@ def _capacity(slo: str, mode: str, workload: str, arrival: str, **options: Any) 
     except (UsageError, ValueError, LaunchError) as exc:
         console.print(f"[red]error[/]: {exc}")
         raise typer.Exit(ExitCode.USAGE) from None
-    out = o.output_dir / (o.run_id or f"capacity-{new_run_id()}")
+    run_id = o.run_id or f"capacity-{new_run_id()}"
+    # fresh prompts for every run, as `bench run`: with one seed for all, a second run against the same server read
+    # its prompts from the server's cache (llama-server: TTFT 17 ms at one session instead of 370, TPOT halved)
+    seed = o.seed if o.seed is not None else run_seed(run_id)
+    out = o.output_dir / run_id
     out.mkdir(parents=True, exist_ok=True)
     config = {"command": "capacity", "slo": slo, "mode": mode, "url": o.url, "backend": o.backend, "workload": workload,
-              "tokenizer": tokenizer.spec, "arrival": arrival, "server": o.server, "grid": o.grid, "search": cfg.__dict__,
-              **fleet.describe()}  # fmt: skip
+              "tokenizer": tokenizer.spec, "arrival": arrival, "seed": seed, "server": o.server, "grid": o.grid,
+              "search": cfg.__dict__, **fleet.describe()}  # fmt: skip
     entries: list[dict[str, Any]] = []
     stdout = Console(width=None if sys.stdout.isatty() else 200)
 
     def one(target: str, gp: GridPoint | None = None, previous: Any = None) -> list[dict[str, Any]]:
         _check_reachable(target)
         be = make_backend(o.backend, target, o.model, o.api, api_key, False, o.extra_body)
-        for warning in server_counts(be, [wl], o.seed, tokenizer.unconfirmed):
+        for warning in server_counts(be, [wl], seed, tokenizer.unconfirmed):
             console.print(f"[yellow]warning[/]: {warning}")
         where = out / gp.label if gp else out
-        prober = LiveProber(be, wl, slos, where, RunClock(), process=arrival, seed=o.seed, timeout=o.timeout,
+        prober = LiveProber(be, wl, slos, where, RunClock(), process=arrival, seed=seed, timeout=o.timeout,
                             client_kind=o.client, fleet=fleet)  # fmt: skip
         label = gp.label if gp else "server"
         console.print(f"[dim]{label}: searching the {mode} capacity under {', '.join(s.describe() for s in slos)}[/]")
@@ -203,7 +208,7 @@ def _capacity(slo: str, mode: str, workload: str, arrival: str, **options: Any) 
         raise typer.Exit(codes[0])
 
 
-capacity_command = command(_capacity, OPTIONS, own=OWN, defaults={"seed": 0})
+capacity_command = command(_capacity, OPTIONS, own=OWN)
 
 
 def _write(out: Path, config: dict[str, Any], entries: list[dict[str, Any]]) -> None:
