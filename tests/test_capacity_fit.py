@@ -117,3 +117,23 @@ def test_the_interval_holds_the_estimate_where_a_passing_probe_lifts_it_above_th
     fit = closed_fit(parse_slos("tpot_p90=150ms", percentiles=True), [_probe(*m) for m in measured], 0.95)
     assert fit is not None and fit.lo is not None and fit.hi is not None, fit
     assert fit.estimate == 52 and fit.lo <= fit.estimate < fit.hi, fit
+
+
+def test_a_step_between_the_highest_pass_and_the_lowest_failure_leaves_the_lower_end_there():
+    """llama-server's 16 slots, as measured (stop 50, a run whose prompts the server had cached): TTFT p90 0.14 s at
+    16 sessions (the pilot), 6 s at 26. A line through them crossed 2 s at 25 and its interval, [25, 26] within
+    the confirmed failure at 26, ended the search as "resolution reached" where the truth is 17: between the
+    highest load that met the SLO and the lowest that missed it, no line tells a slope from a step."""
+    slos = parse_slos("ttft_p90=2s,tpot_p90=150ms", percentiles=True)
+    measured = [("pilot", 1, 0.0168, 0.048, 7.0, 0.0068, 0.023), ("pilot", 2, 0.0304, 0.029, 3.0, 0.0145, 0.01),
+                ("pilot", 4, 0.0564, 0.03, 1.0, 0.0287, 0.01), ("pilot", 8, 0.1061, 0.026, 1.0, 0.0492, 0.13),
+                ("pilot", 16, 0.1351, 0.04, 1.0, 0.057, 0.019), ("pilot", 32, 4.7813, 0.08, 1.0, 0.0568, 0.038),
+                ("search", 32, 5.2961, 0.131, 3.8, 0.0571, 0.029), ("search", 26, 5.9868, 0.428, 5.1, 0.116, 0.223)]
+    probes = []
+    for phase, load, ttft, ttft_se, units, tpot, tpot_se in measured:
+        checks = [SloCheck(s.key, s.limit, 64, 0, 0.0, 0.3, v, None, None, "open", 64 / units, se)
+                  for s, v, se in zip(slos, (ttft, tpot), (ttft_se, tpot_se), strict=True)]  # fmt: skip
+        probes.append(Probe(0, phase, "concurrency", float(load), "pass", False, "", 30.0, 64, 0, checks))
+    fit = closed_fit(slos, probes, 0.95)
+    assert fit is not None and fit.lo is not None and fit.hi is not None, fit
+    assert fit.lo <= 16 and fit.lo <= 17 < fit.hi, fit

@@ -175,10 +175,11 @@ def closed_fit(slos: Sequence[SLO], probes: Sequence[Probe], confidence: float, 
     # and with it the TPOT stop growing; on the reference server TPOT p90 144-155 ms at 71-79 sessions, 164-183 at
     # 56-60). An SLO under its limit at every load left does not bind there: the confidence is split over those
     # that cross
-    over = {slo.key: min((x for x, v, _, _ in pts if v > math.log(slo.limit)), default=math.inf) for slo, pts in series}
+    first_over = {slo.key: min((x for x, v, _, _ in pts if v > math.log(slo.limit)), default=math.inf)
+                  for slo, pts in series}  # fmt: skip
     crossing = []
     for slo, pts in series:
-        cut = min((o for k, o in over.items() if k != slo.key), default=math.inf)
+        cut = min((o for k, o in first_over.items() if k != slo.key), default=math.inf)
         below = [pt for pt in pts if pt[0] <= cut]
         if below and max(v for _, v, _, _ in below) > math.log(slo.limit):
             crossing.append((slo, below))
@@ -199,6 +200,10 @@ def closed_fit(slos: Sequence[SLO], probes: Sequence[Probe], confidence: float, 
         # the interval holds its estimate: a load that passed on its point estimate above the line's crossing (a probe
         # of two waves at 52 sessions, 145 ms, over a line that crossed at 47) widens it to there
         lo, hi = (None if got[1] is None else min(got[1], est)), (None if got[2] is None else max(got[2], est))
+        # and its lower end no higher than the highest load under the limit: in the gap up to the lowest load over it a
+        # line cannot tell a slope from a step (llama-server's 16 slots: TTFT p90 0.14 s at 16 sessions, 6 s at 26;
+        # the line's end at 25 answered "capacity 25, [25, 26], resolution reached" where the truth is 17)
+        lo = lo if lo is None or not under.size else min(lo, float(under.max()))
         ends.append((est, lo, hi, got[3]))
     if not ends:
         return None
