@@ -172,7 +172,7 @@ def closed_fit(slos: Sequence[SLO], probes: Sequence[Probe], confidence: float, 
         series.append((slo, pts))
     # each SLO's line only up to the lowest load where another SLO's percentile is over its limit: the capacity lies
     # below it, and past it the server is in another regime (a queue at its slot count: the TTFT grows, the batch
-    # and with it the TPOT stop growing; on the reference server TPOT p90 144-155 ms at 71-79 sessions, 164-183 at
+    # and with it the TPOT stop growing; on the reference server TPOT p90 144-170 ms at 71-79 sessions, 164-183 at
     # 56-60). An SLO under its limit at every load left does not bind there: the confidence is split over those
     # that cross
     first_over = {slo.key: min((x for x, v, _, _ in pts if v > math.log(slo.limit)), default=math.inf)
