@@ -88,8 +88,10 @@ def make_result(
 ) -> CapacityResult:  # fmt: skip
     unit = "concurrency" if cfg.mode == "concurrency" else "req/s"
     res_met = lo is not None and hi is not None and converged(cfg.mode, lo, hi, cfg.resolution)
-    at = [p for p in probes if p.phase == "search" and lo is not None and p.load <= lo and p.verdict == "pass"]
-    goodput = max(at, key=lambda p: p.load).goodput if at else None
+    # goodput at the capacity: the passing probe nearest below it, a search probe before a pilot at one load (the
+    # fit's lower end can be a load only the pilot probed)
+    at = [p for p in probes if lo is not None and p.load <= lo and p.verdict == "pass" and p.goodput is not None]
+    goodput = max(at, key=lambda p: (p.load, p.phase == "search")).goodput if at else None
     messages = {
         "ok": f"capacity {fmt_load(lo)} {unit}: every SLO holds there; {fmt_load(hi)} fails "
               f"(resolution ±{cfg.resolution:.0%} reached)",
