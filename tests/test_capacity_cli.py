@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from support.service_models import LIVE
@@ -17,7 +18,9 @@ from support.signals import sigint_default
 from backends.openai import OpenAIBackend
 from loadgen.capacity.config import SearchConfig
 from loadgen.capacity.live import LiveProber
+from loadgen.capacity.probe import pilot_requests
 from loadgen.capacity.search import search
+from loadgen.defaults import REQUESTS_FILE
 from loadgen.dispatch.signals import run_async
 from loadgen.dispatch.sweep import run_seed
 from loadgen.exitcodes import ExitCode
@@ -48,6 +51,23 @@ def test_live_search_finds_the_known_capacity(tmp_path, mode, process, slo):
     lo, hi = res.interval
     assert res.status == "ok" and res.resolution_met, (res.message, table)
     assert lo <= truth and (truth < hi if mode == "concurrency" else truth <= hi), (truth, res.interval, table)
+
+
+def test_a_pilots_sessions_keep_sending_until_its_judged_requests_ended(tmp_path):
+    """A pilot judges its second wave; its sessions go on sending until that wave has ended, and the requests still
+    running then are cancelled, not judged. A loop that stopped at the judged count drained under its last wave
+    (fewer in the batch, no new prefills): on the reference server a pilot at 64 sessions read TPOT p90 129-147 ms
+    where the steady state gives ~177, and passed there."""
+    slos = parse_slos("tpot_p90=1s", percentiles=True)
+    c = 4
+    with ServiceModelProcess(LIVE) as url:  # a wave of 64 tokens: ~1.7 s at 4 sessions, ticks of 0.25 s
+        prober = LiveProber(OpenAIBackend(url, model="null"), FixedWorkload(max_tokens=64, prompt="w " * 60), slos,
+                            tmp_path, timeout=30)  # fmt: skip
+        p = run_async(prober.probe("concurrency", c, None, 30.0, 0, "pilot"))
+    recs = [json.loads(line) for line in (Path(p.dir) / REQUESTS_FILE).read_text().splitlines()]
+    kinds = [(r["error"] or {}).get("kind") for r in recs]
+    assert p.verdict == "pass" and p.errors == 0 and p.requests == pilot_requests(c), (p, kinds)
+    assert kinds.count(None) == pilot_requests(c) and kinds.count("cancelled") == c, kinds
 
 
 def _bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from loadgen.capacity.probe import Probe, ProbeJudge, SearchStopped, pilot_requests, probe_result
+from loadgen.capacity.probe import Probe, ProbeJudge, SearchStopped, pilot_requests, pilot_sends, probe_result
 from loadgen.capacity.sequential import Decision, Sequential
 from loadgen.capacity.stats import Samples
 from loadgen.defaults import REQUEST_TIMEOUT_S, REQUESTS_FILE
@@ -54,7 +54,8 @@ class LiveProber:
             # measured sessions at once into the idle server again; the judge leaves that first wave out instead
             # (:meth:`Samples.steady`)
             c = int(load)
-            spec = LoadSpec("closed", concurrency=c, num_requests=cap, warmup=0, seed=self.seed + index,
+            sends = cap if seq is not None else pilot_sends(c)
+            spec = LoadSpec("closed", concurrency=c, num_requests=sends, warmup=0, seed=self.seed + index,
                             duration=max_seconds, drain=0.0, timeout=self.timeout)  # fmt: skip
         else:
             spec = LoadSpec(self.process, concurrency=None, rate=load, num_requests=cap, seed=self.seed + index,

@@ -82,7 +82,17 @@ def _meets(samples: Samples, i: int, slos: Sequence[SLO]) -> bool:
 
 
 def pilot_requests(c: int) -> int:
+    """The requests a pilot at ``c`` sessions judges (its first wave left out: :func:`judged`)."""
     return max(8, 2 * c)
+
+
+def pilot_sends(c: int) -> int:
+    """The most requests a pilot's closed loop sends: twice those it judges, so that every session keeps sending
+    until the judged ones have ended (the probe stops then). A loop that stopped sending at the judged count
+    drained while its last wave ran, the batch shrinking under it: on the reference server a pilot at 64 sessions
+    read TPOT p90 129-147 ms where the steady state gives ~177, passed there, and sent the search past the
+    capacity (50 sessions)."""
+    return 2 * pilot_requests(c)
 
 
 def judged(samples: Samples) -> Samples:

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from loadgen.capacity.probe import Probe, ProbeJudge, pilot_requests, probe_result
+from loadgen.capacity.probe import Probe, ProbeJudge, pilot_requests, pilot_sends, probe_result
 from loadgen.capacity.sequential import Decision, Sequential
 from loadgen.capacity.stats import Samples, check
 from loadgen.metrics.slo import SLO
@@ -245,7 +245,8 @@ class SimProber:
         # requests start, so they start on an idle server
         closed = mode == "concurrency" or phase == "pilot"
         if closed:
-            tl = simulate(self.model, draw(self.job, cap, rng), concurrency=int(load))
+            sends = cap if seq is not None else pilot_sends(int(load))
+            tl = simulate(self.model, draw(self.job, sends, rng), concurrency=int(load))
         else:
             n = int(max(cap * 1.2, load * max_seconds * 1.2)) + 10
             gaps = rng.exponential(1 / load, n) if self.process == "poisson" else np.full(n, 1 / load)
