@@ -223,12 +223,13 @@ def test_with_no_failing_end_an_undecided_closed_loop_probe_grows_the_load():
     """llama-server live (5a6109c): confirmed passes at 2 and 4 sessions, then 6, 7, 8 each undecided at the
     180-s cap, and the budget ran out at [4, ?]: the search crept up one resolution step per undecided pass
     and never looked for the upper end. With no confident fail yet, an undecided probe now grows the load
-    as a confident pass does (6, 9, 14 here), so the search finds a failing end first and closes."""
+    as a confident pass does (6, 9, 14 here), so the search finds a failing end first and closes. It starts between
+    the pilot's pass at 2 and its unconfirmed failure at 4."""
     slos = parse_slos("ttft_p90=2s,tpot_p90=150ms", percentiles=True)
     cfg = SearchConfig("concurrency", resolution=0.1, budget_s=900, max_probe_s=180)
     res = run_async(search(_Scripted(sure=4, fails=12), slos, cfg))
     loads = [p.load for p in res.probes if p.phase == "search"]
-    assert loads[:5] == [2, 4, 6, 9, 14], loads
+    assert loads[:5] == [3, 4, 6, 9, 14], loads
     lo, hi = res.interval
     assert lo == 4 and hi is not None and hi >= 12, (res.interval, loads)
 

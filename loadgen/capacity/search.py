@@ -128,8 +128,11 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
         x = lo_bound
     elif fit is not None:  # the pilot's percentiles cross the SLOs: start where they do
         x = min(max(fit.estimate, lo_bound), hi_bound)
-    elif soft is not None and hi is not None:
-        x = _toward(soft, min(hi, _reach(cfg, slos, last_ok) + 1))
+    elif soft is not None and (top := hint if hi is None else hi) is not None:
+        # between the pilot's last pass and its failure, confirmed or not (on the reference server a pilot at 64
+        # sessions, TPOT p90 at the limit on its miss share and just under on its percentile, gave no crossing: the
+        # search's first probe ran 120 s at 32 sessions, a pass far below the capacity of 50)
+        x = _toward(soft, min(top, _reach(cfg, slos, last_ok) + 1))
 
     # 2. bracket, then bisect; only confident verdicts move the bracket, an undecided probe (the SLO
     # boundary is within its noise) is flanked by probes one resolution step either side
