@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from loadgen.capacity.probe import Probe, ProbeJudge, SearchStopped, pilot_requests, pilot_sends, probe_result
+from loadgen.capacity.probe import Probe, ProbeJudge, SearchStopped, probe_requests, probe_result
 from loadgen.capacity.sequential import Decision, Sequential
 from loadgen.capacity.stats import Samples
 from loadgen.defaults import REQUEST_TIMEOUT_S, REQUESTS_FILE
@@ -48,13 +48,12 @@ class LiveProber:
 
     async def probe(self, mode: str, load: float, seq: Sequential | None, max_seconds: float, index: int,
                     phase: str) -> Probe:  # fmt: skip
-        cap = seq.max_samples if seq is not None else pilot_requests(int(load))
+        cap, sends = probe_requests(seq, load)
         if mode == "concurrency" or phase == "pilot":
             # no warm-up phase: it would run a wave to its end, the probe's time not counting it, and then send the
             # measured sessions at once into the idle server again; the judge leaves that first wave out instead
             # (:meth:`Samples.steady`)
             c = int(load)
-            sends = cap if seq is not None else pilot_sends(c)
             spec = LoadSpec("closed", concurrency=c, num_requests=sends, warmup=0, seed=self.seed + index,
                             duration=max_seconds, drain=0.0, timeout=self.timeout)  # fmt: skip
         else:

@@ -95,6 +95,14 @@ def pilot_sends(c: int) -> int:
     return 2 * pilot_requests(c)
 
 
+def probe_requests(seq: Sequential | None, load: float) -> tuple[int, int]:
+    """(the most requests a probe judges, the most it sends): a search probe's sample cap for both, a pilot's
+    :func:`pilot_requests` and :func:`pilot_sends`."""
+    if seq is not None:
+        return seq.max_samples, seq.max_samples
+    return pilot_requests(int(load)), pilot_sends(int(load))
+
+
 def judged(samples: Samples) -> Samples:
     """A pilot's requests that its verdict reads: the steady part, or all of them when the probe ended within its
     first wave (a slow server: the burst is all there is to read)."""

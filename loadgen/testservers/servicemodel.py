@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from loadgen.capacity.probe import Probe, ProbeJudge, pilot_requests, pilot_sends, probe_result
+from loadgen.capacity.probe import Probe, ProbeJudge, probe_requests, probe_result
 from loadgen.capacity.sequential import Decision, Sequential
 from loadgen.capacity.stats import Samples, check
 from loadgen.metrics.slo import SLO
@@ -240,12 +240,11 @@ class SimProber:
                     phase: str) -> Probe:  # fmt: skip
         self.count += 1
         rng = np.random.default_rng([self.seed, self.count])
-        cap = seq.max_samples if seq is not None else pilot_requests(int(load))
+        cap, sends = probe_requests(seq, load)
         # as the live prober: a pilot is a closed loop in either mode, and its warm-up ends before its measured
         # requests start, so they start on an idle server
         closed = mode == "concurrency" or phase == "pilot"
         if closed:
-            sends = cap if seq is not None else pilot_sends(int(load))
             tl = simulate(self.model, draw(self.job, sends, rng), concurrency=int(load))
         else:
             n = int(max(cap * 1.2, load * max_seconds * 1.2)) + 10
