@@ -26,10 +26,11 @@ class Fit:
     estimate: float
     probes: int  # the probes it pooled
     basis: str = "the SLO misses"  # what of each probe it fitted (open loop: misses; closed loop: percentiles)
+    crossing: float | None = None  # closed loop: where the line crosses, in sessions (not yet whole)
 
     def within(self, mode: str, lo: float | None, hi: float | None) -> Fit:
-        """The fit inside the confirmed bracket ``[lo, hi]`` (each verdict at the stated confidence): where the two
-        disagree, the confirmed verdict stands. Concurrency: ``hi`` is the fewest sessions that fail."""
+        """The fit inside the confirmed bracket ``[lo, hi]`` (:func:`agreeing`). Concurrency: ``hi`` is the fewest
+        sessions that fail."""
         gap = 1.0 if mode == "concurrency" else 0.0
         a, b = self.lo, self.hi
         if a is not None:
@@ -41,7 +42,7 @@ class Fit:
         est = self.estimate
         est = max(est, lo) if lo is not None else est
         est = min(est, hi - gap) if hi is not None else est
-        return Fit(a, b, est, self.probes, self.basis)
+        return Fit(a, b, est, self.probes, self.basis, self.crossing)
 
 
 def _logistic(u: np.ndarray, k: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
@@ -134,6 +135,28 @@ def pooled_fit(slos: Sequence[SLO], probes: Sequence[Probe], confidence: float, 
     return fit
 
 
+def agreeing(slos: Sequence[SLO], probes: Sequence[Probe], confidence: float, lo: float | None,
+             hi: float | None) -> tuple[float | None, float | None]:  # fmt: skip
+    """The ends of the confirmed bracket ``[lo, hi]`` (each a single probe's verdict at the stated confidence) that
+    the fit of the other probes agrees with (:func:`closed_fit` without the probes that confirmed it, at that load):
+    a pass at or below its crossing, a fail above it; an end stands where the others cannot place a crossing. A
+    closed-loop probe's confidence covers the server during its own minute or two: on the reference server one load
+    read TPOT p90 142 and 164 ms within a run, and a confident fail at 52 sessions (154 ms) cut the fit of a run to
+    [49, 52] ("resolution reached") where that session's 30 search probes pooled crossed at 56."""
+
+    def agrees(load: float | None, verdict: str) -> bool:
+        if load is None:
+            return False
+        rest = [p for p in probes if not (p.confident and p.verdict == verdict and p.load == load)]
+        fit = closed_fit(slos, rest, confidence)
+        if fit is None or fit.crossing is None:
+            return True
+        # a tie within rounding agrees with either verdict
+        return load <= fit.crossing * (1 + 1e-9) if verdict == "pass" else load > fit.crossing * (1 - 1e-9)
+
+    return (lo if agrees(lo, "pass") else None), (hi if agrees(hi, "fail") else None)
+
+
 def closed_probes(probes: Sequence[Probe], least: int = 3) -> list[Probe]:
     """The closed-loop probes whose percentiles place the capacity: the search's once they cover ``least`` loads,
     else the pilot's as well. A pilot probe is two waves of a few requests, one of them the burst of a start on
@@ -216,7 +239,7 @@ def closed_fit(slos: Sequence[SLO], probes: Sequence[Probe], confidence: float, 
 
     # as the confirmed bracket: [the most sessions that hold, the fewest that fail]
     return Fit(None if lo is None else whole(lo), None if hi is None else whole(hi) + 1, whole(est),
-               max(e[3] for e in ends), "the percentiles")  # fmt: skip
+               max(e[3] for e in ends), "the percentiles", math.exp(est))  # fmt: skip
 
 
 def _crossing(x: np.ndarray, y: np.ndarray, weights: tuple[np.ndarray, np.ndarray], target: float, centre: float,

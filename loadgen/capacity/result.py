@@ -118,7 +118,7 @@ def make_result(
                             f"{unit} ({pooled}; their interval at {cfg.confidence:.0%} is not bounded {open_ends} "
                             f"yet); the confirmed bracket is [{fmt_load(lo)}, {fmt_load(hi)}] {unit}")  # fmt: skip
     if fit is not None and (lo, hi) == (fit.lo, fit.hi):
-        messages[status] += _confirmed(probes, unit)
+        messages[status] += _confirmed(probes, unit, estimate)
     if status in ("budget", "unresolved") and fit is None and estimate is not None and estimate > (lo or 0.0):
         messages[status] += (f"; the probes' point estimates put it at {fmt_load(estimate)} {unit} (it passed there, "
                              f"not yet at {cfg.confidence:.0%} confidence)")  # fmt: skip
@@ -157,15 +157,20 @@ def make_result(
     )  # fmt: skip
 
 
-def _confirmed(probes: Sequence[Probe], unit: str) -> str:
+def _confirmed(probes: Sequence[Probe], unit: str, estimate: float) -> str:
     """The verdicts at the stated confidence beside a fitted interval: the highest load confirmed to pass and
-    the lowest confirmed to fail."""
+    the lowest confirmed to fail, and why the fit's ``estimate`` stands where one of them disagrees with it."""
     sure = [p for p in probes if p.phase == "search" and p.confident and p.requests]
     passed = max((p.load for p in sure if p.verdict == "pass"), default=None)
     failed = min((p.load for p in sure if p.verdict == "fail"), default=None)
     said = ([f"passes up to {fmt_load(passed)} {unit}"] if passed is not None else []) + (
         [f"fails from {fmt_load(failed)} {unit}"] if failed is not None else [])  # fmt: skip
-    return f"; confirmed by single probes: {', '.join(said)}" if said else "; no probe confirmed a pass or a fail on its own"
+    if not said:
+        return "; no probe confirmed a pass or a fail on its own"
+    disagree = (passed is not None and passed > estimate) or (failed is not None and failed <= estimate)
+    why = (" (the estimate stands: a single probe's confidence covers the server during that probe, the fit every "
+           "probe's level)" if disagree else "")  # fmt: skip
+    return f"; confirmed by single probes: {', '.join(said)}{why}"
 
 
 def fmt_load(x: float | None) -> str:

@@ -31,7 +31,7 @@ import math
 from collections.abc import Sequence
 
 from loadgen.capacity.config import FIT_SPREAD, PROBE_MARGIN, SearchConfig, nearest, wave_icc, wave_s
-from loadgen.capacity.fit import Fit, closed_fit, closed_probes, pooled_fit
+from loadgen.capacity.fit import Fit, agreeing, closed_fit, closed_probes, pooled_fit
 from loadgen.capacity.probe import Probe, Prober, SearchStopped, pilot_requests
 from loadgen.capacity.result import CapacityResult, converged, make_result
 from loadgen.capacity.sequential import Sequential
@@ -152,8 +152,10 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
         if lo is not None and hi is not None and lo >= hi:  # contradicting verdicts: re-test both ends
             lo, hi = None, None
         fit = pooled_fit(slos, probes, cfg.confidence) if cfg.mode == "rate" else closed_fit(slos, probes, cfg.confidence)
+        sure = (lo, hi)  # the confirmed bracket; in concurrency mode its ends that the other probes' fit agrees with
         if fit is not None and cfg.mode == "concurrency":
-            fit = fit.within(cfg.mode, lo, hi)
+            sure = agreeing(slos, probes, cfg.confidence, lo, hi)
+            fit = fit.within(cfg.mode, *sure)
         if fit is not None and fit.lo is not None and fit.hi is not None and converged(cfg.mode, fit.lo, fit.hi, cfg.resolution):
             lo, hi, status = fit.lo, fit.hi, "ok"
             break
@@ -163,7 +165,7 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
             # either side of it, FIT_SPREAD away (the line's slope, which bounds its interval, needs loads apart;
             # a probe that decides early still moves the confirmed bracket)
             x, fitting = _beside(fit.estimate, [q for q in probes if q.phase == "search"], FIT_SPREAD), True
-            x = min(max(x, lo_bound if lo is None else lo + 1), hi_bound if hi is None else hi - 1)  # inside the bracket
+            x = min(max(x, lo_bound if sure[0] is None else sure[0] + 1), hi_bound if sure[1] is None else sure[1] - 1)
         elif p.bursty and lo is not None and hi is not None:
             # random arrivals: a probe alone cannot place the crossing within the resolution (the miss share
             # rises slowly through it, and a probe that saw no burst looks confident), the pooled fit does
