@@ -137,3 +137,20 @@ def test_a_step_between_the_highest_pass_and_the_lowest_failure_leaves_the_lower
     fit = closed_fit(slos, probes, 0.95)
     assert fit is not None and fit.lo is not None and fit.hi is not None, fit
     assert fit.lo <= 16 and fit.lo <= 17 < fit.hi, fit
+
+
+def test_where_a_load_above_the_lowest_failure_passed_the_line_places_the_estimate():
+    """This session's first run on the reference server (TPOT p90, its error and independent requests as measured):
+    47 sessions failed at 159 ms where 56 passed at 146, the server's level having moved between the probes. The
+    estimate stayed at the lowest load over the limit (47: "capacity about 47" beside a confirmed fail at 47); the
+    line through every probe places it between the loads that passed. Where the probes rise with load throughout
+    (a step), the estimate stays below the lowest load over the limit, a whole session under it."""
+    measured = [(58, 0.163, 0.043, 5.3), (47, 0.159, 0.064, 6.3), (28, 0.079, 0.143, 7.5), (39, 0.109, 0.084, 9.2),
+                (56, 0.146, 0.069, 4.2)]  # fmt: skip
+    slos = parse_slos("tpot_p90=150ms", percentiles=True)
+    fit = closed_fit(slos, [_probe(*m) for m in measured], 0.95)
+    assert fit is not None and fit.lo is not None and fit.hi is not None, fit
+    assert 47 < fit.estimate <= 56 and fit.lo <= fit.estimate < fit.hi, fit
+    step = [(40, 0.120, 0.01, 20.0), (45, 0.135, 0.01, 20.0), (50, 0.1500001, 0.01, 20.0)]
+    fit = closed_fit(slos, [_probe(*m) for m in step], 0.95)
+    assert fit is not None and fit.estimate == 49, fit

@@ -205,10 +205,10 @@ def closed_fit(slos: Sequence[SLO], probes: Sequence[Probe], confidence: float, 
         cut = min((o for k, o in first_over.items() if k != slo.key), default=math.inf)
         below = [pt for pt in pts if pt[0] <= cut]
         if below and max(v for _, v, _, _ in below) > math.log(slo.limit):
-            crossing.append((slo, below))
+            crossing.append((slo, below, cut))
     q_two = 1 - (1 - confidence) / (2 * max(1, len(crossing)))
     ends: list[tuple[float, float | None, float | None, int]] = []  # (estimate, lo, hi, probes), log load
-    for slo, pts in crossing:
+    for slo, pts, cut in crossing:
         x, y, w, units = (np.asarray(v, dtype=float) for v in zip(*pts, strict=True))
         target = math.log(slo.limit)
         if y.min() > target:
@@ -219,7 +219,14 @@ def closed_fit(slos: Sequence[SLO], probes: Sequence[Probe], confidence: float, 
                         q_two)  # fmt: skip
         if got is None:
             return None
-        est = min(max(got[0], float(under.max()) if under.size else -math.inf), float(over))
+        # the estimate no lower than the highest load under the limit below the lowest over it, and below that lowest
+        # over (a whole session: the capacity is the most sessions that hold), or where a load at or above it passed
+        # (the level moved between probes: the reference server failed 47 sessions at TPOT p90 159 ms and passed 56 at
+        # 146 in one run), no higher than the highest load that passed (short of the load where another SLO is over:
+        # past a queue at the slot count the TPOT stops growing)
+        passed = x[(y <= target) & (x >= over) & (x < cut)]
+        top = float(passed.max()) if passed.size else math.log(max(1.0, math.exp(over) - 1))
+        est = min(max(got[0], float(under.max()) if under.size else -math.inf), top)
         # the interval holds its estimate: a load that passed on its point estimate above the line's crossing (a probe
         # of two waves at 52 sessions, 145 ms, over a line that crossed at 47) widens it to there
         lo, hi = (None if got[1] is None else min(got[1], est)), (None if got[2] is None else max(got[2], est))

@@ -119,6 +119,10 @@ def make_result(
                             f"yet); the confirmed bracket is [{fmt_load(lo)}, {fmt_load(hi)}] {unit}")  # fmt: skip
     if fit is not None and (lo, hi) == (fit.lo, fit.hi):
         messages[status] += _confirmed(probes, unit, estimate)
+    above = [p.load for p in probes if p.phase == "search" and p.requests and p.verdict == "pass" and p.load > estimate]
+    if fit is not None and above:
+        messages[status] += (f"; {fmt_load(max(above))} {unit} passed on its point estimate above the estimate: the "
+                             "server's level moved between probes, and the fit of every probe places the capacity")  # fmt: skip
     if status in ("budget", "unresolved") and fit is None and estimate is not None and estimate > (lo or 0.0):
         messages[status] += (f"; the probes' point estimates put it at {fmt_load(estimate)} {unit} (it passed there, "
                              f"not yet at {cfg.confidence:.0%} confidence)")  # fmt: skip
