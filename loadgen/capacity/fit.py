@@ -182,8 +182,9 @@ def closed_fit(slos: Sequence[SLO], probes: Sequence[Probe], confidence: float, 
     whole sessions; its interval, as the confirmed bracket's, runs from the most sessions that hold to the
     fewest that fail. None: no SLO crosses between the probed loads, fewer than ``least`` loads near it, or a
     percentile that falls with load there (the data say nothing yet). The estimate stays between the highest
-    load under the limit and the lowest over it on their point estimates (a line through a step, a queue that
-    forms at the slot count, can cross far from it), and its interval holds it."""
+    load under the limit and the lowest over it on their point estimates, under that one (a line through a step, a
+    queue that forms at the slot count, can cross far from it), unless a load at or above that one passed (the level
+    moved between probes: then no higher than the highest pass), and its interval holds it."""
     near = closed_probes(probes, least)
     series = []  # per latency SLO: its log percentile, weight and independent requests at each probe's log load
     for slo in (s for s in slos if s.metric != ERROR_RATE):
