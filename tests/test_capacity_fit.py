@@ -93,7 +93,7 @@ def test_the_next_probe_for_the_fit_goes_to_the_side_with_fewer_independent_requ
 def test_past_the_load_where_another_slo_fails_the_line_is_not_fitted():
     """A queue at the server's slot count (the reference server's 64): past it the TTFT soars and the batch, and with
     it the TPOT, stops growing (stop 50's run 1: TPOT p90 155-170 ms at 78-79 sessions, 141-143 at 49-50). TPOT's
-    line runs up to the first load where TTFT is over its limit, that load included: the flat points beyond would
+    line runs up to the first load where TTFT is over its limit, that load included where TPOT is over there too: the flat points beyond would
     pull its crossing up and leave its interval open."""
     slos = parse_slos("ttft_p90=2s,tpot_p90=150ms", percentiles=True)
     ttft = slos[0]
@@ -106,6 +106,28 @@ def test_past_the_load_where_another_slo_fails_the_line_is_not_fitted():
     fit = closed_fit(slos, probes, 0.95)
     assert fit is not None and fit.lo is not None and fit.hi is not None, fit
     assert 0.7 * 52 <= fit.lo <= 52 < fit.hi <= 1.3 * 52 and abs(fit.estimate - 52) <= 3, fit
+
+
+def test_a_load_where_another_slo_fails_and_this_one_holds_is_past_the_line():
+    """This session's first run on the reference server (its pilot and first search probe, as measured): the pilot
+    passed at 64 sessions (TPOT p90 138 ms) and failed at 128 on TTFT (11.6 s: a queue at the 64 slots, the TPOT
+    flat at 144 ms), the search's first probe failed TPOT at 71 (155 ms). With 128 on TPOT's line (the load where
+    TTFT is over), the line did not rise and no fit was left: the search went down to 19 sessions to confirm a pass
+    (103 s) and back to 128 (110 s) to confirm the failure the pilot had shown. A load where another SLO is over
+    stays on the line only where this SLO is over too (on its way up, not on the queue's plateau)."""
+    slos = parse_slos("ttft_p90=2s,tpot_p90=150ms", percentiles=True)
+    ttft = slos[0]
+    measured = [(16, 0.176, 0.040, 0.032), (32, 0.235, 0.063, 0.017), (64, 0.500, 0.138, 0.068),
+                (128, 11.55, 0.144, 0.035), (71, 1.924, 0.155, 0.045)]  # fmt: skip
+    probes = []
+    for x, ttft_s, tpot, se in measured:
+        p = _probe(x, tpot, se)
+        p.phase = "search" if x == 71 else "pilot"
+        p.checks.append(SloCheck(ttft.key, ttft.limit, 300, 0, 0.0, 0.3, ttft_s, None, None, "open", 20.0, 0.1))
+        probes.append(p)
+    fit = closed_fit(slos, probes, 0.95)
+    assert fit is not None and fit.lo is not None and fit.hi is not None, fit
+    assert 64 <= fit.estimate < 71 and fit.lo <= fit.estimate < fit.hi, fit
 
 
 def test_the_interval_holds_the_estimate_where_a_passing_probe_lifts_it_above_the_lines_crossing():

@@ -177,7 +177,8 @@ def closed_fit(slos: Sequence[SLO], probes: Sequence[Probe], confidence: float, 
     squares, each probe weighted by its percentile's own variance, :attr:`SloCheck.se`, the probes' scatter about
     the line beyond it widening the interval), and the crossing's interval is Fieller's for the ratio that places
     it, at ``confidence`` two-sided split over the SLOs that cross (:func:`_crossing`). Each SLO's line runs up to
-    the lowest load where another SLO's percentile is over its limit; an SLO whose every percentile there is under
+    the lowest load where another SLO's percentile is over its limit (that load included where this SLO is over there
+    too); an SLO whose every percentile there is under
     its limit does not bind. The capacity is the lowest SLO's crossing, rounded down to
     whole sessions; its interval, as the confirmed bracket's, runs from the most sessions that hold to the
     fewest that fail. None: no SLO crosses between the probed loads, fewer than ``least`` loads near it, or a
@@ -197,14 +198,16 @@ def closed_fit(slos: Sequence[SLO], probes: Sequence[Probe], confidence: float, 
     # each SLO's line only up to the lowest load where another SLO's percentile is over its limit: the capacity lies
     # below it, and past it the server is in another regime (a queue at its slot count: the TTFT grows, the batch
     # and with it the TPOT stop growing; on the reference server TPOT p90 144-170 ms at 71-79 sessions, 164-183 at
-    # 56-60). An SLO under its limit at every load left does not bind there: the confidence is split over those
+    # 56-60). That load itself stays on the line only where this SLO is over there too (on its way up; under it, the
+    # queue's plateau: a pilot at 128 sessions, TTFT p90 11.6 s and TPOT 144 ms over a fail at 71, 155 ms, left no
+    # rising line). An SLO under its limit at every load left does not bind there: the confidence is split over those
     # that cross
     first_over = {slo.key: min((x for x, v, _, _ in pts if v > math.log(slo.limit)), default=math.inf)
                   for slo, pts in series}  # fmt: skip
     crossing = []
     for slo, pts in series:
         cut = min((o for k, o in first_over.items() if k != slo.key), default=math.inf)
-        below = [pt for pt in pts if pt[0] <= cut]
+        below = [pt for pt in pts if pt[0] < cut or (pt[0] == cut and pt[1] > math.log(slo.limit))]
         if below and max(v for _, v, _, _ in below) > math.log(slo.limit):
             crossing.append((slo, below, cut))
     q_two = 1 - (1 - confidence) / (2 * max(1, len(crossing)))
