@@ -8,13 +8,14 @@ import json
 import math
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
 from support.service_models import CHAT_SHORT, LIVE, REFERENCE_LIKE, SIM, SIM_JOB, SIM_MIX
 
-from loadgen.capacity.config import SearchConfig
-from loadgen.capacity.probe import Probe
+from loadgen.capacity.config import FIT_SPREAD, SearchConfig
+from loadgen.capacity.probe import Probe, SearchStopped
 from loadgen.capacity.result import _probe_time_hint
 from loadgen.capacity.search import _reach, judge_s, linear_sweep, search
 from loadgen.capacity.sequential import Sequential
@@ -336,3 +337,32 @@ def test_a_confident_fail_that_the_fit_of_every_probe_contradicts_does_not_cut_i
     assert res.status == "budget" and lo is not None and hi is not None and lo <= 52 < hi <= 1.3 * 52, (res.message, table)
     assert any(p.load > 43 for p in res.probes[9:] if p.phase == "search"), table  # the fit's probes above the fail
     assert "fails from 42 concurrency (the estimate stands" in res.message, res.message
+
+
+class _Replay:
+    """A live run's probes, each as measured, for as long as the search asks for the loads that run probed; then it
+    stops the search (``SearchStopped``), the loads asked kept in ``asked``."""
+
+    def __init__(self, probes: list[Probe]) -> None:
+        self.probes, self.asked = probes, []
+
+    async def probe(self, mode, load, seq, max_seconds, index, phase) -> Probe:
+        self.asked.append(load)
+        if index >= len(self.probes) or self.probes[index].load != load:
+            raise SearchStopped("interrupted", "past the recorded run")
+        return self.probes[index]
+
+
+def test_with_every_search_load_over_the_limit_the_next_probe_goes_just_below_them():
+    """A live run on the reference server (its probes as measured): the pilot passed at 64 sessions (TPOT p90 146
+    ms) and failed at 128 (a queue at the 64 slots), the search failed at 75 (TTFT), 62 (TPOT 161 ms) and 52 (151),
+    none of these confident on TPOT: no crossing in the percentiles yet. The search went to 14 sessions, where a
+    probe's waves could confirm a pass, 38 sessions under the failures (34 s, a pass at 41 ms that places nothing);
+    the line needs a load under the limit near them: a fit's spread below the lowest."""
+    data = json.loads((Path(__file__).parent / "fixtures" / "capacity" / "reference_pilot_past_slots.json").read_text())
+    probes = [Probe(**{**p, "checks": [SloCheck(**c) for c in p["checks"]]}) for p in data["probes"]]
+    replay = _Replay(probes)
+    slos = parse_slos("ttft_p90=2s,tpot_p90=150ms", percentiles=True)
+    run_async(search(replay, slos, SearchConfig("concurrency", budget_s=480)))
+    assert replay.asked[:-1] == [p.load for p in probes], replay.asked  # the recorded run, load for load
+    assert 52 / (1 + FIT_SPREAD) - 1 <= replay.asked[-1] < 52, replay.asked

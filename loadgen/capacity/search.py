@@ -191,12 +191,18 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
                 if p.requests == 0:  # nothing finished in time: no verdict at all, and no lower load to try
                     break
                 continue  # undecided at the lowest load: probe it again while the budget lasts
-            if soft is not None and soft < x:
+            if cfg.mode == "concurrency" and p.verdict == "fail":
+                # no crossing in the percentiles yet (every search load over the limit): the line needs a load under
+                # it near them, not a pass far below (a closed loop near its capacity counts too few waves to confirm
+                # one: the reference server's search went from 52 sessions, TPOT p90 151 ms, to 14, its reach)
+                fails = [q.load for q in probes if q.phase == "search" and q.requests and q.verdict == "fail"]
+                x = max(lo_bound, min(fails, default=x) / (1 + FIT_SPREAD))
+            elif soft is not None and soft < x:
                 x, soft = _toward(soft, x), (soft if _toward(soft, x) > soft else None)
             else:
                 x = max(lo_bound, x / (cfg.growth if p.confident else 1 + cfg.resolution))
-            if not p.confident:  # undecided at its time cap: go where a probe can count enough waves
-                x = max(lo_bound, min(x, _reach(cfg, slos, p)))
+            if not p.confident and not (cfg.mode == "concurrency" and p.verdict == "fail"):
+                x = max(lo_bound, min(x, _reach(cfg, slos, p)))  # undecided at its cap: where a probe counts enough waves
         elif converged(cfg.mode, lo, hi, cfg.resolution):
             status = "ok"
             break
