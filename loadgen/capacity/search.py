@@ -191,7 +191,8 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
                 if p.requests == 0:  # nothing finished in time: no verdict at all, and no lower load to try
                     break
                 continue  # undecided at the lowest load: probe it again while the budget lasts
-            if cfg.mode == "concurrency" and p.verdict == "fail":
+            under_fails = cfg.mode == "concurrency" and p.verdict == "fail"
+            if under_fails:
                 # no crossing in the percentiles yet (every search load over the limit): the line needs a load under
                 # it near them, not a pass far below (a closed loop near its capacity counts too few waves to confirm
                 # one: the reference server's search went from 52 sessions, TPOT p90 151 ms, to 14, its reach)
@@ -201,7 +202,7 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
                 x, soft = _toward(soft, x), (soft if _toward(soft, x) > soft else None)
             else:
                 x = max(lo_bound, x / (cfg.growth if p.confident else 1 + cfg.resolution))
-            if not p.confident and not (cfg.mode == "concurrency" and p.verdict == "fail"):
+            if not p.confident and not under_fails:
                 x = max(lo_bound, min(x, _reach(cfg, slos, p)))  # undecided at its cap: where a probe counts enough waves
         elif converged(cfg.mode, lo, hi, cfg.resolution):
             status = "ok"
