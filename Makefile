@@ -24,6 +24,7 @@ test-deps:
 	@missing=""; \
 	  { command -v chromium || command -v chromium-browser || [ -n "$$CHROMIUM" ]; } >/dev/null || missing="chromium"; \
 	  command -v tmux >/dev/null || missing="$$missing tmux"; \
+	  [ -f /usr/include/simde/x86/avx512.h ] || missing="$$missing libsimde-dev"; \
 	  [ -z "$$missing" ] || bash scripts/apt_install.sh $$missing
 
 test: setup test-deps

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install Debian packages the test suite needs (`make test` calls this for chromium and tmux only when they
-# are missing). Needs root or passwordless sudo; otherwise says what to run instead.
+# Install Debian packages the test suite needs (`make test` calls this for chromium, tmux and libsimde-dev,
+# the native CPU kernels' stand-in for AVX-512, only when they are missing).
+# Needs root or passwordless sudo; otherwise says what to run instead.
 set -euo pipefail
 [ $# -gt 0 ] || { echo "usage: $0 PACKAGE..." >&2; exit 2; }
 if [ "$(id -u)" -eq 0 ]; then SUDO=""

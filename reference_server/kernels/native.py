@@ -11,9 +11,13 @@
 * Weight-only quantised linears (model/quant.py), and with them a whole decode step in one call
   (``decode_forward``, model/fused_decode.py): the kernels above, op by op, in one OpenMP region.
 
-They need an x86-64 CPU with AVX512-BF16 (the bf16 model dtype's own condition) and a C compiler (``$CC``,
-else ``cc``). The shared object is cached under ``$SERVELAB_CACHE/native`` (default
-``~/.cache/servelab``), keyed by the source, flags and compiler, so the build (~1 s) happens once. Where
+They are written for an x86-64 CPU with AVX512-BF16 (the bf16 model dtype's own condition) and need a C
+compiler (``$CC``, else ``cc``). On a CPU with AVX2 and FMA but without AVX-512 (an AMD Zen 3, say) the same
+source builds against SIMDe's portable AVX-512 intrinsics (Debian's ``libsimde-dev``, and for the few it
+lacks ``csrc/simde_extra.h``): slower, and used only where bf16 is asked for (``--dtype bf16``; ``auto`` is
+float32 on such a CPU), but the same arithmetic, so that they run and are tested there too. The shared
+object is cached under ``$SERVELAB_CACHE/native`` (default ``~/.cache/servelab``), keyed by the source,
+flags and compiler, so the build (~1 s; with SIMDe 15 s) happens once. Where
 any of this is missing, :func:`cpu_kernels` says why and the engine keeps the PyTorch ops. ctypes drops
 the GIL during each call; the kernels' OpenMP loops run on PyTorch's own thread team (same libgomp)."""
 
@@ -34,8 +38,12 @@ import torch
 from reference_server.kernels.quant_weight import QuantWeight
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp", "-shared", "-fPIC"]
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
+HEADERS = [SOURCE.with_name("simde_extra.h")]
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+# the compiler's instruction sets, each with the /proc/cpuinfo flags it needs: AVX-512 itself, else SIMDe's
+ISAS = {"AVX-512": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"],
+                    ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")),
+        "AVX-512 emulated on AVX2 by SIMDe": (["-DSERVELAB_SIMDE", "-mavx2", "-mfma", "-mf16c"], ("avx2", "fma", "f16c"))}
 
 
 class QMat(ctypes.Structure):
@@ -66,8 +74,9 @@ class QModel(ctypes.Structure):
 class CpuKernels:
     """The loaded kernels. Tensors are bf16 on CPU; block ids must come from the block manager (< blocks)."""
 
-    def __init__(self, lib: ctypes.CDLL, vnni: bool) -> None:
+    def __init__(self, lib: ctypes.CDLL, vnni: bool, isa: str) -> None:
         self.vnni = vnni  # the CPU has AVX512-VNNI: integer dot products for decode-size quantised linears
+        self.name = "native" if isa == "AVX-512" else f"native ({isa})"  # the server's kernels line
         ptr = ctypes.c_void_p
         self._attn = lib.paged_decode_attention_bf16
         self._attn.restype = ctypes.c_int
@@ -264,18 +273,19 @@ def cpu_kernels() -> CpuKernels | str:
         cpu = Path("/proc/cpuinfo").read_text().split()
     except OSError as e:
         return f"cannot read /proc/cpuinfo: {e}"
-    missing = [f for f in CPU_FLAGS if f not in cpu]
-    if missing:
-        return f"the CPU lacks {', '.join(missing)}"
+    isa = next((name for name, (_, need) in ISAS.items() if all(f in cpu for f in need)), None)
+    if isa is None:
+        return f"the CPU lacks {', '.join(f for f in ISAS['AVX-512'][1] if f not in cpu)} (and AVX2, FMA or F16C)"
+    flags = FLAGS + ISAS[isa][0]
     cc = shutil.which(os.environ.get("CC", "cc"))
     if cc is None:
         return f"no C compiler ({os.environ.get('CC', 'cc')!r} not found; install gcc or set CC)"
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-        src = SOURCE.read_bytes()
+        src = SOURCE.read_bytes() + b"".join(h.read_bytes() for h in HEADERS)
     except (OSError, subprocess.SubprocessError) as e:
         return f"cannot run {cc}: {e}"
-    key = hashlib.sha256(src + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
     out_dir = Path(os.environ.get("SERVELAB_CACHE") or Path.home() / ".cache" / "servelab") / "native"
     so = out_dir / f"cpu_kernels-{key}.so"
     if not so.exists():
@@ -283,14 +293,17 @@ def cpu_kernels() -> CpuKernels | str:
             out_dir.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)  # build aside, then one atomic rename
             os.close(fd)
-            res = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+            res = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
             if res.returncode != 0:
                 os.unlink(tmp)
+                if "simde/" in res.stderr and "No such file" in res.stderr:
+                    return ("the CPU lacks AVX-512 and SIMDe's headers, which stand in for it, are not installed "
+                            "(apt-get install libsimde-dev)")
                 return f"{cc} failed to build {SOURCE.name}: {res.stderr.strip()[-500:]}"
             os.replace(tmp, so)
         except (OSError, subprocess.SubprocessError) as e:
             return f"cannot build {SOURCE.name} into {out_dir}: {e}"
     try:
-        return CpuKernels(ctypes.CDLL(str(so)), "avx512_vnni" in cpu)
+        return CpuKernels(ctypes.CDLL(str(so)), "avx512_vnni" in cpu, isa)
     except OSError as e:
         return f"cannot load {so}: {e}"

@@ -114,7 +114,7 @@ def pick_kernels(choice: str, device: torch.device, dtype: torch.dtype, spec: Mo
     if why is None:
         kernels = cpu_kernels()
         if not isinstance(kernels, str):
-            return kernels, None, "native"
+            return kernels, None, kernels.name
         why = kernels
     if choice == "native":
         raise ValueError(f"--kernels native is unavailable: {why}; use --kernels torch or auto")

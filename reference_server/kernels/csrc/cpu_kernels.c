@@ -9,7 +9,13 @@
  *
  * Built by reference_server/kernels/native.py with the system C compiler; OpenMP is the same libgomp that
  * PyTorch loaded, so the kernel runs on PyTorch's thread team (torch.set_num_threads applies). */
+#ifdef SERVELAB_SIMDE /* a CPU without AVX-512: the same intrinsics from SIMDe's portable code (on AVX2) */
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+#include "simde_extra.h"
+#else
 #include <immintrin.h>
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -488,8 +494,10 @@ static inline void store_out(float v, const uint16_t *residual, int64_t res_stri
  * activation bytes; dx: every block's dx, zero beyond the last (padded to 16 blocks); cor:
  * 16 int32 per chunk, -128 * the sum of the lane's 4 activations; sx: the bf16 sum of every block, zero
  * beyond the last (padded to 16 blocks). A partial last chunk is zero beyond its last block. */
+#ifndef SERVELAB_SIMDE /* else SIMDe's VPDPBUSD: never called there (native.py: vnni needs the CPU's) */
 #pragma GCC push_options
 #pragma GCC target("avx512vnni")
+#endif
 
 #ifndef VPREFETCH
 #define VPREFETCH 8192 /* bytes of weights prefetched ahead, rounded up to whole tiles */
@@ -643,7 +651,9 @@ static void vnni_rows(const uint16_t *x, int64_t x_stride, const uint8_t *qw, co
     }
     free(scratch);
 }
+#ifndef SERVELAB_SIMDE
 #pragma GCC pop_options
+#endif
 
 /* The work of qlinear_bf16 (arguments checked), shared out over the calling parallel region's threads. The
  * residual may be the output itself (in place: each element is read, then written, by the same thread). */
