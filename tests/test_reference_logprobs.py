@@ -150,7 +150,9 @@ def test_verify_margin_is_the_divergent_tokens(server):
             return (await margin(client, backend, req, reference, at)).cells(reference, answer)
 
     took = asyncio.run(probe(reference[:start] + second + "!"))
-    assert took["margin"] == pytest.approx(max(tops[3].values()) - min(tops[3].values()))
+    # the probe prefills the position the whole answer decoded: matmuls of other shapes, rounded otherwise
+    # (float32 on an AMD Zen 3: 6.6e-6 nats apart)
+    assert took["margin"] == pytest.approx(max(tops[3].values()) - min(tops[3].values()), abs=1e-4)
     assert (took["token"], took["second"], took["top_two"]) == (tokens[3], second, True)
     assert asyncio.run(probe(reference[:at] + "\u2603"))["top_two"] is False
 
