@@ -18,7 +18,8 @@ sweep: setup
 
 # What the suite needs beyond the venv: llama-server (built once from source into ~/.cache/servelab; instant
 # once cached), a headless Chromium for the report's browser tests and tmux for the live display's terminal
-# test (missing tools fail tests, they do not skip them). Debian packages come from apt when missing.
+# test, and on a CPU without AVX-512 SIMDe's headers for the native kernels (missing tools fail tests, they
+# do not skip them). Debian packages come from apt when missing.
 test-deps:
 	@bash scripts/build_llama_server.sh >/dev/null
 	@missing=""; \
