@@ -41,7 +41,8 @@ SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 HEADERS = [SOURCE.with_name("simde_extra.h")]
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 # the compiler's instruction sets, each with the /proc/cpuinfo flags it needs: AVX-512 itself, else SIMDe's
-ISAS = {"AVX-512": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"],
+AVX512 = "AVX-512"
+ISAS = {AVX512: (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"],
                     ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")),
         "AVX-512 emulated on AVX2 by SIMDe": (["-DSERVELAB_SIMDE", "-mavx2", "-mfma", "-mf16c"], ("avx2", "fma", "f16c"))}
 
@@ -76,7 +77,7 @@ class CpuKernels:
 
     def __init__(self, lib: ctypes.CDLL, vnni: bool, isa: str) -> None:
         self.vnni = vnni  # the CPU has AVX512-VNNI: integer dot products for decode-size quantised linears
-        self.name = "native" if isa == "AVX-512" else f"native ({isa})"  # the server's kernels line
+        self.name = "native" if isa == AVX512 else f"native ({isa})"  # the server's kernels line
         ptr = ctypes.c_void_p
         self._attn = lib.paged_decode_attention_bf16
         self._attn.restype = ctypes.c_int
@@ -275,7 +276,7 @@ def cpu_kernels() -> CpuKernels | str:
         return f"cannot read /proc/cpuinfo: {e}"
     isa = next((name for name, (_, need) in ISAS.items() if all(f in cpu for f in need)), None)
     if isa is None:
-        return f"the CPU lacks {', '.join(f for f in ISAS['AVX-512'][1] if f not in cpu)} (and AVX2, FMA or F16C)"
+        return f"the CPU lacks {', '.join(f for f in ISAS[AVX512][1] if f not in cpu)} (and AVX2, FMA or F16C)"
     flags = FLAGS + ISAS[isa][0]
     cc = shutil.which(os.environ.get("CC", "cc"))
     if cc is None:

@@ -9,7 +9,6 @@
 
 typedef float sx_f32x16 __attribute__((vector_size(64)));
 typedef int32_t sx_i32x16 __attribute__((vector_size(64)));
-typedef uint32_t sx_u32x16 __attribute__((vector_size(64)));
 typedef int8_t sx_i8x16 __attribute__((vector_size(16)));
 typedef uint8_t sx_u8x16 __attribute__((vector_size(16)));
 typedef uint8_t sx_u8x32 __attribute__((vector_size(32)));
