@@ -3,15 +3,38 @@ line through a few probes that bounds the crossing."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import numpy as np
+import pytest
 
 from loadgen.capacity.fit import closed_fit
 from loadgen.capacity.probe import Probe
 from loadgen.capacity.search import _beside
 from loadgen.capacity.stats import SE_FLOOR, SloCheck, log_quantile_se
 from loadgen.metrics.slo import parse_slos
+
+
+def _fixture(name: str) -> list[Probe]:
+    data = json.loads((Path(__file__).parent / "fixtures" / "capacity" / name).read_text())
+    return [Probe(**{**p, "checks": [SloCheck(**c) for c in p["checks"]]}) for p in data["probes"]]
+
+
+def test_a_wave_or_two_is_no_closer_to_the_percentile_than_its_range_and_weighs_so_in_the_fit():
+    """The reference server in float32 on a CPU without AVX-512 (capacity 2 sessions: TPOT p90 142 ms at 2, 170 at
+    3 in 200 s sweep points). A pilot's steady part at 4 sessions, five TPOTs of about one wave (the probe counted
+    4 requests per independent one), read 134 ms, and its order statistics gave the 1 % floor, where 38 requests at
+    3 sessions (160 ms) gave 4 %: the fit followed the pilot and said "capacity about 4" beside a confirmed fail at
+    3. Below ``FEW_UNITS`` independent requests the error is the sample's log range."""
+    pilot = np.array([0.1149, 0.1342, 0.1250, 0.1332, 0.1230])
+    se = log_quantile_se(pilot, 0.9, 4.0)
+    assert se == pytest.approx(math.log(0.1342 / 0.1149)), se
+    assert log_quantile_se(pilot, 0.9, 1.0) < se  # five independent requests: their order statistics
+    slos = parse_slos("ttft_p90=2s,tpot_p90=150ms", percentiles=True)
+    fit = closed_fit(slos, _fixture("reference_two_sessions_run1.json"), 0.95)
+    assert fit is not None and fit.estimate == 2 and fit.lo is not None and fit.lo <= 2 < (fit.hi or math.inf), fit
 
 
 def test_a_percentiles_error_is_read_off_its_order_statistics():
@@ -88,6 +111,16 @@ def test_the_next_probe_for_the_fit_goes_to_the_side_with_fewer_independent_requ
     assert _beside(47.0, near, 0.2) == 47.0 * 1.2
     assert _beside(47.0, [*near, _probe(55, 0.16, 0.05, 20.0)], 0.2) == 47.0 / 1.2
     assert _beside(47.0, [], 0.2) == 47.0 * 1.2  # a tie goes above
+    anywhere = (1.0, 256.0)  # whole sessions, no confirmed end yet
+    assert _beside(47.0, [], 0.2, anywhere) == 56
+    # two sessions (the reference server in float32): 20 % either side rounds back to 2; the loads that decide the
+    # answer are 2 and 3, the search went from a long probe at 2 sessions to 1 (its pilot's 72 ms) instead of 3
+    assert _beside(2.0, [_probe(2, 0.131, 0.012, 16.6)], 0.2, anywhere) == 3
+    assert _beside(2.0, [_probe(2, 0.131, 0.012, 16.6), _probe(3, 0.16, 0.04, 20.0)], 0.2, anywhere) == 2
+    # inside a confirmed bracket [7, 10]: 8 or 9 decide, whichever has less evidence (never 7 again)
+    at_8 = [_probe(7, 0.1, 0.02, 30.0), _probe(8, 0.14, 0.02, 10.0), _probe(10, 0.2, 0.05, 3.0)]
+    assert _beside(8.0, at_8, 0.2, (8.0, 9.0)) == 9
+    assert _beside(8.0, [_probe(10, 0.2, 0.05, 3.0)], 0.2, (8.0, 9.0)) == 8
 
 
 def test_past_the_load_where_another_slo_fails_the_line_is_not_fitted():

@@ -353,6 +353,20 @@ class _Replay:
         return self.probes[index]
 
 
+def test_a_capacity_of_two_sessions_is_answered_two_with_the_next_load_failing():
+    """The reference server in float32 on a CPU without AVX-512, its probes as measured (capacity 2: TPOT p90 142 ms
+    at 2 sessions, 170 at 3 in 200 s sweep points). The run answered "capacity about 2, [2, 4]": its pilot's 10
+    requests at 4 sessions weighed as much as the search's 46 at 2, and its last 136 s went unspent on a probe at 1
+    session that did not fit. The fit of the same probes, each weighted by what it counted, places it in [2, 3]."""
+    data = json.loads((Path(__file__).parent / "fixtures" / "capacity" / "reference_two_sessions_run2.json").read_text())
+    probes = [Probe(**{**p, "checks": [SloCheck(**c) for c in p["checks"]]}) for p in data["probes"]]
+    replay = _Replay(probes)
+    res = run_async(search(replay, parse_slos("ttft_p90=2s,tpot_p90=150ms", percentiles=True),
+                           SearchConfig("concurrency", budget_s=480)))  # fmt: skip
+    assert replay.asked == [p.load for p in probes], replay.asked
+    assert (res.status, res.estimate, res.interval) == ("ok", 2, (2, 3)), (res.status, res.estimate, res.interval, res.message)
+
+
 def test_with_every_search_load_over_the_limit_the_next_probe_goes_just_below_them():
     """A live run on the reference server (its probes as measured): the pilot passed at 64 sessions (TPOT p90 146
     ms) and failed at 128 (a queue at the 64 slots), the search failed at 75 (TTFT), 62 (TPOT 161 ms) and 52 (151),

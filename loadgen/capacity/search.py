@@ -164,8 +164,8 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
             # a pass within its time, the percentiles of all the probes together place the crossing: probe
             # either side of it, FIT_SPREAD away (the line's slope, which bounds its interval, needs loads apart;
             # a probe that decides early still moves the confirmed bracket)
-            x, fitting = _beside(fit.estimate, [q for q in probes if q.phase == "search"], FIT_SPREAD), True
-            x = min(max(x, lo_bound if sure[0] is None else sure[0] + 1), hi_bound if sure[1] is None else sure[1] - 1)
+            inside = (lo_bound if sure[0] is None else sure[0] + 1, hi_bound if sure[1] is None else sure[1] - 1)
+            x, fitting = _beside(fit.estimate, [q for q in probes if q.phase == "search"], FIT_SPREAD, inside), True
         elif p.bursty and lo is not None and hi is not None:
             # random arrivals: a probe alone cannot place the crossing within the resolution (the miss share
             # rises slowly through it, and a probe that saw no burst looks confident), the pooled fit does
@@ -213,8 +213,8 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
                 status = "unresolved"
                 break
             x = nxt
-        if cfg.mode == "concurrency":
-            x = float(max(1, round(x) if round(x) != round(p.load) else round(p.load) + (1 if x > p.load else -1)))
+        if cfg.mode == "concurrency":  # a load the fit placed may come again (its evidence adds up), another moves on
+            x = float(max(1, round(x) if fitting or round(x) != round(p.load) else round(p.load) + (1 if x > p.load else -1)))
     if status == "budget" and (p.bursty or cfg.mode == "concurrency") and fit is not None and fit.lo is not None and fit.hi is not None:
         lo, hi = fit.lo, fit.hi  # the pooled evidence, not the last probes' verdicts
     if fit is not None:
@@ -305,17 +305,33 @@ def _undecided(probes: Sequence[Probe], lo: float, hi: float) -> float | None:
     return next((p.load for p in reversed(probes) if p.phase == "search" and not p.confident and lo < p.load < hi), None)
 
 
-def _beside(estimate: float, near: Sequence[Probe], step: float) -> float:
+def _beside(estimate: float, near: Sequence[Probe], step: float, within: tuple[float, float] | None = None) -> float:
     """The next probe near the crossing: ``step`` (a share) below or above its estimate, on the side with less
     evidence among the probes ``near`` (the fit's so far; its interval narrows with evidence on both sides), above
     on a tie. Evidence: the independent requests a probe's percentiles counted (:attr:`SloCheck.units`): a
     closed-loop probe that fails confidently stops after a few waves, and counted as one probe it kept the next
-    ones below (58 sessions with 3 waves over 40, 41 and 40 sessions under an estimate of 47)."""
+    ones below (58 sessions with 3 waves over 40, 41 and 40 sessions under an estimate of 47).
+
+    ``within``: whole sessions (the estimate the most that hold), the next probe within these bounds (the inside
+    of the confirmed bracket), at least the load that decides the answer on its side, the estimate itself or one
+    session more, and the sides the probes whose percentiles are under their limits and those over: at 2
+    sessions a share of 20 % rounds back onto 2, and a probe there sat on neither side of it (the reference
+    server's search went from a long probe at 2 sessions, under the limit, to 1, which its pilot had passed at
+    half the limit, instead of 3)."""
     def units(p: Probe) -> float:
         return min((c.units for c in p.checks if c.key != ERROR_RATE), default=0.0)
 
-    below = sum(units(p) for p in near if p.load < estimate)
-    return estimate / (1 + step) if below < sum(units(p) for p in near if p.load >= estimate) else estimate * (1 + step)
+    def under(p: Probe) -> bool:
+        return all(c.value is not None and c.value <= c.limit for c in p.checks if c.key != ERROR_RATE)
+
+    lower, upper = estimate / (1 + step), estimate * (1 + step)
+    if within is None:
+        below = sum(units(p) for p in near if p.load < estimate)
+    else:
+        lower = min(max(float(round(lower)), within[0]), estimate, within[1])
+        upper = max(min(max(float(round(upper)), estimate + 1), within[1]), within[0])
+        below = sum(units(p) for p in near if under(p))
+    return lower if below < sum(units(p) for p in near) - below else upper
 
 
 async def linear_sweep(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, step: float) -> tuple[float, list[Probe]]:
