@@ -230,8 +230,8 @@ def log_quantile_se(vals: np.ndarray, q: float, tau: float) -> float | None:
     job mix's latencies are multimodal: a lognormal's density at the quantile overstated the error five-fold
     where the quantile sits in a dense mode. From fewer than ``FEW_UNITS`` independent requests (a closed loop's
     wave or two, whose requests share their batches) the order statistics are the spread of those waves, not of
-    the latency: at least the sample's whole log range then (a pilot's 9 requests at 4 sessions, TPOT p90 134 ms,
-    got the floor 1 % where 38 requests at 3 sessions, 160 ms, got 4 %, and pulled the fit's line up to it). None
+    the latency: the sample's whole log range then (a pilot's five steady TPOTs at 4 sessions, p90 134 ms, got the
+    floor 1 % where 38 requests at 3 sessions, 160 ms, got 4 %, and pulled the fit's line up to it). None
     when a request failed or there are fewer than 2 values."""
     if vals.size < 2 or not np.isfinite(vals).all() or vals.min() <= 0:
         return None
