@@ -3,23 +3,17 @@ line through a few probes that bounds the crossing."""
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
+from support.recorded import recorded_probes
 
 from loadgen.capacity.fit import closed_fit
 from loadgen.capacity.probe import Probe
 from loadgen.capacity.search import _beside
 from loadgen.capacity.stats import SE_FLOOR, SloCheck, log_quantile_se
 from loadgen.metrics.slo import parse_slos
-
-
-def _fixture(name: str) -> list[Probe]:
-    data = json.loads((Path(__file__).parent / "fixtures" / "capacity" / name).read_text())
-    return [Probe(**{**p, "checks": [SloCheck(**c) for c in p["checks"]]}) for p in data["probes"]]
 
 
 def test_a_wave_or_two_is_no_closer_to_the_percentile_than_its_range_and_weighs_so_in_the_fit():
@@ -33,7 +27,7 @@ def test_a_wave_or_two_is_no_closer_to_the_percentile_than_its_range_and_weighs_
     assert se == pytest.approx(math.log(0.1342 / 0.1149)), se
     assert log_quantile_se(pilot, 0.9, 1.0) < se  # five independent requests: their order statistics
     slos = parse_slos("ttft_p90=2s,tpot_p90=150ms", percentiles=True)
-    fit = closed_fit(slos, _fixture("reference_two_sessions_run1.json"), 0.95)
+    fit = closed_fit(slos, recorded_probes("reference_two_sessions_run1.json"), 0.95)
     assert fit is not None and fit.estimate == 2 and fit.lo is not None and fit.lo <= 2 < (fit.hi or math.inf), fit
 
 

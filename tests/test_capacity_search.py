@@ -8,10 +8,10 @@ import json
 import math
 import re
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
+from support.recorded import recorded_probes
 from support.service_models import CHAT_SHORT, LIVE, REFERENCE_LIKE, SIM, SIM_JOB, SIM_MIX
 
 from loadgen.capacity.config import FIT_SPREAD, SearchConfig
@@ -358,8 +358,7 @@ def test_a_capacity_of_two_sessions_is_answered_two_with_the_next_load_failing()
     at 2 sessions, 170 at 3 in 200 s sweep points). The run answered "capacity about 2, [2, 4]": its pilot's 10
     requests at 4 sessions weighed as much as the search's 46 at 2, and its last 136 s went unspent on a probe at 1
     session that did not fit. The fit of the same probes, each weighted by what it counted, places it in [2, 3]."""
-    data = json.loads((Path(__file__).parent / "fixtures" / "capacity" / "reference_two_sessions_run2.json").read_text())
-    probes = [Probe(**{**p, "checks": [SloCheck(**c) for c in p["checks"]]}) for p in data["probes"]]
+    probes = recorded_probes("reference_two_sessions_run2.json")
     replay = _Replay(probes)
     res = run_async(search(replay, parse_slos("ttft_p90=2s,tpot_p90=150ms", percentiles=True),
                            SearchConfig("concurrency", budget_s=480)))  # fmt: skip
@@ -373,8 +372,7 @@ def test_with_every_search_load_over_the_limit_the_next_probe_goes_just_below_th
     none of these confident on TPOT: no crossing in the percentiles yet. The search went to 14 sessions, where a
     probe's waves could confirm a pass, 38 sessions under the failures (34 s, a pass at 41 ms that places nothing);
     the line needs a load under the limit near them: a fit's spread below the lowest."""
-    data = json.loads((Path(__file__).parent / "fixtures" / "capacity" / "reference_pilot_past_slots.json").read_text())
-    probes = [Probe(**{**p, "checks": [SloCheck(**c) for c in p["checks"]]}) for p in data["probes"]]
+    probes = recorded_probes("reference_pilot_past_slots.json")
     replay = _Replay(probes)
     slos = parse_slos("ttft_p90=2s,tpot_p90=150ms", percentiles=True)
     run_async(search(replay, slos, SearchConfig("concurrency", budget_s=480)))
