@@ -64,6 +64,30 @@ def samples_of(pages, times):
     return out, counters
 
 
+def test_parse_metrics_keeps_counters_gauges_and_histogram_totals_whatever_the_labels_hold():
+    """Buckets, ``_created`` and HELP lines are dropped before the library parses (for speed): a label
+    value that quotes a brace, a comma, a ``# HELP`` or a bucket's name must not drop or split a sample."""
+    page = "\n".join([
+        '# HELP x_requests_total Requests with "quotes" and a {brace}',
+        "# TYPE x_requests_total counter",
+        'x_requests_total{path="/a b",note="say \\"hi\\", {ok} # HELP"} 3',
+        "# TYPE x_requests_created gauge",
+        'x_requests_created{path="/a b"} 1.7e9',
+        "# TYPE x_latency_seconds histogram",
+        'x_latency_seconds_bucket{le="0.1",tag="x_bucket"} 1',
+        'x_latency_seconds_bucket{le="+Inf",tag="x_bucket"} 2',
+        'x_latency_seconds_sum{tag="x_bucket"} 0.3',
+        'x_latency_seconds_count{tag="x_bucket"} 2',
+        "# TYPE x_queue gauge",
+        "x_queue 4",
+    ]) + "\n"
+    values, counters = parse_metrics(page)
+    assert values == {'x_requests_total{note=say "hi", {ok} # HELP,path=/a b}': 3.0,
+                      "x_latency_seconds_sum{tag=x_bucket}": 0.3, "x_latency_seconds_count{tag=x_bucket}": 2.0,
+                      "x_queue": 4.0}
+    assert counters == set(values) - {"x_queue"}
+
+
 def test_tgi_metrics_reconcile():
     pages = [TGI_METRICS.format(b=0, q=0, n=10, gen=100), TGI_METRICS.format(b=4, q=2, n=14, gen=180),
              TGI_METRICS.format(b=2, q=0, n=20, gen=300)]
