@@ -103,7 +103,9 @@ class RunOptions:
     timeout: float = option(REQUEST_TIMEOUT_S, "Per-request limit, seconds.", meta=_incomparable())
     stall_timeout: float = option(STALL_TIMEOUT_S, "Longest silence within a response, seconds.", meta=_incomparable())
     speedup: float = option(1.0, "Trace replay speed-up (send at at/speedup).")
-    poll_hz: float = option(10.0, "Server-state poller rate (/metrics, /slots), Hz; 0 = off.", meta=_incomparable())
+    poll_hz: float = option(2.0, "Server-state poller rate (/metrics, /slots), Hz; 0 = off. Every scrape costs the "
+                            "server CPU (docs/telemetry.md: 10 Hz slowed a CPU server's decode ~8 %).",
+                            meta=_incomparable())  # fmt: skip
     server: str | None = option(None, "Start this server command for each grid point, e.g. 'llama-server -m {model} "
                                 "-np {np} --port {port}' ({model}: bundled GGUF, {port}: free port).", "--server",
                                 meta=_incomparable())  # fmt: skip

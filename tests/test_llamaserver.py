@@ -223,6 +223,7 @@ def test_server_sweep_two_np_values(tmp_path):
         "sweep", "--server", SERVER, "--grid", "np=1,4", "--backend", "llamacpp-native", "--workload", str(wl),
         "--concurrency", "4", "--num-requests", "8", "--warmup", "0", "--output-dir", str(tmp_path),
         "--run-id", "grid", "--server-timeout", "60",
+        "--poll-hz", "10",  # the slots' series below must catch the busiest moment of a few-second point
     ])  # fmt: skip
     assert res.exit_code == 0, res.output
     run_dir = tmp_path / "grid"
