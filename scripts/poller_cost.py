@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from backends.profile import DEFAULT_PROFILE
-from loadgen.sidecars.poller import ServerStatePoller
+from loadgen.sidecars.poller import ServerStatePoller, iteration_records
 from loadgen.timing.clock import RunClock
 
 
@@ -48,18 +48,6 @@ def windows(url: str, hz: float, window_s: float, seconds: float) -> tuple[list[
             out.append({"on": on, "a": a, "b": time.time()})
             on = not on
     return out, cpu / max(scrapes, 1)
-
-
-def iteration_log(url: str) -> list[dict[str, Any]]:
-    recs: list[dict[str, Any]] = []
-    since = 0
-    with httpx.Client(base_url=url, timeout=30) as c:
-        while True:
-            page = c.get("/v1/iterations", params={"since": since, "limit": 10000}).raise_for_status().json()
-            if not page["iterations"]:
-                return recs
-            recs += page["iterations"]
-            since = page["next"]
 
 
 def compare(wins: list[dict[str, Any]], recs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -92,8 +80,10 @@ def main() -> None:
     ap.add_argument("-o", "--out", type=Path, default=Path("results/poller_cost.json"))
     args = ap.parse_args()
     wins, cpu_per_scrape = windows(args.url, args.hz, args.window, args.seconds)
+    with httpx.Client(base_url=args.url, timeout=30) as client:
+        log = iteration_records(client, DEFAULT_PROFILE.iterations_path or "")
     result = {"url": args.url, "hz": args.hz, "window_s": args.window, "client_cpu_ms_per_scrape":
-              1e3 * cpu_per_scrape, **compare(wins, iteration_log(args.url))}  # fmt: skip
+              1e3 * cpu_per_scrape, **compare(wins, log)}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(f"{args.hz:g} Hz: decode step at batch {result['batch']} {result['slowdown_pct']:+.1f} % "

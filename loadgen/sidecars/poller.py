@@ -114,6 +114,22 @@ def reconcile(
     return out
 
 
+def iteration_records(client: httpx.Client, path: str, since: int = 0) -> list[dict[str, Any]]:
+    """Every record of a server's iteration log (``GET path?since=``, the reference server's
+    ``/v1/iterations``) from index ``since`` on, page after page."""
+    records: list[dict[str, Any]] = []
+    while True:
+        resp = client.get(path, params={"since": since})
+        resp.raise_for_status()
+        page = resp.json()
+        batch = page.get("iterations", [])
+        records.extend(batch)
+        nxt = int(page.get("next", since))
+        if not batch or nxt <= since:
+            return records
+        since = nxt
+
+
 class ServerStatePoller(ThreadedSampler):
     """A :class:`loadgen.timing.clock.Sidecar` that samples a server's ``/metrics`` (and ``/slots``)."""
 
@@ -199,18 +215,7 @@ class ServerStatePoller(ThreadedSampler):
     def _fetch_iterations(self) -> dict[str, Any]:
         """Every iteration record since the point started, times put on the run clock."""
         assert self._client is not None and self._clock is not None and self._dir is not None
-        records: list[dict[str, Any]] = []
-        since = self._iter_since or 0
-        while True:
-            resp = self._client.get(self.profile.iterations_path or "", params={"since": since})
-            resp.raise_for_status()
-            page = resp.json()
-            batch = page.get("iterations", [])
-            records.extend(batch)
-            nxt = int(page.get("next", since))
-            if not batch or nxt <= since:
-                break
-            since = nxt
+        records = iteration_records(self._client, self.profile.iterations_path or "", self._iter_since or 0)
         with (self._dir / "iterations.jsonl").open("w", encoding="utf-8") as f:
             for rec in records:
                 if "t_unix" in rec:
