@@ -69,16 +69,18 @@ PagedAttention = Callable[..., torch.Tensor]
 
 
 class Linear(torch.nn.Module):
-    """``y = x @ W.T``. On CPU in bf16 the weight is reordered once into oneDNN's blocked layout: the plain
-    layout is repacked on every call, which cost ~35 % of the matmul time at 1-16 rows (measured here:
-    a step's 121 matmuls at 16 rows 21.2 -> 13.6 ms, at 1 row 12.9 -> 7.2 ms; results bit-identical). oneDNN's
-    bf16 needs AVX512-BW/VL/DQ or AVX-NE-CONVERT: without them (an AMD Zen 3) the reorder raised, so there
-    the plain layout stays."""
+    """``y = x @ W.T``. On CPU the weight is reordered once into oneDNN's blocked layout: the plain layout is
+    repacked on every call. In bf16 that cost ~35 % of the matmul time at 1-16 rows (measured here: a step's 121
+    matmuls at 16 rows 21.2 -> 13.6 ms, at 1 row 12.9 -> 7.2 ms; results bit-identical); in float32 on an AVX2 CPU
+    (AMD Zen 3) the plain path ran the 121 matmuls of a 2-4 row decode step in 66-127 ms, the packed one in 21-43 ms
+    (sums in another order: 1e-6 relative). oneDNN's bf16 needs AVX512-BW/VL/DQ or AVX-NE-CONVERT: without them
+    the bf16 reorder raised, so there bf16 stays plain."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
-        self.packed = (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-                       and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        self.packed = (weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+                       and (weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16
+                                                             and torch.ops.mkldnn._is_mkldnn_bf16_supported())))
         if self.packed:  # an opaque oneDNN tensor, CPU only: a plain attribute (.to() cannot move it anyway)
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
         else:  # a parameter, so that it is seen, and moved, with the module
