@@ -15,7 +15,7 @@ from support.recorded import recorded_probes
 from support.service_models import CHAT_SHORT, LIVE, REFERENCE_LIKE, SIM, SIM_JOB, SIM_MIX
 
 from loadgen.capacity.config import FIT_SPREAD, SearchConfig
-from loadgen.capacity.probe import Probe, SearchStopped
+from loadgen.capacity.probe import Probe, SearchStopped, pilot_requests
 from loadgen.capacity.result import _probe_time_hint
 from loadgen.capacity.search import _reach, judge_s, linear_sweep, search
 from loadgen.capacity.sequential import Sequential
@@ -158,14 +158,14 @@ def test_report_of_a_search_stopped_in_its_pilot_has_no_empty_chart(tmp_path):
 
 def test_unreachable_needs_more_than_a_pilot_cut_short():
     """A pilot that finished one request before its time cap is no verdict on a p90: the SLOs are called
-    unreachable only on a pilot that finished its waves (here 8 of 8 over) or a confident sequential probe."""
+    unreachable only on a pilot that finished its waves (here 4 of 4 over) or a confident sequential probe."""
     slow = ServiceModel(prefill_base=1.5)  # every first token after 1.5 s: ttft_p90=1s is truly unreachable
     slos = parse_slos("ttft_p90=1s", percentiles=True)
     short = run_async(search(SimProber(slow, SIM_JOB, slos), slos, SearchConfig("concurrency", budget_s=6, max_probe_s=2)))
     assert short.status == "budget" and short.probes[0].requests <= 2, short.message
     res = run_async(search(SimProber(slow, SIM_JOB, slos), slos, SearchConfig("concurrency", budget_s=200)))
     assert res.status == "unreachable" and "fail already at the lowest load" in res.message, res.message
-    assert res.probes[-1].load == 1 and res.probes[-1].confident and res.probes[-1].requests >= 8  # waves done
+    assert res.probes[-1].load == 1 and res.probes[-1].confident and res.probes[-1].requests >= pilot_requests(1)
 
 
 def test_with_short_probes_the_search_goes_where_the_percentiles_cross():
@@ -325,32 +325,39 @@ class _Drifting:
 
 
 def test_a_confident_fail_that_the_fit_of_every_probe_contradicts_does_not_cut_its_interval():
-    """A probe whose level drifted 20 % up fails confidently at 42 sessions, far under the line's crossing (52): cut
-    to it, the fit answered "capacity 41, interval [41, 42], resolution reached". A closed-loop probe's verdict covers
-    the server during that probe; where the fit's crossing contradicts it, the fit's interval stands, the probes go
-    where the fit places them, and the message names the confirmed fail and says that the estimate stands."""
+    """A probe whose level drifted 20 % up fails confidently at 43 sessions, far under the line's crossing (52): cut
+    to it, the fit answered "capacity 41, interval [41, 42], resolution reached" (a drift at 42 sessions, before the
+    pilot leapt). A closed-loop probe's verdict covers the server during that probe; where the fit's crossing
+    contradicts it, the fit's interval stands, the probes go where the fit places them, and the message names the
+    confirmed fail and says that the estimate stands. (Where the drift hits the first probe under the crossing, the
+    line has no other load there to tell it from, and the answer follows it: "about 35, [?, 44]".)"""
     slos = parse_slos("tpot_p90=150ms", percentiles=True)
-    res = run_async(search(_Drifting(high=8, boost=1.2), slos, SearchConfig("concurrency", budget_s=480)))
+    res = run_async(search(_Drifting(high=10, boost=1.2), slos, SearchConfig("concurrency", budget_s=480)))
+    assert [p.load for p in res.probes if p.phase == "pilot"] == [1, 4, 16, 32, 64]  # leaping far under the limit
+    drifted = res.probes[10]
+    assert (drifted.load, drifted.verdict, drifted.confident) == (43, "fail", True), res.probes
     table = [(p.load, p.verdict, p.confident, round(p.checks[0].value * 1000)) for p in res.probes if p.phase == "search"]
-    assert table[1][:3] == (42, "fail", True), table  # the drifted probe
     lo, hi = res.interval
     assert res.status == "budget" and lo is not None and hi is not None and lo <= 52 < hi <= 1.3 * 52, (res.message, table)
-    assert any(p.load > 43 for p in res.probes[9:] if p.phase == "search"), table  # the fit's probes above the fail
-    assert "fails from 42 concurrency (the estimate stands" in res.message, res.message
+    assert "fails from 43 concurrency (the estimate stands" in res.message, res.message
 
 
 class _Replay:
-    """A live run's probes, each as measured, for as long as the search asks for the loads that run probed; then it
-    stops the search (``SearchStopped``), the loads asked kept in ``asked``."""
+    """A live run's probes, each as measured, for as long as the search asks for the loads that run probed (a pilot's
+    at any of its recorded loads, which a pilot that leaps skips; the search's in the recorded order); then it stops
+    the search (``SearchStopped``), the loads asked kept in ``asked``."""
 
     def __init__(self, probes: list[Probe]) -> None:
-        self.probes, self.asked = probes, []
+        self.pilot = {p.load: p for p in probes if p.phase == "pilot"}
+        self.search, self.asked = [p for p in probes if p.phase == "search"], []
 
     async def probe(self, mode, load, seq, max_seconds, index, phase) -> Probe:
         self.asked.append(load)
-        if index >= len(self.probes) or self.probes[index].load != load:
-            raise SearchStopped("interrupted", "past the recorded run")
-        return self.probes[index]
+        if phase == "pilot" and load in self.pilot:
+            return replace(self.pilot[load], index=index)
+        if phase == "search" and self.search and self.search[0].load == load:
+            return replace(self.search.pop(0), index=index)
+        raise SearchStopped("interrupted", "past the recorded run")
 
 
 def test_a_capacity_of_two_sessions_is_answered_two_with_the_next_load_failing():
@@ -366,7 +373,7 @@ def test_a_capacity_of_two_sessions_is_answered_two_with_the_next_load_failing()
     assert (res.status, res.estimate, res.interval) == ("ok", 2, (2, 3)), (res.status, res.estimate, res.interval, res.message)
 
 
-def test_with_every_search_load_over_the_limit_the_next_probe_goes_just_below_them():
+def test_with_every_search_load_over_the_limit_the_next_probe_goes_just_below_them(monkeypatch):
     """A live run on the reference server (its probes as measured): the pilot passed at 64 sessions (TPOT p90 146
     ms) and failed at 128 (a queue at the 64 slots), the search failed at 75 (TTFT), 62 (TPOT 161 ms) and 52 (151),
     none of these confident on TPOT: no crossing in the percentiles yet. The search went to 14 sessions, where a
@@ -374,6 +381,7 @@ def test_with_every_search_load_over_the_limit_the_next_probe_goes_just_below_th
     the line needs a load under the limit near them: a fit's spread below the lowest."""
     probes = recorded_probes("reference_pilot_past_slots.json")
     replay = _Replay(probes)
+    monkeypatch.setattr("loadgen.capacity.search.PILOT_FAR", 0.0)  # the run's pilot doubled (it was recorded before the leap)
     slos = parse_slos("ttft_p90=2s,tpot_p90=150ms", percentiles=True)
     run_async(search(replay, slos, SearchConfig("concurrency", budget_s=480)))
     assert replay.asked[:-1] == [p.load for p in probes], replay.asked  # the recorded run, load for load

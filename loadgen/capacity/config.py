@@ -21,6 +21,12 @@ PROBES_IN_BUDGET = 4  # a probe sized that way runs at most this share of the bu
 FIT_LOADS = 6
 FIT_WAVES = 4
 FIT_SPREAD = 0.2  # the fit's probes go this share either side of its estimate (the line's slope needs loads apart)
+# a pilot probe whose percentiles all lie under this share of their limits multiplies its sessions by PILOT_LEAP
+# instead of doubling them (0.4 x 4^0.66 = 1: at the log-log slopes of the reference server's TPOT, 0.54-0.79, the
+# leap lands about at the limit, not past it): on that server the pilot's probes at 1, 2 and 4 sessions took 67-83
+# s of a 480-s budget, far under the limits, where the search's fit does not use them
+PILOT_FAR = 0.4
+PILOT_LEAP = 4
 
 
 @dataclass

@@ -3,8 +3,8 @@
 The search (:func:`search`) runs in two phases, all probes through one
 :class:`loadgen.capacity.probe.Prober`:
 
-1. **Pilot** (cheap first estimate): closed-loop probes at concurrency 1, 2, 4, ... of a couple of waves
-   each, judged on point estimates, until one misses an SLO. Concurrency mode starts from the last one
+1. **Pilot** (cheap first estimate): closed-loop probes at concurrency 1, 2, 4, ... (in concurrency mode x4
+   where its percentiles lie under half their limits) of a couple of waves each, judged on point estimates, until one misses an SLO. Concurrency mode starts from the last one
    that met them; rate mode from its throughput (Little's law: rate = concurrency / latency).
 2. **Bracket, then bisect**, with statistical probes: each probe runs until a sequential test decides
    (:class:`loadgen.capacity.sequential.Sequential`): for every SLO ``metric_pQ <= limit`` the share of
@@ -30,7 +30,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from loadgen.capacity.config import FIT_SPREAD, PROBE_MARGIN, SearchConfig, nearest, wave_icc, wave_s
+from loadgen.capacity.config import (
+    FIT_SPREAD,
+    PILOT_FAR,
+    PILOT_LEAP,
+    PROBE_MARGIN,
+    SearchConfig,
+    nearest,
+    wave_icc,
+    wave_s,
+)
 from loadgen.capacity.fit import Fit, agreeing, closed_fit, closed_probes, pooled_fit
 from loadgen.capacity.probe import Probe, Prober, SearchStopped, pilot_requests
 from loadgen.capacity.result import CapacityResult, converged, make_result
@@ -75,6 +84,10 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
         if min(cap, cfg.budget_s - spent) < need:
             unspent = (load, need, cap)
             return None
+        if cfg.max_probe_s is None and phase == "search" and cfg.budget_s - spent - cap < need:
+            # the last probe the budget holds takes what is left of it: a remainder shorter than a probe needs would
+            # judge nothing (17-58 s of 480 in the reference server's runs of the ninth session)
+            cap = cfg.budget_s - spent
         seq = Sequential(slos, cfg.confidence, cfg.first_look, cfg.max_samples, cfg.resolution, pooled) if phase == "search" else None
         p = await prober.probe(mode, load, seq, min(cap, max(1.0, cfg.budget_s - spent)), len(probes), phase)
         probes.append(p)
@@ -82,7 +95,7 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
         unspent = None
         return p
 
-    # 1. pilot: closed loop, doubling
+    # 1. pilot: closed loop, doubling (leaping far under the limits)
     c, last_ok, first_bad = 1, None, None
     while spent < cfg.budget_s:
         q = await run("concurrency", c, "pilot")
@@ -95,7 +108,7 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
         last_ok = p
         if c >= cfg.max_concurrency:
             break
-        c = min(cfg.max_concurrency, c * 2)
+        c = min(cfg.max_concurrency, c * (PILOT_LEAP if cfg.mode == "concurrency" and _far_under(p) else 2))
     hi: float | None = None
     # a pilot that finished its waves and violates an SLO is clear enough already (Wilson at 97.5 %, one look);
     # one cut short by the probe time is not: one slow request of one is no evidence of a p90
@@ -223,6 +236,12 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
                                      [p for p in probes if p.mode == cfg.mode], slos, lo, hi)) is not None:  # fmt: skip
         estimate = crossing
     return make_result(status, cfg, slos, lo, hi, estimate, spent, probes, fit, unspent)
+
+
+def _far_under(probe: Probe) -> bool:
+    """Whether every latency percentile of ``probe`` lies under ``PILOT_FAR`` of its limit (the pilot leaps)."""
+    lat = [c for c in probe.checks if c.key != ERROR_RATE]
+    return bool(lat) and all(c.value is not None and c.value <= PILOT_FAR * c.limit for c in lat)
 
 
 def _reach(cfg: SearchConfig, slos: Sequence[SLO], probe: Probe | None) -> float:
