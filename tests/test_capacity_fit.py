@@ -4,13 +4,16 @@ line through a few probes that bounds the crossing."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 from support.recorded import recorded_probes
 
+from loadgen.capacity.config import SearchConfig
 from loadgen.capacity.fit import closed_fit
 from loadgen.capacity.probe import Probe
+from loadgen.capacity.result import _budget_hint
 from loadgen.capacity.search import _beside
 from loadgen.capacity.stats import SE_FLOOR, SloCheck, log_quantile_se
 from loadgen.metrics.slo import parse_slos
@@ -98,9 +101,11 @@ def test_the_probes_of_a_live_run_bound_the_crossing_and_an_slo_that_holds_every
     assert both is not None and (both.lo, both.hi, both.estimate) == (fit.lo, fit.hi, fit.estimate), (both, fit)
 
 
-def test_the_next_probe_for_the_fit_goes_to_the_side_with_fewer_independent_requests():
-    """Two short probes above the estimate (a confident failure stops after a few waves) weigh less than one long
-    probe below it: the next goes above (counted as probes, two above and one below sent it below again)."""
+def test_the_next_probe_for_the_fit_goes_to_the_side_with_less_evidence():
+    """Open loop (the pooled fit of misses): two short probes above the estimate (a confident failure stops after a
+    few waves) weigh less than one long probe below it: the next goes above (counted as probes, two above and one
+    below sent it below again). Closed loop (the fit of percentiles, whole sessions): evidence is what that fit weighs,
+    the inverse variance of the binding percentile."""
     near = [_probe(60, 0.18, 0.08, 3.0), _probe(50, 0.155, 0.1, 3.0), _probe(40, 0.13, 0.04, 20.0)]
     assert _beside(47.0, near, 0.2) == 47.0 * 1.2
     assert _beside(47.0, [*near, _probe(55, 0.16, 0.05, 20.0)], 0.2) == 47.0 / 1.2
@@ -110,7 +115,13 @@ def test_the_next_probe_for_the_fit_goes_to_the_side_with_fewer_independent_requ
     # two sessions (the reference server in float32): 20 % either side rounds back to 2; the loads that decide the
     # answer are 2 and 3, the search went from a long probe at 2 sessions to 1 (its pilot's 72 ms) instead of 3
     assert _beside(2.0, [_probe(2, 0.131, 0.012, 16.6)], 0.2, anywhere) == 3
-    assert _beside(2.0, [_probe(2, 0.131, 0.012, 16.6), _probe(3, 0.16, 0.04, 20.0)], 0.2, anywhere) == 2
+    assert _beside(2.0, [_probe(2, 0.131, 0.012, 16.6), _probe(3, 0.16, 0.04, 20.0)], 0.2, anywhere) == 3
+    assert _beside(2.0, [_probe(2, 0.131, 0.012, 16.6), _probe(3, 0.16, 0.008, 5.0)], 0.2, anywhere) == 2
+    # the reference server's run a3 (tenth session): a pass of ±10 % at 8 sessions (12.5 independent requests) and a
+    # fail of ±3 % at 11 (6.5): counted by independent requests the next went above, to 12 and then 11 again (three
+    # fails, one pass: interval [4, 11] for a truth of 9); by what the fit weighs, below
+    a3 = [_probe(8, 0.138, 0.097, 12.5), _probe(11, 0.1547, 0.0312, 6.5)]
+    assert _beside(9.0, a3, 0.2, anywhere) == 8
     # inside a confirmed bracket [7, 10]: 8 or 9 decide, whichever has less evidence (never 7 again)
     at_8 = [_probe(7, 0.1, 0.02, 30.0), _probe(8, 0.14, 0.02, 10.0), _probe(10, 0.2, 0.05, 3.0)]
     assert _beside(8.0, at_8, 0.2, (8.0, 9.0)) == 9
@@ -203,3 +214,22 @@ def test_where_a_load_above_the_lowest_failure_passed_the_line_places_the_estima
     step = [(40, 0.120, 0.01, 20.0), (45, 0.135, 0.01, 20.0), (50, 0.1500001, 0.01, 20.0)]
     fit = closed_fit(slos, [_probe(*m) for m in step], 0.95)
     assert fit is not None and fit.estimate == 49, fit
+
+
+def test_what_more_budget_buys_the_fit_follows_the_square_root_of_its_probe_seconds():
+    """The closed-loop fit's interval narrows as the square root of the probe-seconds near the crossing: probes of
+    half the error (four times as long) halve the delta method's half-width, and the message's budget is the pilot's
+    seconds and the search's times the square of the ratio to ±resolution; none where the fit is there already."""
+    slos = parse_slos("tpot_p90=150ms", percentiles=True)
+    cfg = SearchConfig("concurrency", budget_s=480)
+
+    def line(se: float) -> list[Probe]:
+        return [_probe(x, 0.150 * (x / 9.5) ** 0.7 * f, se, 10.0) for x, f in ((7, 1.03), (9, 0.97), (11, 1.02), (12, 0.99))]
+
+    wide, narrow = closed_fit(slos, line(0.10), 0.95), closed_fit(slos, line(0.05), 0.95)
+    assert wide is not None and narrow is not None and wide.half is not None and narrow.half is not None
+    assert narrow.half == pytest.approx(wide.half / 2, rel=0.1), (wide, narrow)
+    pilot = replace(_probe(4, 0.09, 0.2), phase="pilot", seconds=20.0)
+    need = 20.0 + 4 * 60.0 * (wide.half / math.log1p(0.05)) ** 2
+    assert f"about --budget {math.ceil(need)} would bring it to ±5%" in _budget_hint(cfg, [pilot, *line(0.1)], wide.half)
+    assert _budget_hint(cfg, [pilot, *line(0.1)], math.log1p(0.04)) == ""

@@ -27,6 +27,9 @@ class Fit:
     probes: int  # the probes it pooled
     basis: str = "the SLO misses"  # what of each probe it fitted (open loop: misses; closed loop: percentiles)
     crossing: float | None = None  # closed loop: where the line crosses, in sessions (not yet whole)
+    # closed loop: the half-width of the crossing's interval in log load by the delta method (the slope taken as
+    # known), which shrinks as the square root of the probe-seconds near it: what more budget would buy
+    half: float | None = None
 
     def within(self, mode: str, lo: float | None, hi: float | None) -> Fit:
         """The fit inside the confirmed bracket ``[lo, hi]`` (:func:`agreeing`). Concurrency: ``hi`` is the fewest
@@ -42,7 +45,7 @@ class Fit:
         est = self.estimate
         est = max(est, lo) if lo is not None else est
         est = min(est, hi - gap) if hi is not None else est
-        return Fit(a, b, est, self.probes, self.basis, self.crossing)
+        return Fit(a, b, est, self.probes, self.basis, self.crossing, self.half)
 
 
 def _logistic(u: np.ndarray, k: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
@@ -211,7 +214,7 @@ def closed_fit(slos: Sequence[SLO], probes: Sequence[Probe], confidence: float, 
         if below and max(v for _, v, _, _ in below) > math.log(slo.limit):
             crossing.append((slo, below, cut))
     q_two = 1 - (1 - confidence) / (2 * max(1, len(crossing)))
-    ends: list[tuple[float, float | None, float | None, int]] = []  # (estimate, lo, hi, probes), log load
+    ends: list[tuple[float, float | None, float | None, int, float]] = []  # (estimate, lo, hi, probes, half), log load
     for slo, pts, cut in crossing:
         x, y, w, units = (np.asarray(v, dtype=float) for v in zip(*pts, strict=True))
         target = math.log(slo.limit)
@@ -238,10 +241,10 @@ def closed_fit(slos: Sequence[SLO], probes: Sequence[Probe], confidence: float, 
         # line cannot tell a slope from a step (llama-server's 16 slots: TTFT p90 0.14 s at 16 sessions, 6 s at 26;
         # the line's end at 25 answered "capacity 25, [25, 26], resolution reached" where the truth is 17)
         lo = lo if lo is None or not under.size else min(lo, float(under.max()))
-        ends.append((est, lo, hi, got[3]))
+        ends.append((est, lo, hi, got[3], got[4]))
     if not ends:
         return None
-    est = min(e[0] for e in ends)  # the lowest crossing binds; its interval's ends are the lowest ends
+    est, half = min((e[0], e[4]) for e in ends)  # the lowest crossing binds; its interval's ends are the lowest ends
     lo = None if any(e[1] is None for e in ends) else min(e[1] for e in ends if e[1] is not None)
     hi = min((e[2] for e in ends if e[2] is not None), default=None)
 
@@ -250,18 +253,19 @@ def closed_fit(slos: Sequence[SLO], probes: Sequence[Probe], confidence: float, 
 
     # as the confirmed bracket: [the most sessions that hold, the fewest that fail]
     return Fit(None if lo is None else whole(lo), None if hi is None else whole(hi) + 1, whole(est),
-               max(e[3] for e in ends), "the percentiles", math.exp(est))  # fmt: skip
+               max(e[3] for e in ends), "the percentiles", math.exp(est), half)  # fmt: skip
 
 
 def _crossing(x: np.ndarray, y: np.ndarray, weights: tuple[np.ndarray, np.ndarray], target: float, centre: float,
-              width: float, least: int, q_two: float) -> tuple[float, float | None, float | None, int] | None:  # fmt: skip
+              width: float, least: int, q_two: float) -> tuple[float, float | None, float | None, int, float] | None:  # fmt: skip
     """Where the line of ``y`` on ``x`` near ``centre`` (the window following the estimate) reaches ``target``,
     with Fieller's interval (None ends: the data do not bound it). ``weights``: each point's inverse variance and
     independent requests. The line's scale pools the points' own variances with their scatter about it (as a
     moderated variance does: a closed loop near its capacity fits only a few probes into the budget, and the
     scatter's own few degrees of freedom, t 25 at one at 98.75 %, left the interval open; many probes' scatter
     outweighs a variance model that does not fit them). The window: ``±log1p(width)``, or as far as the
-    ``least`` nearest distinct ``x`` (a pilot doubles its load: its nearest neighbours are a factor 2 away).
+    ``least`` nearest distinct ``x`` (a pilot doubles its load: its nearest neighbours are a factor 2 away). Last:
+    the interval's half-width by the delta method, the slope taken as known (:attr:`Fit.half`).
     None when fewer than ``least`` distinct ``x`` or the line does not rise."""
     w, units = weights
     got = None
@@ -300,7 +304,8 @@ def _crossing(x: np.ndarray, y: np.ndarray, weights: tuple[np.ndarray, np.ndarra
             # the line holds within its window: an end beyond it is the line's extrapolation, not the data's
             lo = lo if lo >= centre - 2 * reach else None
             hi = hi if hi <= centre + 2 * reach else None
-        got = (est, lo, hi, int(near.sum()))
+        u = est - centre
+        got = (est, lo, hi, int(near.sum()), q * math.sqrt(max(0.0, float(cov[0, 0] + 2 * u * cov[0, 1] + u * u * cov[1, 1]))) / float(b))
         if abs(est - centre) < 1e-3 or abs(est - centre) > 2 * reach:
             return got
         centre = est

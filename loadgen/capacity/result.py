@@ -82,6 +82,20 @@ def _probe_time_hint(searched: Sequence[Probe], slos: Sequence[SLO], z: float, c
             f"--budget {PROBES_IN_BUDGET * math.ceil(t)}, or relax the SLO")  # fmt: skip
 
 
+def _budget_hint(cfg: SearchConfig, probes: Sequence[Probe], half: float) -> str:
+    """What more budget would buy a closed-loop fit: its interval narrows as the square root of the probe-seconds
+    near the crossing (a wave of sessions counts about once, so a longer probe adds what another probe would),
+    from its half-width by the delta method (:attr:`Fit.half`) to ``±resolution``. Empty when it is there."""
+    goal = math.log1p(cfg.resolution)
+    searched = sum(p.seconds for p in probes if p.phase == "search")
+    if half <= goal or not searched:
+        return ""
+    need = sum(p.seconds for p in probes if p.phase == "pilot") + searched * (half / goal) ** 2
+    return (f"; the fit's interval narrows as the square root of the probe-seconds near the crossing (±{math.expm1(half):.0%} "
+            f"now in sessions before rounding to whole ones, the slope taken as known): about --budget "
+            f"{math.ceil(need)} would bring it to ±{cfg.resolution:.0%}")  # fmt: skip
+
+
 def make_result(
     status: str, cfg: SearchConfig, slos: Sequence[SLO], lo: float | None, hi: float | None, estimate: float,
     spent: float, probes: list[Probe], fit: Fit | None = None, unspent: tuple[float, float, float] | None = None,
@@ -119,6 +133,8 @@ def make_result(
                             f"yet); the confirmed bracket is [{fmt_load(lo)}, {fmt_load(hi)}] {unit}")  # fmt: skip
     if fit is not None and (lo, hi) == (fit.lo, fit.hi):
         messages[status] += _confirmed(probes, unit, estimate)
+    if status == "budget" and fit is not None and fit.half is not None:
+        messages[status] += _budget_hint(cfg, probes, fit.half)
     above = [p.load for p in probes if p.phase == "search" and p.requests and p.verdict == "pass" and p.load > estimate]
     if fit is not None and above:
         messages[status] += (f"; {fmt_load(max(above))} {unit} passed on its point estimate above the estimate: the "

@@ -44,7 +44,7 @@ from loadgen.capacity.fit import Fit, agreeing, closed_fit, closed_probes, poole
 from loadgen.capacity.probe import Probe, Prober, SearchStopped, pilot_requests
 from loadgen.capacity.result import CapacityResult, converged, make_result
 from loadgen.capacity.sequential import Sequential
-from loadgen.capacity.stats import over_slo, units_to_see
+from loadgen.capacity.stats import SloCheck, over_slo, units_to_see
 from loadgen.metrics.slo import ERROR_RATE, SLO
 
 
@@ -327,9 +327,13 @@ def _undecided(probes: Sequence[Probe], lo: float, hi: float) -> float | None:
 def _beside(estimate: float, near: Sequence[Probe], step: float, within: tuple[float, float] | None = None) -> float:
     """The next probe near the crossing: ``step`` (a share) below or above its estimate, on the side with less
     evidence among the probes ``near`` (the fit's so far; its interval narrows with evidence on both sides), above
-    on a tie. Evidence: the independent requests a probe's percentiles counted (:attr:`SloCheck.units`): a
-    closed-loop probe that fails confidently stops after a few waves, and counted as one probe it kept the next
-    ones below (58 sessions with 3 waves over 40, 41 and 40 sessions under an estimate of 47).
+    on a tie. Evidence: what the fit weighs each probe by. Open loop (``within`` None): the independent requests
+    a probe's misses counted (:attr:`SloCheck.units`). Closed loop: the inverse variance of the binding SLO's
+    percentile (:attr:`SloCheck.se`; the SLO nearest its limit): a closed-loop probe that fails confidently stops
+    after a few waves, and counted as one probe it kept the next ones below (58 sessions with 3 waves over 40, 41
+    and 40 sessions under an estimate of 47); counted by its independent requests, three confident fails of
+    TPOT p90 ±3-5 % at 11-12 sessions, each a few waves, kept the next ones above a pass of ±10 % at 8 (the
+    reference server, tenth session: interval [4, 11] for a truth of 9).
 
     ``within``: whole sessions (the estimate the most that hold), the next probe within these bounds (the inside
     of the confirmed bracket), at least the load that decides the answer on its side, the estimate itself or one
@@ -337,20 +341,28 @@ def _beside(estimate: float, near: Sequence[Probe], step: float, within: tuple[f
     sessions a share of 20 % rounds back onto 2, and a probe there sat on neither side of it (the reference
     server's search went from a long probe at 2 sessions, under the limit, to 1, which its pilot had passed at
     half the limit, instead of 3)."""
-    def units(p: Probe) -> float:
-        return min((c.units for c in p.checks if c.key != ERROR_RATE), default=0.0)
+    latency = [[c for c in p.checks if c.key != ERROR_RATE] for p in near]
+    ratios: dict[str, float] = {}
+    for c in (c for checks in latency for c in checks if c.value is not None and c.limit):
+        ratios[c.key] = max(ratios.get(c.key, 0.0), c.value / c.limit)
+    binding = max(ratios, key=ratios.__getitem__, default=None)
 
-    def under(p: Probe) -> bool:
-        return all(c.value is not None and c.value <= c.limit for c in p.checks if c.key != ERROR_RATE)
+    def evidence(checks: list[SloCheck]) -> float:
+        if within is None:
+            return min((c.units for c in checks), default=0.0)
+        return sum(c.se ** -2 for c in checks if c.key == binding and c.se)
+
+    def under(checks: list[SloCheck]) -> bool:
+        return all(c.value is not None and c.value <= c.limit for c in checks)
 
     lower, upper = estimate / (1 + step), estimate * (1 + step)
     if within is None:
-        below = sum(units(p) for p in near if p.load < estimate)
+        below = sum(evidence(c) for p, c in zip(near, latency, strict=True) if p.load < estimate)
     else:
         lower = min(max(float(round(lower)), within[0]), estimate, within[1])
         upper = max(min(max(float(round(upper)), estimate + 1), within[1]), within[0])
-        below = sum(units(p) for p in near if under(p))
-    return lower if below < sum(units(p) for p in near) - below else upper
+        below = sum(evidence(c) for c in latency if under(c))
+    return lower if below < sum(evidence(c) for c in latency) - below else upper
 
 
 async def linear_sweep(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, step: float) -> tuple[float, list[Probe]]:
