@@ -304,8 +304,9 @@ def _crossing(x: np.ndarray, y: np.ndarray, weights: tuple[np.ndarray, np.ndarra
             # the line holds within its window: an end beyond it is the line's extrapolation, not the data's
             lo = lo if lo >= centre - 2 * reach else None
             hi = hi if hi <= centre + 2 * reach else None
-        u = est - centre
-        got = (est, lo, hi, int(near.sum()), q * math.sqrt(max(0.0, float(cov[0, 0] + 2 * u * cov[0, 1] + u * u * cov[1, 1]))) / float(b))
+        u = est - centre  # the delta method: the line's error where it crosses, over its slope
+        half = q * math.sqrt(max(0.0, float(cov[0, 0] + 2 * u * cov[0, 1] + u * u * cov[1, 1]))) / float(b)
+        got = (est, lo, hi, int(near.sum()), half)
         if abs(est - centre) < 1e-3 or abs(est - centre) > 2 * reach:
             return got
         centre = est

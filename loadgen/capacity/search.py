@@ -4,8 +4,9 @@ The search (:func:`search`) runs in two phases, all probes through one
 :class:`loadgen.capacity.probe.Prober`:
 
 1. **Pilot** (cheap first estimate): closed-loop probes at concurrency 1, 2, 4, ... (in concurrency mode x4
-   where its percentiles lie under half their limits) of a couple of waves each, judged on point estimates, until one misses an SLO. Concurrency mode starts from the last one
-   that met them; rate mode from its throughput (Little's law: rate = concurrency / latency).
+   after one whose percentiles lie under 40 % of their limits) of a couple of waves each, judged on point
+   estimates, until one misses an SLO. Concurrency mode starts from the last one that met them; rate mode from
+   its throughput (Little's law: rate = concurrency / latency).
 2. **Bracket, then bisect**, with statistical probes: each probe runs until a sequential test decides
    (:class:`loadgen.capacity.sequential.Sequential`): for every SLO ``metric_pQ <= limit`` the share of
    requests above the limit (a failed request counts as above) has a Wilson interval; the SLO holds when
