@@ -343,21 +343,17 @@ def test_a_confident_fail_that_the_fit_of_every_probe_contradicts_does_not_cut_i
 
 
 class _Replay:
-    """A live run's probes, each as measured, for as long as the search asks for the loads that run probed (a pilot's
-    at any of its recorded loads, which a pilot that leaps skips; the search's in the recorded order); then it stops
-    the search (``SearchStopped``), the loads asked kept in ``asked``."""
+    """A live run's probes, each as measured, for as long as the search asks for the loads that run probed; then it
+    stops the search (``SearchStopped``), the loads asked kept in ``asked``."""
 
     def __init__(self, probes: list[Probe]) -> None:
-        self.pilot = {p.load: p for p in probes if p.phase == "pilot"}
-        self.search, self.asked = [p for p in probes if p.phase == "search"], []
+        self.probes, self.asked = probes, []
 
     async def probe(self, mode, load, seq, max_seconds, index, phase) -> Probe:
         self.asked.append(load)
-        if phase == "pilot" and load in self.pilot:
-            return replace(self.pilot[load], index=index)
-        if phase == "search" and self.search and self.search[0].load == load:
-            return replace(self.search.pop(0), index=index)
-        raise SearchStopped("interrupted", "past the recorded run")
+        if index >= len(self.probes) or self.probes[index].load != load:
+            raise SearchStopped("interrupted", "past the recorded run")
+        return self.probes[index]
 
 
 def test_a_capacity_of_two_sessions_is_answered_two_with_the_next_load_failing():

@@ -45,7 +45,7 @@ from loadgen.capacity.fit import Fit, agreeing, closed_fit, closed_probes, poole
 from loadgen.capacity.probe import Probe, Prober, SearchStopped, pilot_requests
 from loadgen.capacity.result import CapacityResult, converged, make_result
 from loadgen.capacity.sequential import Sequential
-from loadgen.capacity.stats import SloCheck, over_slo, units_to_see
+from loadgen.capacity.stats import over_slo, units_to_see
 from loadgen.metrics.slo import ERROR_RATE, SLO
 
 
@@ -109,7 +109,7 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
         last_ok = p
         if c >= cfg.max_concurrency:
             break
-        c = min(cfg.max_concurrency, c * (PILOT_LEAP if cfg.mode == "concurrency" and _far_under(p) else 2))
+        c = min(cfg.max_concurrency, c * (PILOT_LEAP if cfg.mode == "concurrency" and _under(p, PILOT_FAR) else 2))
     hi: float | None = None
     # a pilot that finished its waves and violates an SLO is clear enough already (Wilson at 97.5 %, one look);
     # one cut short by the probe time is not: one slow request of one is no evidence of a p90
@@ -239,10 +239,11 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
     return make_result(status, cfg, slos, lo, hi, estimate, spent, probes, fit, unspent)
 
 
-def _far_under(probe: Probe) -> bool:
-    """Whether every latency percentile of ``probe`` lies under ``PILOT_FAR`` of its limit (the pilot leaps)."""
+def _under(probe: Probe, share: float = 1.0) -> bool:
+    """Whether ``probe`` has latency percentiles and every one lies under ``share`` of its limit (the pilot leaps
+    under ``PILOT_FAR``; the fit's probes count on the side under their limits)."""
     lat = [c for c in probe.checks if c.key != ERROR_RATE]
-    return bool(lat) and all(c.value is not None and c.value <= PILOT_FAR * c.limit for c in lat)
+    return bool(lat) and all(c.value is not None and c.value <= share * c.limit for c in lat)
 
 
 def _reach(cfg: SearchConfig, slos: Sequence[SLO], probe: Probe | None) -> float:
@@ -342,28 +343,24 @@ def _beside(estimate: float, near: Sequence[Probe], step: float, within: tuple[f
     sessions a share of 20 % rounds back onto 2, and a probe there sat on neither side of it (the reference
     server's search went from a long probe at 2 sessions, under the limit, to 1, which its pilot had passed at
     half the limit, instead of 3)."""
-    latency = [[c for c in p.checks if c.key != ERROR_RATE] for p in near]
     ratios: dict[str, float] = {}
-    for c in (c for checks in latency for c in checks if c.value is not None and c.limit):
+    for c in (c for p in near for c in p.checks if c.key != ERROR_RATE and c.value is not None and c.limit):
         ratios[c.key] = max(ratios.get(c.key, 0.0), c.value / c.limit)
     binding = max(ratios, key=ratios.__getitem__, default=None)
 
-    def evidence(checks: list[SloCheck]) -> float:
+    def evidence(p: Probe) -> float:
         if within is None:
-            return min((c.units for c in checks), default=0.0)
-        return sum(c.se ** -2 for c in checks if c.key == binding and c.se)
-
-    def under(checks: list[SloCheck]) -> bool:
-        return all(c.value is not None and c.value <= c.limit for c in checks)
+            return min((c.units for c in p.checks if c.key != ERROR_RATE), default=0.0)
+        return sum(c.se ** -2 for c in p.checks if c.key == binding and c.se)
 
     lower, upper = estimate / (1 + step), estimate * (1 + step)
     if within is None:
-        below = sum(evidence(c) for p, c in zip(near, latency, strict=True) if p.load < estimate)
+        below = sum(evidence(p) for p in near if p.load < estimate)
     else:
         lower = min(max(float(round(lower)), within[0]), estimate, within[1])
         upper = max(min(max(float(round(upper)), estimate + 1), within[1]), within[0])
-        below = sum(evidence(c) for c in latency if under(c))
-    return lower if below < sum(evidence(c) for c in latency) - below else upper
+        below = sum(evidence(p) for p in near if _under(p))
+    return lower if below < sum(evidence(p) for p in near) - below else upper
 
 
 async def linear_sweep(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, step: float) -> tuple[float, list[Probe]]:
