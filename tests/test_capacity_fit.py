@@ -199,6 +199,21 @@ def test_a_step_between_the_highest_pass_and_the_lowest_failure_leaves_the_lower
     assert fit.lo <= 16 and fit.lo <= 17 < fit.hi, fit
 
 
+def test_a_pass_at_the_lowest_failing_load_keeps_the_lower_end_off_a_probe_far_below():
+    """llama-server on a CPU without AVX-512, as measured (stop 59, run 4): TPOT p90 155, 153 and 122 ms at 7
+    sessions, 186 ms at 8, and a search probe at 1 session (13 ms). The lower end was held to the highest load under
+    the limit below the lowest over it, 1: "interval [1, 8]". The pass at 7 itself shows there is no step below it
+    to hide the capacity in (the sweep: 136 ms at 6, 153 at 7, 173 at 8)."""
+    slos = parse_slos("ttft_p90=2s,tpot_p90=150ms", percentiles=True)
+    probes = recorded_probes("llama_server_avx2_run4.json")
+    fit = closed_fit(slos, probes, 0.95)
+    assert fit is not None and fit.lo is not None and fit.hi is not None, fit
+    assert 5 <= fit.lo <= 6 < 7 < fit.hi <= 9 and fit.estimate == 7, fit
+    without_pass = [p for p in probes if not (p.phase == "search" and p.load == 7 and p.verdict == "pass")]
+    fit = closed_fit(slos, without_pass, 0.95)
+    assert fit is not None and (fit.lo is None or fit.lo <= 1), fit  # 1 is then the highest pass under the fails
+
+
 def test_where_a_load_above_the_lowest_failure_passed_the_line_places_the_estimate():
     """This session's first run on the reference server (TPOT p90, its error and independent requests as measured):
     47 sessions failed at 159 ms where 56 passed at 146, the server's level having moved between the probes. The

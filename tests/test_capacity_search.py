@@ -369,6 +369,19 @@ def test_a_capacity_of_two_sessions_is_answered_two_with_the_next_load_failing()
     assert (res.status, res.estimate, res.interval) == ("ok", 2, (2, 3)), (res.status, res.estimate, res.interval, res.message)
 
 
+def test_after_a_pilot_without_a_crossing_the_search_starts_between_its_pass_and_its_failure():
+    """llama-server on a CPU without AVX-512, ~0.5 requests/s (stop 59, run 4, its probes as measured): the pilot
+    passed 1 and 4 sessions and failed 8 on its miss share with TPOT p90 at 149.6 ms, no percentile over its limit.
+    The search's first probe went to 1 session, as many as a 120-s probe could count 30 waves of at the pilot's
+    pace, 50 s at a twelfth of the limit; it starts halfway to the failure now."""
+    probes = recorded_probes("llama_server_avx2_run4.json")
+    assert [(p.phase, p.load) for p in probes[:4]] == [("pilot", 1), ("pilot", 4), ("pilot", 8), ("search", 1)]
+    replay = _Replay(probes)
+    slos = parse_slos("ttft_p90=2s,tpot_p90=150ms", percentiles=True)
+    run_async(search(replay, slos, SearchConfig("concurrency", budget_s=480)))
+    assert replay.asked == [1, 4, 8, 6], replay.asked
+
+
 def test_with_every_search_load_over_the_limit_the_next_probe_goes_just_below_them(monkeypatch):
     """A live run on the reference server (its probes as measured): the pilot passed at 64 sessions (TPOT p90 146
     ms) and failed at 128 (a queue at the 64 slots), the search failed at 75 (TTFT), 62 (TPOT 161 ms) and 52 (151),

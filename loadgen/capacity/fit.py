@@ -239,8 +239,11 @@ def closed_fit(slos: Sequence[SLO], probes: Sequence[Probe], confidence: float, 
         lo, hi = (None if got[1] is None else min(got[1], est)), (None if got[2] is None else max(got[2], est))
         # and its lower end no higher than the highest load under the limit: in the gap up to the lowest load over it a
         # line cannot tell a slope from a step (llama-server's 16 slots: TTFT p90 0.14 s at 16 sessions, 6 s at 26;
-        # the line's end at 25 answered "capacity 25, [25, 26], resolution reached" where the truth is 17)
-        lo = lo if lo is None or not under.size else min(lo, float(under.max()))
+        # the line's end at 25 answered "capacity 25, [25, 26], resolution reached" where the truth is 17); a load that
+        # passed there counts too (llama-server: TPOT p90 155, 153 and 122 ms at 7 sessions, and a probe at 1 set the
+        # lower end to 1)
+        passes = x[(y <= target) & (x <= over)]
+        lo = lo if lo is None or not passes.size else min(lo, float(passes.max()))
         ends.append((est, lo, hi, got[3], got[4]))
     if not ends:
         return None

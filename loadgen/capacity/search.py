@@ -131,11 +131,11 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
         hint = None
         x = min(max(x, lo_bound), hi_bound)
     # the pilot's last pass (a point estimate) is a soft low end: below a failing load the search bisects
-    # towards it before it steps down by the growth factor (each passing probe costs the same ~30 waves),
-    # and no higher than the sessions whose waves a probe can count within its time at that throughput
-    soft = None
-    if cfg.mode == "concurrency" and last_ok is not None:
-        soft = min(last_ok.load, _reach(cfg, slos, last_ok))
+    # towards it before it steps down by the growth factor (each passing probe costs the same ~30 waves); not
+    # capped at the sessions whose waves a probe could count to confirm a pass (llama-server on a CPU without
+    # AVX-512, ~0.5 requests/s: a pilot that passed 4 and failed 8 on its miss share, TPOT p90 150 ms, sent the
+    # first search probe to 1 session, 50 s at a twelfth of the limit, which then pulled the fit's line and interval)
+    soft = last_ok.load if cfg.mode == "concurrency" and last_ok is not None else None
     estimate = x
     fit: Fit | None = closed_fit(slos, probes, cfg.confidence) if cfg.mode == "concurrency" else None
     if last_ok is None and first_bad is not None:  # fails already one at a time: confirm at the lowest load
@@ -146,7 +146,7 @@ async def _search(prober: Prober, slos: Sequence[SLO], cfg: SearchConfig, probes
         # between the pilot's last pass and its failure, confirmed or not (on the reference server a pilot at 64
         # sessions, TPOT p90 at the limit on its miss share and just under on its percentile, gave no crossing: the
         # search's first probe ran 120 s at 32 sessions, a pass far below the capacity of 50)
-        x = _toward(soft, min(top, _reach(cfg, slos, last_ok) + 1))
+        x = _toward(soft, top)
 
     # 2. bracket, then bisect; only confident verdicts move the bracket, an undecided probe (the SLO
     # boundary is within its noise) is flanked by probes one resolution step either side
